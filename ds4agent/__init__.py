@@ -1,0 +1,1 @@
+"""ds4-agent: the application layer (Textual TUI, agent loop, slash commands, HTTP shim)."""

@@ -1,0 +1,96 @@
+"""`ds4-gguf`: write synthetic DeepSeek V4 GGUFs and inspect/validate any GGUF.
+
+  ds4-gguf synth OUT.gguf [--preset tiny|flash] [--recipe q2|q4|mxfp4] [--layers N] ...
+  ds4-gguf inspect FILE [--tensors] [--json]
+
+A file that fails validation prints one line, `error: FILE: problem`, and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .errors import ModelFileError
+
+# CLI flag -> ModelConfig field, for shape overrides of `synth`
+_SHAPE_FLAGS = [
+    ("--embd", "n_embd"), ("--heads", "n_head"), ("--head-dim", "head_dim"), ("--rot", "n_rot"),
+    ("--q-rank", "q_lora_rank"), ("--o-groups", "o_groups"), ("--o-rank", "o_lora_rank"),
+    ("--experts", "n_expert"), ("--experts-used", "n_expert_used"), ("--ff", "n_ff_exp"),
+    ("--hash-layers", "n_hash_layer"), ("--window", "n_swa"), ("--idx-heads", "idx_n_head"),
+    ("--idx-dim", "idx_head_dim"), ("--idx-topk", "idx_topk"), ("--hc", "n_hc"),
+    ("--sinkhorn-iters", "sinkhorn_iters"),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds4-gguf", description="DeepSeek V4 GGUF tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("synth", help="write a synthetic DeepSeek V4 GGUF in the exact ds4 layout")
+    s.add_argument("out")
+    s.add_argument("--preset", choices=["tiny", "flash"], default="tiny",
+                   help="tiny: the ds4-oracle shape (default); flash: the published shape")
+    s.add_argument("--recipe", choices=["q2", "q4", "mxfp4"], default="q2", help="routed expert types")
+    s.add_argument("--layers", type=int, help="number of layers (schedule 0,0,4,128,4,... unless --ratios)")
+    s.add_argument("--ratios", help="comma-separated compress ratio per layer (0, 4 or 128)")
+    s.add_argument("--vocab", default=None,
+                   help="'full' for all 129,280 ids, or N base tokens (+47 prompt specials); tiny default 4049")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--fill", choices=["random", "zero"], default="random",
+                   help="zero: no data written (sparse file), for layout/size checks of big shapes")
+    s.add_argument("--name", default="ds4-agent-synthetic")
+    for flag, _ in _SHAPE_FLAGS:
+        s.add_argument(flag, type=int)
+    i = sub.add_parser("inspect", help="validate a GGUF and summarise it")
+    i.add_argument("file")
+    i.add_argument("--tensors", action="store_true", help="list every tensor")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def _synth(a) -> int:
+    from .synth import config_for, write_synthetic
+    overrides = {field: getattr(a, flag[2:].replace("-", "_")) for flag, field in _SHAPE_FLAGS
+                 if getattr(a, flag[2:].replace("-", "_")) is not None}
+    ratios = [int(x) for x in a.ratios.split(",")] if a.ratios else None
+    vocab = a.vocab if a.vocab in (None, "full") else int(a.vocab)
+    layers = a.layers if a.layers is not None else (len(ratios) if ratios else None)
+    t0 = time.perf_counter()
+    cfg, vocab = config_for(a.preset, n_layer=layers, ratios=ratios, vocab=vocab, **overrides)
+    r = write_synthetic(a.out, cfg, recipe=a.recipe, vocab=vocab, seed=a.seed, fill=a.fill, name=a.name)
+    print(f"wrote {r.path}: {r.n_tensors} tensors, {r.nbytes:,} bytes, {cfg.n_layer} layers, "
+          f"recipe {r.recipe}, vocab {cfg.n_vocab} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _inspect(a) -> int:
+    from .inspect import format_report, report
+    from .model_file import ModelFile
+    with ModelFile.open(a.file) as m:
+        r = report(m)
+    if a.json:
+        r = dict(r, config=r["config"].__dict__)
+        print(json.dumps(r, indent=1))
+    else:
+        print(format_report(r, show_tensors=a.tensors))
+    return 0
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        return {"synth": _synth, "inspect": _inspect}[a.cmd](a)
+    except ModelFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

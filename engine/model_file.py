@@ -1,0 +1,109 @@
+"""Opening a DeepSeek V4 GGUF: container + config + layout check, then weights as views of the map.
+
+`ModelFile.open(path)` is what every command that loads a model calls. It costs O(metadata): the
+tensor bytes stay in the page cache / on disk until a kernel reads the rows it needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import quants as Q
+from .config import ModelConfig, read_tokenizer_metadata
+from .errors import ModelFileError
+from .gguf_file import GGUFFile, TensorInfo
+from .layout import LayoutReport, check_layout, raise_on_problems, recipe_name
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """A weight as it lies in the map: `data` is uint8 [n_rows, row_bytes] (rows = output units).
+
+    A 3-D expert tensor [in, out, n_expert] is n_expert consecutive [out, in] matrices; `expert(e)`
+    returns one of them without touching the others.
+    """
+    name: str
+    type_id: int
+    dims: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def n_in(self) -> int:
+        return self.dims[0]
+
+    @property
+    def n_rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def type_name(self) -> str:
+        return Q.type_name(self.type_id)
+
+    def expert(self, e: int) -> "QTensor":
+        if len(self.dims) != 3:
+            raise ValueError(f"{self.name} is not an expert tensor")
+        n_out = self.dims[1]
+        return QTensor(f"{self.name}[{e}]", self.type_id, self.dims[:2], self.data[e * n_out:(e + 1) * n_out])
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """float32 [stop-start, n_in], decoding only those rows."""
+        return Q.dequantize_rows(self.type_id, self.data, start, stop)
+
+    def matvec(self, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
+        return Q.matvec(self.type_id, self.data, x, rows)
+
+    def vector(self) -> np.ndarray:
+        """A 1-D float tensor (norm weights, biases, sinks) as float32."""
+        return Q.dequantize(self.type_id, self.data.reshape(-1))
+
+    def int32(self) -> np.ndarray:
+        """An I32 tensor (the hash table) as int32 [n_rows, n_in]."""
+        if self.type_id != Q.I32:
+            raise ValueError(f"{self.name} is {self.type_name}, not I32")
+        return self.data.view(np.int32)
+
+
+class ModelFile:
+    def __init__(self, g: GGUFFile, config: ModelConfig, layout: LayoutReport, tokenizer: dict):
+        self.gguf, self.config, self.layout, self.tokenizer = g, config, layout, tokenizer
+        self.path = g.path
+
+    @classmethod
+    def open(cls, path) -> "ModelFile":
+        g = GGUFFile(path)
+        try:
+            config = ModelConfig.from_gguf(g)
+            tok = read_tokenizer_metadata(g, config.n_vocab)
+            layout = check_layout(g, config)
+            raise_on_problems(g.path, layout)
+        except BaseException:
+            g.close()
+            raise
+        return cls(g, config, layout, tok)
+
+    @property
+    def recipe(self) -> str:
+        return recipe_name(self.gguf, self.config)
+
+    def has(self, name: str) -> bool:
+        return name in self.layout.present
+
+    def tensor(self, name: str) -> QTensor:
+        ti: TensorInfo | None = self.layout.present.get(name)
+        if ti is None:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        raw = self.gguf.tensor_bytes(name)
+        n_rows = 1
+        for d in ti.dims[1:]:
+            n_rows *= d
+        return QTensor(name, ti.type_id, ti.dims, raw.reshape(n_rows, ti.nbytes // n_rows))
+
+    def close(self):
+        self.gguf.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

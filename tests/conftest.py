@@ -1,0 +1,42 @@
+"""Shared fixtures: synthetic models are generated once per test session, never downloaded."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine.synth import config_for, write_synthetic
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+ORACLE = SHARED / "ds4-oracle"
+
+
+def need_shared(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} is absent (the shared/ folder beside the checkout holds it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_q2(models_dir) -> Path:
+    """The ds4-oracle shape, q2 recipe, seeded random weights (12 MB)."""
+    cfg, vocab = config_for("tiny")
+    return Path(write_synthetic(models_dir / "tiny-q2.gguf", cfg, recipe="q2", vocab=vocab, seed=1).path)
+
+
+@pytest.fixture(scope="session")
+def flash_q2_sparse(models_dir) -> Path:
+    """The full published Flash shape and vocabulary, no data (an 86.7 GB sparse file)."""
+    cfg, vocab = config_for("flash")
+    return Path(write_synthetic(models_dir / "flash-q2.gguf", cfg, recipe="q2", vocab=vocab, fill="zero").path)
+
+
+@pytest.fixture
+def oracle_gguf() -> Path:
+    return need_shared(ORACLE / "ds4-tiny-q2.gguf")
