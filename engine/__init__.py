@@ -5,5 +5,9 @@ It knows nothing of chat, HTTP, tools or the UI; only this package touches array
 from .config import ModelConfig
 from .errors import ModelFileError
 from .model_file import ModelFile, QTensor
+from .sampling import Rng, SamplingParams
+from .session import ContextFull, Engine, Session
+from .snapshot import SnapshotError
 
-__all__ = ["ModelConfig", "ModelFile", "ModelFileError", "QTensor"]
+__all__ = ["ContextFull", "Engine", "ModelConfig", "ModelFile", "ModelFileError", "QTensor", "Rng",
+           "SamplingParams", "Session", "SnapshotError"]

@@ -1,0 +1,139 @@
+"""Per-layer KV state of one timeline, sized from the context.
+
+What a layer keeps (spec/model.md §3.4-3.8, kvcache.md §1):
+* raw rows: the last n_swa KV rows (K = V), in a ring indexed by position;
+* compressed rows (ratio 4 and 128 layers): append-only, one per closed window;
+* indexer rows (ratio 4 layers): append-only, one per closed window;
+* the compressor frontier: the per-token projections (kv and gate score) of the window being
+  filled — and, for the overlapping ratio-4 compressor, of the previous window too.
+
+Rings hold `rewind_cap` positions more than the math needs, so the timeline can be cut back by up
+to that many tokens in place (ds4 can only extend its state; we rewind without re-prefilling).
+`avail_lo` is the lowest position each ring can still produce; a rewind below what the rings hold
+falls back to a rebuild.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import CSA_RATIO, ModelConfig
+
+NEG_INF_SCORE = np.float32(-1e30)  # ds4's "no contribution" gate score for an empty frontier row
+
+
+class PosRing:
+    """Rows addressed by absolute position, in a ring of `cap` slots."""
+
+    def __init__(self, cap: int, width: int, fill=0.0):
+        self.cap, self.width = cap, width
+        self.rows = np.full((cap, width), fill, dtype=np.float32)
+        self.avail_lo = 0  # positions >= avail_lo (and >= written_hi - cap) are readable
+
+    def write(self, p0: int, rows: np.ndarray):
+        n = rows.shape[0]
+        if n > self.cap:  # only the newest cap rows survive
+            rows, p0, n = rows[-self.cap:], p0 + n - self.cap, self.cap
+        idx = (np.arange(p0, p0 + n)) % self.cap
+        self.rows[idx] = rows
+
+    def read(self, p0: int, p1: int) -> np.ndarray:
+        if p1 <= p0:
+            return np.zeros((0, self.width), np.float32)
+        return self.rows[np.arange(p0, p1) % self.cap]
+
+    def holds(self, p0: int, end: int) -> bool:
+        """Whether positions [p0, end) are all still in the ring when the timeline ends at `end`."""
+        return p0 >= self.avail_lo and p0 >= end - self.cap
+
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+
+def frontier_start(n_tokens: int, ratio: int) -> int:
+    """First position whose projection the compressor still needs when n_tokens are in."""
+    ws = n_tokens // ratio * ratio
+    return max(0, ws - ratio) if ratio == CSA_RATIO else ws
+
+
+class LayerState:
+    def __init__(self, c: ModelConfig, il: int, ctx: int, rewind_cap: int):
+        self.ratio = r = c.ratio(il)
+        self.raw = PosRing(min(c.n_swa, ctx) + rewind_cap, c.head_dim)
+        self.n_comp = 0
+        self.n_index = 0
+        if r:
+            w = c.compressor_width(il)
+            coff = 2 if r == CSA_RATIO else 1
+            self.comp_cap = ctx // r + 2
+            self.comp = np.zeros((self.comp_cap, c.head_dim), np.float32)
+            self.proj_kv = PosRing(coff * r + rewind_cap, w)
+            self.proj_sc = PosRing(coff * r + rewind_cap, w, NEG_INF_SCORE)
+        if r == CSA_RATIO:
+            self.index = np.zeros((self.comp_cap, c.idx_head_dim), np.float32)
+            self.iproj_kv = PosRing(2 * r + rewind_cap, 2 * c.idx_head_dim)
+            self.iproj_sc = PosRing(2 * r + rewind_cap, 2 * c.idx_head_dim, NEG_INF_SCORE)
+
+    def rings(self):
+        out = [self.raw]
+        if self.ratio:
+            out += [self.proj_kv, self.proj_sc]
+        if self.ratio == CSA_RATIO:
+            out += [self.iproj_kv, self.iproj_sc]
+        return out
+
+    def nbytes(self) -> int:
+        n = sum(r.nbytes() for r in self.rings())
+        if self.ratio:
+            n += self.comp.nbytes
+        if self.ratio == CSA_RATIO:
+            n += self.index.nbytes
+        return n
+
+    def used_bytes(self, n_tokens: int) -> int:
+        """Bytes the logical state needs (what a snapshot stores for this layer, without headers)."""
+        c_rows = self.n_comp * self.comp.shape[1] if self.ratio else 0
+        i_rows = self.n_index * self.index.shape[1] if self.ratio == CSA_RATIO else 0
+        raw = min(n_tokens, self.raw.cap) * self.raw.width
+        return 4 * (c_rows + i_rows + raw)
+
+
+class KVState:
+    def __init__(self, c: ModelConfig, ctx: int, rewind_cap: int):
+        self.config, self.ctx, self.rewind_cap = c, ctx, rewind_cap
+        self.layers = [LayerState(c, il, ctx, rewind_cap) for il in range(c.n_layer)]
+
+    def nbytes(self) -> int:
+        """Bytes allocated for this context (capacity, not use)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def can_truncate(self, n_tokens: int, new_len: int) -> bool:
+        """Whether the state of n_tokens can be cut back to new_len in place."""
+        c = self.config
+        for layer in self.layers:
+            if not layer.raw.holds(max(0, new_len - c.n_swa + 1), n_tokens):
+                return False
+            if layer.ratio:
+                lo = frontier_start(new_len, layer.ratio)
+                if not (layer.proj_kv.holds(lo, n_tokens) and layer.proj_sc.holds(lo, n_tokens)):
+                    return False
+            if layer.ratio == CSA_RATIO:
+                lo = frontier_start(new_len, layer.ratio)
+                if not (layer.iproj_kv.holds(lo, n_tokens) and layer.iproj_sc.holds(lo, n_tokens)):
+                    return False
+        return True
+
+    def truncate(self, n_tokens: int, new_len: int):
+        for layer in self.layers:
+            for ring in layer.rings():
+                # slots of positions below n_tokens - cap were reused by later positions
+                ring.avail_lo = max(ring.avail_lo, n_tokens - ring.cap)
+            if layer.ratio:
+                layer.n_comp = min(layer.n_comp, new_len // layer.ratio)
+            if layer.ratio == CSA_RATIO:
+                layer.n_index = min(layer.n_index, new_len // layer.ratio)
+
+    def reset(self):
+        for layer in self.layers:
+            layer.n_comp = layer.n_index = 0
+            for ring in layer.rings():
+                ring.avail_lo = 0

@@ -1,0 +1,252 @@
+"""The DeepSeek V4 Flash forward pass, written once in model order (spec/model.md §3).
+
+`Model.forward(tokens, pos0, state)` runs a chunk of T tokens at positions pos0..pos0+T-1 through
+all layers, layer-major (as ds4's prefill does): per layer the token-independent work (HC, norms,
+projections, FFN) is batched over the chunk, and the cache-dependent work (KV rows, compressor
+windows, indexer selection, attention) is done in the equivalent parallel form with causal masks.
+A chunk of one token is a decode step; any chunking gives the same function up to float32
+summation order, which the tests check.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import quants as Q
+from .config import CSA_RATIO, ModelConfig
+from .kv_state import KVState, LayerState, frontier_start
+from .ops_numpy import NumpyOps
+from .weights import CompressorWeights, HCWeights, LayerWeights, ModelWeights
+
+QUERY_BLOCK = 256  # queries per attention block: bounds the [T, H, keys] score tensor
+
+
+class Model:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, ops: NumpyOps):
+        self.c, self.w, self.ops = config, weights, ops
+        c = config
+        self.yarn = dict(factor=c.rope_scale_factor, orig_ctx=c.rope_orig_ctx,
+                         beta_fast=c.yarn_beta_fast, beta_slow=c.yarn_beta_slow)
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, tokens: np.ndarray, pos0: int, state: KVState, all_logits: bool = False) -> np.ndarray:
+        """Logits [T, vocab] (all_logits) or [vocab] for the last token."""
+        c, ops = self.c, self.ops
+        tokens = np.asarray(tokens, dtype=np.int64)
+        e = Q.dequantize(self.w.embd.type_id, self.w.embd.data[tokens])            # [T, E]
+        X = np.repeat(e[:, None, :], c.n_hc, axis=1).astype(np.float32)           # [T, n_hc, E]
+        for lw, ls in zip(self.w.layers, state.layers):
+            X = self._attention(lw, ls, X, pos0)
+            X = self._ffn(lw, X, tokens)
+        if not all_logits:
+            X = X[-1:]
+        logits = self._head(X)
+        return logits if all_logits else logits[0]
+
+    # -- hyper-connections (§3.2, §3.3) ----------------------------------------------------------
+    def _hc_pre(self, hc: HCWeights, X):
+        c, ops = self.c, self.ops
+        T, n = X.shape[0], c.n_hc
+        flat = ops.rmsnorm(X.reshape(T, n * c.n_embd), None, c.rms_eps)
+        mix = ops.linear(hc.fn, flat)                                             # [T, hc_mix]
+        sc, base, eps = hc.scale, hc.base, np.float32(c.hc_eps)
+        pre = ops.sigmoid(mix[:, :n] * sc[0] + base[:n]) + eps
+        post = 2.0 * ops.sigmoid(mix[:, n:2 * n] * sc[1] + base[n:2 * n])
+        logits = (mix[:, 2 * n:] * sc[2] + base[2 * n:]).reshape(T, n, n)
+        C = ops.softmax(logits, axis=-1) + eps
+        C = C / (C.sum(axis=1, keepdims=True) + eps)           # columns first
+        for _ in range(c.sinkhorn_iters - 1):
+            C = C / (C.sum(axis=2, keepdims=True) + eps)       # rows
+            C = C / (C.sum(axis=1, keepdims=True) + eps)       # columns
+        x = np.einsum("ti,tid->td", pre, X).astype(np.float32)
+        return x, post.astype(np.float32), C.astype(np.float32)
+
+    @staticmethod
+    def _hc_post(y, X, post, C):
+        # X_new[k] = post[k] * y + sum_j C[j, k] * X[j]   (C used transposed)
+        return (post[:, :, None] * y[:, None, :] + np.einsum("tjk,tjd->tkd", C, X)).astype(np.float32)
+
+    # -- attention sublayer (§3.4) -------------------------------------------------------------
+    def _thetas(self, ratio: int, pos: np.ndarray, n_rot: int):
+        c = self.c
+        if ratio == 0:
+            return self.ops.rope_thetas(pos, n_rot, c.rope_base, None)
+        return self.ops.rope_thetas(pos, n_rot, c.compress_rope_base, self.yarn)
+
+    def _attention(self, lw: LayerWeights, ls: LayerState, X, pos0: int):
+        c, ops = self.c, self.ops
+        T = X.shape[0]
+        pos = np.arange(pos0, pos0 + T)
+        x, post, C = self._hc_pre(lw.hc_attn, X)
+        h = ops.rmsnorm(x, lw.attn_norm, c.rms_eps)
+        qr = ops.rmsnorm(ops.linear(lw.q_a, h), lw.q_a_norm, c.rms_eps)
+        q = ops.linear(lw.q_b, qr).reshape(T, c.n_head, c.head_dim)
+        q = ops.rmsnorm(q, None, c.rms_eps)                                        # per head, no weight
+        kv = ops.rmsnorm(ops.linear(lw.kv, h), lw.kv_norm, c.rms_eps)
+        th = self._thetas(lw.ratio, pos, c.n_rot)                                  # [T, n_rot/2]
+        q = ops.rope(q, th[:, None, :])
+        kv = ops.store_kv(ops.rope(kv, th), c.n_nope)
+
+        # raw rows this chunk can see: the n_swa-1 before it, then its own
+        lo = max(0, pos0 - c.n_swa + 1)
+        raw = np.concatenate([ls.raw.read(lo, pos0), kv])                          # positions lo..pos0+T-1
+        ls.raw.write(pos0, kv)
+
+        if lw.ratio:
+            self._compress(lw.comp, ls, h, pos0, index=False)
+        sel = None
+        if lw.ratio == CSA_RATIO:
+            self._compress(lw.indexer.comp, ls, h, pos0, index=True)
+            sel = self._indexer_select(lw, ls, h, qr, pos, th_fn=lambda p: self._thetas(CSA_RATIO, p, c.n_rot))
+
+        o = np.empty_like(q)
+        scale = 1.0 / np.sqrt(c.head_dim)
+        for b0 in range(0, T, QUERY_BLOCK):
+            b1 = min(T, b0 + QUERY_BLOCK)
+            tq = pos[b0:b1]
+            # raw keys of this block: positions [tq0 - n_swa + 1, tq_last]
+            k0 = max(lo, tq[0] - c.n_swa + 1)
+            kraw = raw[k0 - lo: tq[-1] + 1 - lo]
+            kpos = np.arange(k0, tq[-1] + 1)
+            mraw = (kpos[None, :] <= tq[:, None]) & (kpos[None, :] > tq[:, None] - c.n_swa)
+            segments = [(kraw, mraw)]
+            if lw.ratio:
+                n_vis = (tq + 1) // lw.ratio                                        # visible rows per query
+                if sel is not None:                                                 # indexer picks (ratio 4)
+                    segments.append((ls.comp[sel[0][b0:b1]], sel[1][b0:b1]))
+                else:                                                               # every visible row
+                    nmax = int(n_vis[-1])
+                    segments.append((ls.comp[:nmax], np.arange(nmax)[None, :] < n_vis[:, None]))
+            o[b0:b1] = ops.attention(q[b0:b1], segments, lw.sinks, scale)
+
+        o = ops.rope(o, th[:, None, :], inverse=True).reshape(T, c.n_head * c.head_dim)
+        gi, gr = c.o_group_in, c.o_lora_rank
+        z = np.concatenate([ops.linear(lw.out_a, o[:, g * gi:(g + 1) * gi], rows=slice(g * gr, (g + 1) * gr))
+                            for g in range(c.o_groups)], axis=1)
+        y = ops.linear(lw.out_b, z)
+        return self._hc_post(y, X, post, C)
+
+    # -- compressors (§3.7) --------------------------------------------------------------------
+    def _compress(self, cw: CompressorWeights, ls: LayerState, h, pos0: int, index: bool):
+        """Project the chunk into the frontier and emit a row for every window the chunk closes."""
+        c, ops = self.c, self.ops
+        r, hd = cw.ratio, cw.hd
+        T = h.shape[0]
+        pos = np.arange(pos0, pos0 + T)
+        kvp = ops.linear(cw.kv, h)                                                 # [T, w]
+        scp = (ops.linear(cw.gate, h) + cw.ape[pos % r]).astype(np.float32)
+        ring_kv, ring_sc = (ls.iproj_kv, ls.iproj_sc) if index else (ls.proj_kv, ls.proj_sc)
+        lo = frontier_start(pos0, r)
+        all_kv = np.concatenate([ring_kv.read(lo, pos0), kvp])                     # positions lo..pos0+T-1
+        all_sc = np.concatenate([ring_sc.read(lo, pos0), scp])
+        ring_kv.write(pos0, kvp)
+        ring_sc.write(pos0, scp)
+        ends = pos[(pos + 1) % r == 0]
+        if len(ends) == 0:
+            return
+        ws = ends + 1 - r                                                          # window starts
+        cur = ws[:, None] + np.arange(r)[None, :] - lo                             # [n, r] rows of all_*
+        if r == CSA_RATIO:
+            # overlapping windows: previous window's first half + this window's second half
+            kv_c, sc_c = all_kv[cur][:, :, hd:], all_sc[cur][:, :, hd:]
+            prev = cur - r
+            has_prev = (ws >= r)[:, None, None]
+            kv_p = np.where(has_prev, all_kv[np.maximum(prev, 0)][:, :, :hd], 0.0)
+            sc_p = np.where(has_prev, all_sc[np.maximum(prev, 0)][:, :, :hd], -np.inf)
+            kvs, scs = np.concatenate([kv_p, kv_c], axis=1), np.concatenate([sc_p, sc_c], axis=1)
+        else:
+            kvs, scs = all_kv[cur], all_sc[cur]
+        a = ops.softmax(scs, axis=1)
+        pooled = np.sum(a * kvs, axis=1, dtype=np.float32)                         # [n, hd]
+        rows = ops.rmsnorm(pooled, cw.norm, c.rms_eps)
+        rows = ops.rope(rows, self._thetas(r, ws, c.n_rot))                       # at the window's first position
+        if index:
+            rows = ops.store_index(rows)
+            ls.index[ls.n_index:ls.n_index + len(rows)] = rows
+            ls.n_index += len(rows)
+        else:
+            rows = ops.store_kv(rows, hd - c.n_rot)
+            ls.comp[ls.n_comp:ls.n_comp + len(rows)] = rows
+            ls.n_comp += len(rows)
+
+    # -- indexer (§3.8) ------------------------------------------------------------------------
+    def _indexer_select(self, lw: LayerWeights, ls: LayerState, h, qr, pos, th_fn):
+        """Per query: (indices [T, k], valid [T, k]) of the compressed rows it attends, or None
+        where every visible row is used (at most top_k visible)."""
+        c, ops = self.c, self.ops
+        k = c.idx_topk
+        n_vis = (pos + 1) // CSA_RATIO
+        if n_vis[-1] <= k:
+            return None
+        T = len(pos)
+        qi = ops.linear(lw.indexer.q_b, qr).reshape(T, c.idx_n_head, c.idx_head_dim)
+        qi = ops.index_qat(ops.rope(qi, th_fn(pos)[:, None, :]))
+        wts = ops.linear(lw.indexer.proj, h) * np.float32(1.0 / np.sqrt(c.idx_head_dim * c.idx_n_head))
+        keys = ls.index[:int(n_vis[-1])]
+        s = np.einsum("thd,cd->thc", qi, keys, optimize=True)
+        score = np.einsum("th,thc->tc", wts, np.maximum(s, 0.0), optimize=True).astype(np.float32)
+        vis = np.arange(keys.shape[0])[None, :] < n_vis[:, None]
+        score = np.where(vis, score, -np.inf)
+        idx = ops.topk_lowest_index(score, k)                                      # [T, k]
+        ok = np.take_along_axis(vis, idx, axis=1)                                  # picks on invisible rows drop
+        return idx, ok
+
+    # -- FFN sublayer (§3.11) ------------------------------------------------------------------
+    def _ffn(self, lw: LayerWeights, X, tokens):
+        c, ops = self.c, self.ops
+        T = X.shape[0]
+        x, post, C = self._hc_pre(lw.hc_ffn, X)
+        u = ops.rmsnorm(x, lw.ffn_norm, c.rms_eps)
+        p = np.sqrt(ops.softplus(ops.linear(lw.gate_inp, u)))                     # [T, n_expert]
+        if lw.tid2eid is not None:
+            sel = lw.tid2eid[tokens].astype(np.int64)                              # hash routing by token id
+        else:
+            biased = p + lw.bias if lw.bias is not None else p
+            sel = ops.topk_lowest_index(biased, c.n_expert_used)
+        wsel = np.take_along_axis(p, sel, axis=1)
+        tot = wsel.sum(axis=1, keepdims=True)
+        tot = np.maximum(tot, np.float32(2.0 ** -14)) if ops.ds4 else tot + np.float32(1e-20)
+        wsel = (wsel / tot * np.float32(c.expert_weights_scale)).astype(np.float32)
+        y = self._routed(lw, u, sel, wsel) + self._shared(lw, u)
+        return self._hc_post(y, X, post, C)
+
+    def _swiglu(self, g, v, limit):
+        g = np.minimum(g, limit)
+        v = np.clip(v, -limit, limit)
+        return self.ops.silu(g) * v
+
+    def _routed(self, lw: LayerWeights, u, sel, wsel):
+        c, ops = self.c, self.ops
+        limit = np.float32(c.swiglu_clamp[lw.il])
+        out = np.zeros_like(u)
+        ua = ops.expert_act(lw.gate_exps, u)           # ds4: one Q8_K rounding shared by all experts
+        for e in np.unique(sel):
+            rows, slot = np.nonzero(sel == e)
+            xe = ua[rows]
+            g = ops.expert_linear(lw.gate_exps.expert(e), xe)
+            v = ops.expert_linear(lw.up_exps.expert(e), xe)
+            m = self._swiglu(g, v, limit)
+            we = wsel[rows, slot][:, None]
+            if ops.ds4:   # ds4 weights the SwiGLU output before the down projection (and rounds it)
+                d = ops.expert_linear(lw.down_exps.expert(e), ops.expert_act(lw.down_exps, m * we))
+            else:         # transformers weights the expert output
+                d = ops.expert_linear(lw.down_exps.expert(e), m) * we
+            out[rows] += d                              # a token picks an expert at most once
+        return out
+
+    def _shared(self, lw: LayerWeights, u):
+        ops = self.ops
+        limit = np.float32(self.c.swiglu_clamp[lw.il])
+        m = self._swiglu(ops.linear(lw.sh_gate, u), ops.linear(lw.sh_up, u), limit)
+        return ops.linear(lw.sh_down, m)
+
+    # -- output head (§3.12) -------------------------------------------------------------------
+    def _head(self, X):
+        c, ops, w = self.c, self.ops, self.w
+        T = X.shape[0]
+        flat = ops.rmsnorm(X.reshape(T, c.n_hc * c.n_embd), None, c.rms_eps)
+        mix = ops.linear(w.hc_head_fn, flat)                                      # [T, n_hc]
+        pre = ops.sigmoid(mix * w.hc_head_scale[0] + w.hc_head_base) + np.float32(c.hc_eps)
+        x = np.einsum("ti,tid->td", pre, X).astype(np.float32)
+        x = ops.rmsnorm(x, w.out_norm, c.rms_eps)
+        return ops.linear(w.output, x)
+

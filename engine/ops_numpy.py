@@ -1,0 +1,141 @@
+"""The NumPy reference backend: every op the forward pass needs, in float32.
+
+The forward pass (model.py) is written once against this small set of ops; other backends (MLX,
+CuPy) implement the same methods and are tested against this one. Two numerics modes:
+
+* "exact": plain float32, the function transformers computes (dequantized weights, float
+  activations, float32 KV rows, transformers' RoPE angles).
+* "ds4": the numerics of ds4's CPU reference path — Q8_0 rounding of the input of every Q8_0-weight
+  matmul, Q8_K rounding of the routed experts' input and weighted SwiGLU output, FP8 E4M3 round
+  trip of the non-RoPE KV dims, F16 rounding of every cached row, Hadamard + FP4 round trip of the
+  indexer's queries and keys, RoPE angles built by repeated float32 products.
+
+Weights are QTensors: bytes in the map, decoded a chunk of rows at a time, never whole.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import numerics as N
+from . import quants as Q
+from .model_file import QTensor
+
+EXACT, DS4 = "exact", "ds4"
+NUMERICS = (EXACT, DS4)
+# Routed-expert activations: ggml's K-quant and IQ dot products take Q8_K (256-value) activations;
+# MXFP4's takes Q8_0 (32-value) ones.
+_EXPERT_ACT_Q8_0 = frozenset({Q.MXFP4, Q.Q8_0})
+
+
+def _f32(x):
+    return np.asarray(x, dtype=np.float32)
+
+
+class NumpyOps:
+    name = "numpy"
+
+    def __init__(self, numerics: str = DS4):
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+        self.numerics = numerics
+        self.ds4 = numerics == DS4
+
+    # -- matmuls -------------------------------------------------------------------------------
+    def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
+        """x [T, in] -> [T, out] with W's rows (output units) `rows`. ds4 rounds the input of a
+        Q8_0 weight to Q8_0 blocks first, as its quantized dot product does."""
+        if self.ds4 and w.type_id == Q.Q8_0:
+            x = N.q8_0_round(x)
+        return Q.matvec(w.type_id, w.data, _f32(x).T, rows).T
+
+    def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        """Activation rounding of a routed-expert matmul input (identity in exact mode)."""
+        if not self.ds4 or w.type_id in (Q.F32, Q.F16, Q.BF16):
+            return x
+        return N.q8_0_round(x) if w.type_id in _EXPERT_ACT_Q8_0 else N.q8_k_round(x)
+
+    def expert_linear(self, w: QTensor, x_rounded: np.ndarray) -> np.ndarray:
+        """x [T, in] (already rounded by expert_act) -> [T, out] for one expert's matrix."""
+        return Q.matvec(w.type_id, w.data, _f32(x_rounded).T).T
+
+    # -- norms and elementwise -----------------------------------------------------------------
+    @staticmethod
+    def rmsnorm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+        # mean of squares accumulated in float64 (as ds4 does); the result is float32
+        ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+        y = (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)).astype(np.float32)
+        return y if w is None else (y * w).astype(np.float32)
+
+    @staticmethod
+    def sigmoid(x):
+        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+
+    @staticmethod
+    def softplus(x):
+        # torch's threshold form: x above 20 is returned as is
+        return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(np.float32)
+
+    @staticmethod
+    def softmax(x, axis=-1):
+        m = np.max(x, axis=axis, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(x - m)
+        return (e / np.sum(e, axis=axis, keepdims=True)).astype(np.float32)
+
+    def silu(self, x):
+        return (x * self.sigmoid(x)).astype(np.float32)
+
+    # -- KV-row numerics -----------------------------------------------------------------------
+    def store_kv(self, rows: np.ndarray, n_nope: int) -> np.ndarray:
+        """An attention KV row (raw or compressed) as it is cached: FP8 on the non-RoPE dims, then F16."""
+        if not self.ds4:
+            return rows
+        return N.f16_round(N.fp8_e4m3_roundtrip(rows, n_nope))
+
+    def index_qat(self, rows: np.ndarray) -> np.ndarray:
+        """Indexer queries and keys: 128-point Hadamard + FP4 round trip (ds4 / the official graph)."""
+        return N.indexer_qat(rows) if self.ds4 else rows
+
+    def store_index(self, rows: np.ndarray) -> np.ndarray:
+        return N.f16_round(N.indexer_qat(rows)) if self.ds4 else rows
+
+    # -- RoPE ----------------------------------------------------------------------------------
+    def rope_thetas(self, pos: np.ndarray, n_rot: int, base: float, yarn: dict | None) -> np.ndarray:
+        f = N.rope_thetas_ds4 if self.ds4 else N.rope_thetas_exact
+        return f(np.asarray(pos), n_rot, base, yarn=yarn)
+
+    @staticmethod
+    def rope(x, thetas, inverse=False):
+        return N.apply_rope(x, thetas, inverse=inverse)
+
+    # -- attention -----------------------------------------------------------------------------
+    @staticmethod
+    def attention(q, segments, sinks, scale):
+        """Softmax attention with per-head sinks, K = V, over concatenated key segments.
+
+        q [T, H, D]; segments: (keys, mask) pairs, keys [K, D] shared by all queries or [T, K, D]
+        per query, mask [T, K] bool (True = attend). The sink logit enters the denominator only.
+        Returns [T, H, D].
+        """
+        scores = []
+        for keys, mask in segments:
+            eq = "thd,kd->thk" if keys.ndim == 2 else "thd,tkd->thk"
+            s = np.einsum(eq, q, keys, optimize=True) * np.float32(scale)
+            scores.append(np.where(mask[:, None, :], s, -np.inf).astype(np.float32))
+        s = np.concatenate(scores, axis=-1)
+        m = np.maximum(np.max(s, axis=-1), sinks[None, :])                       # [T, H]
+        p = np.exp(s - m[..., None])
+        den = np.sum(p, axis=-1) + np.exp(sinks[None, :] - m)
+        o, k0 = 0.0, 0
+        for keys, _ in segments:
+            k1 = k0 + keys.shape[-2]
+            eq = "thk,kd->thd" if keys.ndim == 2 else "thk,tkd->thd"
+            o = o + np.einsum(eq, p[..., k0:k1], keys, optimize=True)
+            k0 = k1
+        return (o / den[..., None]).astype(np.float32)
+
+    @staticmethod
+    def topk_lowest_index(scores: np.ndarray, k: int) -> np.ndarray:
+        """Indices of the k largest scores per row, ties to the lowest index (ds4's repeated argmax)."""
+        order = np.argsort(-scores, axis=-1, kind="stable")
+        return order[..., :k]

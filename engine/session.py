@@ -1,0 +1,214 @@
+"""`Engine` (a loaded model) and `Session` (one mutable timeline): the engine's whole boundary.
+
+Callers speak token ids; the session owns the KV state and the logits for the next token.
+`sync(tokens)` makes the timeline equal to `tokens`: it keeps the common prefix, cuts back in place
+when the state still holds what the shorter timeline needs (else rebuilds), and prefills the rest
+in chunks, reporting progress after each chunk and stopping between chunks when asked to.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from . import snapshot as snap
+from .errors import ModelFileError
+from .kv_state import KVState
+from .model import Model
+from .model_file import ModelFile
+from .ops_numpy import DS4, NumpyOps
+from .sampling import Rng, SamplingParams, sample, top_logprobs
+from .tokenizer import Tokenizer
+from .weights import bind
+
+BACKENDS = ("numpy",)
+DEFAULT_CHUNK = 2048
+
+
+class ContextFull(ValueError):
+    pass
+
+
+class Engine:
+    """A DeepSeek V4 model mapped from a GGUF, with its tokenizer and a compute backend."""
+
+    def __init__(self, model_file: ModelFile, backend: str, numerics: str, threads: int | None):
+        self.file = model_file
+        self.config = model_file.config
+        self.backend = backend
+        self.numerics = numerics
+        self.threads = threads
+        self.tokenizer = Tokenizer.from_metadata(model_file.tokenizer)
+        self.model = Model(self.config, bind(model_file), NumpyOps(numerics))
+
+    @classmethod
+    def open(cls, path, *, backend: str = "auto", numerics: str = DS4, threads: int | None = None) -> "Engine":
+        if backend == "auto":
+            backend = "numpy"
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not available (built: {', '.join(BACKENDS)})")
+        if threads:
+            _limit_threads(threads)
+        m = ModelFile.open(path)
+        try:
+            return cls(m, backend, numerics, threads)
+        except BaseException:
+            m.close()
+            raise
+
+    def close(self):
+        self.file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _limit_threads(n: int):
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(n)
+
+
+class Session:
+    def __init__(self, engine: Engine, ctx: int, *, chunk: int = DEFAULT_CHUNK, rewind_cap: int | None = None):
+        if ctx < 2:
+            raise ValueError("ctx must be at least 2 tokens")
+        self.engine = engine
+        self.ctx = ctx
+        self.chunk = max(1, int(chunk))
+        self.rewind_cap = min(ctx, DEFAULT_CHUNK) if rewind_cap is None else rewind_cap
+        self.state = KVState(engine.config, ctx, self.rewind_cap)
+        self._tokens: list[int] = []
+        self._logits: np.ndarray | None = None
+        self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
+
+    # -- read-only views -----------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    @property
+    def pos(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def logits(self) -> np.ndarray:
+        if self._logits is None:
+            raise RuntimeError("no logits yet: the session is empty")
+        return self._logits
+
+    def kv_bytes(self) -> int:
+        return self.state.nbytes()
+
+    # -- timeline ------------------------------------------------------------------------------
+    def sync(self, tokens, progress: Callable[[int, int], object] | None = None, *,
+             keep_logits: bool = False):
+        """Make the timeline equal to `tokens`. `progress(done, total)` is called after every chunk;
+        returning False stops between chunks (the session then holds the tokens prefilled so far)
+        and sync returns False. With keep_logits the logits of every newly evaluated position are
+        returned as an array [n_new, vocab] instead of True."""
+        tokens = self._check(tokens)
+        k = 0
+        n = min(len(tokens), len(self._tokens))
+        while k < n and tokens[k] == self._tokens[k]:
+            k += 1
+        if k < len(self._tokens):
+            k = self._cut(k if k < len(tokens) else k - 1)
+        new = tokens[k:]
+        if not new:
+            return np.zeros((0, self.engine.config.n_vocab), np.float32) if keep_logits else True
+        kept = []
+        done = 0
+        for c0 in range(0, len(new), self.chunk):
+            part = new[c0:c0 + self.chunk]
+            out = self._forward(part, all_logits=keep_logits)
+            if keep_logits:
+                kept.append(out)
+            done += len(part)
+            if progress is not None and progress(done, len(new)) is False and done < len(new):
+                return False
+        return np.concatenate(kept) if keep_logits else True
+
+    def eval(self, token: int) -> np.ndarray:
+        self._forward(self._check(list(self._tokens) + [int(token)])[-1:], all_logits=False)
+        return self._logits
+
+    def rewind(self, n: int):
+        """Drop the last n tokens; the logits become those after the new last token."""
+        if not 0 <= n <= len(self._tokens):
+            raise ValueError(f"cannot rewind {n} tokens from a timeline of {len(self._tokens)}")
+        if n == 0:
+            return
+        target = self._tokens[:-n]
+        if not target:
+            self.reset()
+            return
+        self.sync(target)
+
+    def reset(self):
+        self.state.reset()
+        self._tokens = []
+        self._logits = None
+
+    def _cut(self, new_len: int) -> int:
+        """Cut the timeline to new_len tokens, in place if possible, else from scratch; returns the
+        length actually kept (new_len or 0)."""
+        T = len(self._tokens)
+        if new_len > 0 and self.state.can_truncate(T, new_len):
+            self.state.truncate(T, new_len)
+            self._tokens = self._tokens[:new_len]
+            self._logits = None
+            return new_len
+        self.reset()
+        return 0
+
+    def _check(self, tokens) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        V = self.engine.config.n_vocab
+        bad = [t for t in tokens if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+        if len(tokens) >= self.ctx:
+            raise ContextFull(f"{len(tokens)} tokens do not fit the context of {self.ctx}")
+        return tokens
+
+    def _forward(self, part: list[int], all_logits: bool):
+        t0 = time.perf_counter()
+        out = self.engine.model.forward(np.asarray(part), len(self._tokens), self.state, all_logits=all_logits)
+        dt = time.perf_counter() - t0
+        key = "decode" if len(part) == 1 else "prefill"
+        self.stats[key + "_tokens"] += len(part)
+        self.stats[key + "_s"] += dt
+        self._tokens.extend(part)
+        self._logits = out[-1] if all_logits else out
+        return out
+
+    # -- sampling ------------------------------------------------------------------------------
+    def sample(self, params: SamplingParams | None = None, rng: Rng | None = None) -> int:
+        params = params or SamplingParams()
+        return sample(self.logits, params, rng or Rng(params.seed))
+
+    def top_logprobs(self, k: int) -> list[tuple[int, float]]:
+        return top_logprobs(self.logits, k)
+
+    # -- snapshots -----------------------------------------------------------------------------
+    def snapshot(self) -> bytes:
+        logits = self._logits if self._logits is not None else np.zeros(self.engine.config.n_vocab, np.float32)
+        return snap.save(self.engine.config, self.state, self._tokens, logits, self.chunk)
+
+    def restore(self, data: bytes):
+        # load into a fresh state so a bad payload leaves the current timeline untouched
+        state = KVState(self.engine.config, self.ctx, self.rewind_cap)
+        tokens, logits = snap.load(self.engine.config, state, data)
+        self.state = state
+        self._tokens = tokens
+        self._logits = logits if tokens else None
+
+
+__all__ = ["Engine", "Session", "ContextFull", "ModelFileError", "SamplingParams", "Rng"]

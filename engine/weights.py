@@ -1,0 +1,125 @@
+"""Binding the GGUF tensors of a DeepSeek V4 file to the forward pass, layer by layer.
+
+Matrices stay QTensors (views of the map, decoded in row chunks when used). Only tiny vectors
+(norm weights, HC scales and bases, sinks, biases, compressor position biases) are decoded to
+float32 up front: together they are a few MiB even for the real model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import quants as Q
+from .config import CSA_RATIO
+from .model_file import ModelFile, QTensor
+
+
+def _vec(t: QTensor) -> np.ndarray:
+    return Q.dequantize(t.type_id, t.data.reshape(-1)).astype(np.float32)
+
+
+@dataclass
+class HCWeights:
+    fn: QTensor           # [hc_mix, n_hc * n_embd]
+    scale: np.ndarray     # [3]   (pre, post, comb)
+    base: np.ndarray      # [hc_mix]
+
+
+@dataclass
+class CompressorWeights:
+    ratio: int
+    hd: int               # output row width
+    kv: QTensor           # [w, n_embd], w = hd * (2 if overlapping else 1)
+    gate: QTensor
+    ape: np.ndarray       # [ratio, w] position bias of each slot of the window
+    norm: np.ndarray      # [hd]
+
+
+@dataclass
+class IndexerWeights:
+    q_b: QTensor          # [idx_heads * idx_dim, q_rank]
+    proj: QTensor         # [idx_heads, n_embd]
+    comp: CompressorWeights
+
+
+@dataclass
+class LayerWeights:
+    il: int
+    ratio: int
+    hc_attn: HCWeights
+    hc_ffn: HCWeights
+    attn_norm: np.ndarray
+    q_a: QTensor
+    q_a_norm: np.ndarray
+    q_b: QTensor
+    kv: QTensor
+    kv_norm: np.ndarray
+    sinks: np.ndarray
+    out_a: QTensor
+    out_b: QTensor
+    comp: CompressorWeights | None
+    indexer: IndexerWeights | None
+    ffn_norm: np.ndarray
+    gate_inp: QTensor
+    bias: np.ndarray | None       # selection bias (non-hash layers)
+    tid2eid: np.ndarray | None    # [vocab, n_used] expert ids (hash layers)
+    gate_exps: QTensor
+    up_exps: QTensor
+    down_exps: QTensor
+    sh_gate: QTensor
+    sh_up: QTensor
+    sh_down: QTensor
+
+
+@dataclass
+class ModelWeights:
+    embd: QTensor
+    layers: list
+    hc_head_fn: QTensor
+    hc_head_scale: np.ndarray
+    hc_head_base: np.ndarray
+    out_norm: np.ndarray
+    output: QTensor
+
+
+def bind(m: ModelFile) -> ModelWeights:
+    c = m.config
+    t = m.tensor
+
+    def hc(p, sub):
+        return HCWeights(t(f"{p}hc_{sub}_fn.weight"), _vec(t(f"{p}hc_{sub}_scale.weight")),
+                         _vec(t(f"{p}hc_{sub}_base.weight")))
+
+    def compressor(p, prefix, ratio, hd):
+        ape = t(f"{p}{prefix}_ape.weight")
+        return CompressorWeights(ratio, hd, t(f"{p}{prefix}_kv.weight"), t(f"{p}{prefix}_gate.weight"),
+                                 ape.rows(0, ape.n_rows), _vec(t(f"{p}{prefix}_norm.weight")))
+
+    layers = []
+    for il in range(c.n_layer):
+        p = f"blk.{il}."
+        r = c.ratio(il)
+        comp = compressor(p, "attn_compressor", r, c.head_dim) if r else None
+        idx = None
+        if r == CSA_RATIO:
+            idx = IndexerWeights(t(p + "indexer.attn_q_b.weight"), t(p + "indexer.proj.weight"),
+                                 compressor(p, "indexer_compressor", r, c.idx_head_dim))
+        bias = _vec(t(p + "exp_probs_b.bias")) if m.has(p + "exp_probs_b.bias") else None
+        tid2eid = t(p + "ffn_gate_tid2eid.weight").int32() if c.is_hash_layer(il) else None
+        layers.append(LayerWeights(
+            il=il, ratio=r, hc_attn=hc(p, "attn"), hc_ffn=hc(p, "ffn"),
+            attn_norm=_vec(t(p + "attn_norm.weight")), q_a=t(p + "attn_q_a.weight"),
+            q_a_norm=_vec(t(p + "attn_q_a_norm.weight")), q_b=t(p + "attn_q_b.weight"),
+            kv=t(p + "attn_kv.weight"), kv_norm=_vec(t(p + "attn_kv_a_norm.weight")),
+            sinks=_vec(t(p + "attn_sinks.weight")), out_a=t(p + "attn_output_a.weight"),
+            out_b=t(p + "attn_output_b.weight"), comp=comp, indexer=idx,
+            ffn_norm=_vec(t(p + "ffn_norm.weight")), gate_inp=t(p + "ffn_gate_inp.weight"),
+            bias=bias, tid2eid=tid2eid, gate_exps=t(p + "ffn_gate_exps.weight"),
+            up_exps=t(p + "ffn_up_exps.weight"), down_exps=t(p + "ffn_down_exps.weight"),
+            sh_gate=t(p + "ffn_gate_shexp.weight"), sh_up=t(p + "ffn_up_shexp.weight"),
+            sh_down=t(p + "ffn_down_shexp.weight")))
+    return ModelWeights(
+        embd=t("token_embd.weight"), layers=layers, hc_head_fn=t("output_hc_fn.weight"),
+        hc_head_scale=_vec(t("output_hc_scale.weight")), hc_head_base=_vec(t("output_hc_base.weight")),
+        out_norm=_vec(t("output_norm.weight")), output=t("output.weight"))
