@@ -1,31 +1,189 @@
-"""`ds4`: the one-shot command line. Loading and validation work now; generation arrives with the
-forward-pass issue, so until then a valid model is summarised and the command says so."""
+"""`ds4`: one-shot generation with DeepSeek V4 Flash, streaming text as it is sampled.
+
+  ds4 -m model.gguf -p "hello" -n 64 [--nothink] [--temp 0] [--dump-logprobs out.json]
+
+The prompt is rendered as one plain user turn (BOS, <｜User｜> prompt <｜Assistant｜>, then <think>
+or </think>); the prompt layer renders full conversations. Prefill and generation speeds go to
+stderr at the end; a bad model file or argument is one `error:` line and exit status 1.
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
 from .errors import ModelFileError
 
+THINK_MAX_PREFIX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the "
+    "root cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
+    "adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
+)
+THINK_MAX_MIN_CTX = 393216  # ds4 applies Think Max only with a context this large
+
+
+def render_user_turn(prompt: str, think: str) -> str:
+    out = "<｜begin▁of▁sentence｜>"
+    if think == "max":
+        out += THINK_MAX_PREFIX
+    out += "<｜User｜>" + prompt + "<｜Assistant｜>"
+    return out + ("</think>" if think == "none" else "<think>")
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="ds4", description="run DeepSeek V4 Flash on one prompt")
+    p.add_argument("-m", "--model", required=True, help="path to a ds4 GGUF")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-p", "--prompt", help="the user message")
+    g.add_argument("--prompt-file", help="read the user message from a file")
+    p.add_argument("-n", "--n-predict", type=int, default=256, help="tokens to generate (default 256)")
+    p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("--temp", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0, help="0 = random")
+    t = p.add_mutually_exclusive_group()
+    t.add_argument("--think", dest="think", action="store_const", const="high", help="thinking mode (default)")
+    t.add_argument("--nothink", dest="think", action="store_const", const="none")
+    t.add_argument("--think-max", dest="think", action="store_const", const="max")
+    p.set_defaults(think="high")
+    p.add_argument("--numerics", choices=["ds4", "exact"], default="ds4")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk size")
+    p.add_argument("--dump-tokens", action="store_true", help="print prompt and generated token ids and pieces")
+    p.add_argument("--dump-logprobs", metavar="FILE", help="write the top-k log-probabilities of every step as JSON")
+    p.add_argument("--logprobs-top-k", type=int, default=20)
+    p.add_argument("--dump-logits", metavar="FILE", help="write every step's full logits (.npy, float32)")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 1
+
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="ds4", description="run DeepSeek V4 Flash on a prompt (one shot)")
-    p.add_argument("-m", "--model", help="path to a ds4 GGUF")
-    p.add_argument("-p", "--prompt")
-    p.add_argument("-n", "--n-predict", type=int, default=64)
-    a = p.parse_args(argv)
-    if a.model:
-        from .model_file import ModelFile
+    a = _parser().parse_args(argv)
+    if a.prompt_file:
         try:
-            with ModelFile.open(a.model) as m:
-                c = m.config
-                print(f"{m.path}: DeepSeek V4, {c.n_layer} layers, width {c.n_embd}, vocab {c.n_vocab}, "
-                      f"recipe {m.recipe}")
-        except ModelFileError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    print("ds4: text generation is not built yet (it lands with the forward-pass issue).", file=sys.stderr)
+            with open(a.prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            return _fail(f"{a.prompt_file}: cannot read the prompt: {getattr(e, 'strerror', None) or e}")
+    else:
+        prompt = a.prompt if a.prompt is not None else ""
+    if a.n_predict < 0 or a.ctx < 16 or a.logprobs_top_k < 1:
+        return _fail("-n must be >= 0, --ctx >= 16 and --logprobs-top-k >= 1")
+    think = a.think
+    if think == "max" and a.ctx < THINK_MAX_MIN_CTX:
+        print(f"note: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; using --think", file=sys.stderr)
+        think = "high"
+    try:
+        return _run(a, prompt, think)
+    except ModelFileError as e:
+        return _fail(str(e))
+    except (ValueError, OSError) as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _run(a, prompt: str, think: str) -> int:
+    import numpy as np
+
+    from .sampling import Rng, SamplingParams, logprob_of
+    from .session import Engine, Session
+
+    eng = Engine.open(a.model, backend=a.backend, numerics=a.numerics, threads=a.threads)
+    tok = eng.tokenizer
+    ids = tok.encode(render_user_turn(prompt, think))
+    if len(ids) + a.n_predict >= a.ctx:
+        raise ValueError(f"the prompt ({len(ids)} tokens) plus -n {a.n_predict} does not fit --ctx {a.ctx}")
+    out = sys.stdout
+    if a.dump_tokens:
+        for i, t in enumerate(ids):
+            out.write(f"prompt[{i}] {t} {_piece(tok, t)}\n")
+    sess = Session(eng, a.ctx, chunk=a.chunk)
+    t0 = time.perf_counter()
+    sess.sync(ids)
+    t_prefill = time.perf_counter() - t0
+    params = SamplingParams(a.temp, a.top_k, a.top_p, a.min_p, a.seed or None)
+    rng = Rng(params.seed)
+    steps, logits_dump, generated = [], [], []
+    pending = b""
+    t1 = time.perf_counter()
+    for step in range(a.n_predict):
+        if a.dump_logits:
+            logits_dump.append(sess.logits.copy())
+        t = sess.sample(params, rng)
+        if a.dump_logprobs:
+            top = sess.top_logprobs(a.logprobs_top_k)
+            lp = logprob_of(sess.logits, t)
+            steps.append({"step": step, "token": _tok_json(tok, t), "logprob": lp,
+                          "top_logprobs": [dict(_tok_json(tok, i), logprob=v) for i, v in top]})
+        generated.append(t)
+        if t == tok.eos_id:
+            break  # EOS ends the turn and is never evaluated into the KV
+        pending += tok.token_bytes(t)
+        text, pending = _utf8_prefix(pending)
+        if not a.dump_tokens:
+            out.write(text)
+            out.flush()
+        if step + 1 < a.n_predict:
+            sess.eval(t)
+    t_gen = time.perf_counter() - t1
+    if pending and not a.dump_tokens:
+        out.write(pending.decode("utf-8", errors="replace"))
+    if a.dump_tokens:
+        for i, t in enumerate(generated):
+            out.write(f"gen[{i}] {t} {_piece(tok, t)}\n")
+    else:
+        out.write("\n")
+    if a.dump_logprobs:
+        _write_json(a.dump_logprobs, {"prompt_tokens": len(ids), "top_k": a.logprobs_top_k, "steps": steps})
+    if a.dump_logits:
+        np.save(a.dump_logits, np.array(logits_dump, dtype=np.float32).reshape(len(logits_dump), -1))
+    n_gen = len(generated)
+    print(f"prefill: {len(ids)} tokens in {t_prefill:.2f} s ({len(ids) / max(t_prefill, 1e-9):.2f} t/s); "
+          f"generation: {n_gen} tokens in {t_gen:.2f} s ({n_gen / max(t_gen, 1e-9):.2f} t/s)", file=sys.stderr)
+    eng.close()
     return 0
+
+
+def _piece(tok, t: int) -> str:
+    return json.dumps(tok.token_bytes(t).decode("utf-8", errors="backslashreplace"), ensure_ascii=False)
+
+
+def _tok_json(tok, t: int) -> dict:
+    b = tok.token_bytes(t)
+    return {"id": t, "text": b.decode("utf-8", errors="replace"), "bytes": list(b)}
+
+
+def _utf8_prefix(b: bytes) -> tuple[str, bytes]:
+    """The longest decodable prefix of b (a multi-byte character may be split across tokens)."""
+    for cut in range(len(b), max(-1, len(b) - 4), -1):
+        try:
+            return b[:cut].decode("utf-8"), b[cut:]
+        except UnicodeDecodeError:
+            continue
+    return b.decode("utf-8", errors="replace"), b""
+
+
+def _write_json(path: str, obj):
+    import os
+    import tempfile
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".ds4-", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

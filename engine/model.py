@@ -57,13 +57,14 @@ class Model:
         for _ in range(c.sinkhorn_iters - 1):
             C = C / (C.sum(axis=2, keepdims=True) + eps)       # rows
             C = C / (C.sum(axis=1, keepdims=True) + eps)       # columns
-        x = np.einsum("ti,tid->td", pre, X).astype(np.float32)
+        x = np.einsum("ti,tid->td", pre.astype(np.float64), X).astype(np.float32)
         return x, post.astype(np.float32), C.astype(np.float32)
 
     @staticmethod
     def _hc_post(y, X, post, C):
         # X_new[k] = post[k] * y + sum_j C[j, k] * X[j]   (C used transposed)
-        return (post[:, :, None] * y[:, None, :] + np.einsum("tjk,tjd->tkd", C, X)).astype(np.float32)
+        mixed = np.einsum("tjk,tjd->tkd", C.astype(np.float64), X)
+        return (post[:, :, None] * y[:, None, :] + mixed).astype(np.float32)
 
     # -- attention sublayer (§3.4) -------------------------------------------------------------
     def _thetas(self, ratio: int, pos: np.ndarray, n_rot: int):
@@ -182,8 +183,8 @@ class Model:
         qi = ops.index_qat(ops.rope(qi, th_fn(pos)[:, None, :]))
         wts = ops.linear(lw.indexer.proj, h) * np.float32(1.0 / np.sqrt(c.idx_head_dim * c.idx_n_head))
         keys = ls.index[:int(n_vis[-1])]
-        s = np.einsum("thd,cd->thc", qi, keys, optimize=True)
-        score = np.einsum("th,thc->tc", wts, np.maximum(s, 0.0), optimize=True).astype(np.float32)
+        s = np.einsum("thd,cd->thc", qi.astype(np.float64), keys.astype(np.float64), optimize=True)
+        score = np.einsum("th,thc->tc", wts.astype(np.float64), np.maximum(s, 0.0), optimize=True)
         vis = np.arange(keys.shape[0])[None, :] < n_vis[:, None]
         score = np.where(vis, score, -np.inf)
         idx = ops.topk_lowest_index(score, k)                                      # [T, k]
@@ -246,7 +247,7 @@ class Model:
         flat = ops.rmsnorm(X.reshape(T, c.n_hc * c.n_embd), None, c.rms_eps)
         mix = ops.linear(w.hc_head_fn, flat)                                      # [T, n_hc]
         pre = ops.sigmoid(mix * w.hc_head_scale[0] + w.hc_head_base) + np.float32(c.hc_eps)
-        x = np.einsum("ti,tid->td", pre, X).astype(np.float32)
+        x = np.einsum("ti,tid->td", pre.astype(np.float64), X).astype(np.float32)
         x = ops.rmsnorm(x, w.out_norm, c.rms_eps)
         return ops.linear(w.output, x)
 

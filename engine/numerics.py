@@ -103,7 +103,8 @@ def f16_round(x) -> np.ndarray:
     ``kv_cache_push_raw`` / ``kv_cache_push_comp``); its software f32_to_f16 is
     RNE with gradual underflow, which is exactly NumPy's cast.
     """
-    return _f32(x).astype(np.float16).astype(np.float32)
+    with np.errstate(over="ignore"):
+        return _f32(x).astype(np.float16).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def q8_k_quantize(x) -> tuple[np.ndarray, np.ndarray]:
     m = np.take_along_axis(b, idx, axis=-1)[..., 0]
     with np.errstate(divide="ignore", invalid="ignore"):
         iscale = np.where(m != 0, _F32(-127.0) / m, _F32(0.0)).astype(np.float32)
-    d = (m * (_F32(-1.0) / _F32(127.0))).astype(np.float32)
+    d = np.where(m != 0, m * (_F32(-1.0) / _F32(127.0)), _F32(0.0)).astype(np.float32)
     q = np.clip(np.rint(iscale[..., None] * b), -128, 127).astype(np.int8)
     return q, d
 
@@ -434,6 +435,9 @@ def apply_rope(x, thetas, inverse: bool = False) -> np.ndarray:
     with c = cosf(theta), s = sinf(theta) (float32; ``inverse`` uses -s, i.e.
     the negated angle), products and sums rounded to float32 one at a time
     (ds4 ``rope_tail_ext_inplace``).  The first W - n_rot dims are copied.
+    cos/sin here are correctly rounded; glibc 2.36's cosf/sinf (what a Linux
+    ds4 build calls) are off by one ulp for about 1.2% of angles, and with
+    them this function is bit-exact with ds4's GCC build.
 
     Broadcasting: the leading axes of ``thetas`` line up with the LEADING axes
     of x, not the trailing ones.  thetas of shape [*L, n_pairs] with L a

@@ -10,7 +10,10 @@ CuPy) implement the same methods and are tested against this one. Two numerics m
   trip of the non-RoPE KV dims, F16 rounding of every cached row, Hadamard + FP4 round trip of the
   indexer's queries and keys, RoPE angles built by repeated float32 products.
 
-Weights are QTensors: bytes in the map, decoded a chunk of rows at a time, never whole.
+Weights are QTensors: bytes in the map, decoded a chunk of rows at a time, never whole. Matmuls
+accumulate in float64 and round once, so a token's result does not depend on how many tokens share
+the batch: chunked prefill and decode agree to the last bit far more often than float32 sums would,
+which matters in ds4 mode, where a one-ulp change can move an activation across a Q8 rounding step.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ class NumpyOps:
         Q8_0 weight to Q8_0 blocks first, as its quantized dot product does."""
         if self.ds4 and w.type_id == Q.Q8_0:
             x = N.q8_0_round(x)
-        return Q.matvec(w.type_id, w.data, _f32(x).T, rows).T
+        return Q.matvec(w.type_id, w.data, _f32(x).T, rows, accumulate=np.float64).T
 
     def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """Activation rounding of a routed-expert matmul input (identity in exact mode)."""
@@ -56,7 +59,7 @@ class NumpyOps:
 
     def expert_linear(self, w: QTensor, x_rounded: np.ndarray) -> np.ndarray:
         """x [T, in] (already rounded by expert_act) -> [T, out] for one expert's matrix."""
-        return Q.matvec(w.type_id, w.data, _f32(x_rounded).T).T
+        return Q.matvec(w.type_id, w.data, _f32(x_rounded).T, accumulate=np.float64).T
 
     # -- norms and elementwise -----------------------------------------------------------------
     @staticmethod
@@ -117,12 +120,16 @@ class NumpyOps:
         per query, mask [T, K] bool (True = attend). The sink logit enters the denominator only.
         Returns [T, H, D].
         """
+        # float64 inside: a query's result must not depend on how many queries share the call
+        q = q.astype(np.float64)
+        segments = [(keys.astype(np.float64), mask) for keys, mask in segments]
         scores = []
         for keys, mask in segments:
             eq = "thd,kd->thk" if keys.ndim == 2 else "thd,tkd->thk"
-            s = np.einsum(eq, q, keys, optimize=True) * np.float32(scale)
-            scores.append(np.where(mask[:, None, :], s, -np.inf).astype(np.float32))
+            s = np.einsum(eq, q, keys, optimize=True) * scale
+            scores.append(np.where(mask[:, None, :], s, -np.inf))
         s = np.concatenate(scores, axis=-1)
+        sinks = sinks.astype(np.float64)
         m = np.maximum(np.max(s, axis=-1), sinks[None, :])                       # [T, H]
         p = np.exp(s - m[..., None])
         den = np.sum(p, axis=-1) + np.exp(sinks[None, :] - m)

@@ -369,13 +369,16 @@ def dequantize_rows(type_id: int, data2d: np.ndarray, start: int, stop: int) -> 
 
 
 def matvec(type_id: int, data2d: np.ndarray, x: np.ndarray, rows: slice | None = None,
-           chunk_rows: int = 256) -> np.ndarray:
+           chunk_rows: int = 256, accumulate=np.float32) -> np.ndarray:
     """Reference y = W[rows] @ x for a packed 2-D weight (uint8 [n_rows, row_bytes]).
 
     x: float32 [n_elems] or [n_elems, T].  Streams ``chunk_rows`` rows at a time
-    (dequantize -> float32 matmul); the whole float matrix is never built.
+    (dequantize -> matmul); the whole float matrix is never built.
+    accumulate=np.float64 does the products and sums in float64 and rounds once: the result
+    then no longer depends on BLAS's summation order (gemv vs gemm, batch size).
     Returns float32 [n_sel] or [n_sel, T].
     """
+    acc = np.dtype(accumulate)
     f = _format(type_id)
     data2d = _as_bytes(data2d)
     if data2d.ndim != 2:
@@ -393,10 +396,15 @@ def matvec(type_id: int, data2d: np.ndarray, x: np.ndarray, rows: slice | None =
     chunk_rows = max(1, int(chunk_rows))
     n_sel = data2d.shape[0]
     y = np.empty((n_sel,) + x.shape[1:], dtype=np.float32)
+    if acc != np.float32:
+        x = x.astype(acc)
     for r0 in range(0, n_sel, chunk_rows):
         r1 = min(n_sel, r0 + chunk_rows)
         w = dequantize(type_id, data2d[r0:r1])
-        np.matmul(w, x, out=y[r0:r1])
+        if acc == np.float32:
+            np.matmul(w, x, out=y[r0:r1])
+        else:
+            y[r0:r1] = np.matmul(w.astype(acc), x)
     return y
 
 

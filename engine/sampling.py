@@ -97,3 +97,9 @@ def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     k = min(k, len(x))
     idx = np.argsort(-x, kind="stable")[:k]
     return [(int(i), float(x[i] - lse)) for i in idx]
+
+
+def logprob_of(logits: np.ndarray, token: int) -> float:
+    x = np.asarray(logits, dtype=np.float64)
+    m = np.max(x)
+    return float(x[token] - m - np.log(np.sum(np.exp(x - m))))

@@ -40,3 +40,11 @@ def flash_q2_sparse(models_dir) -> Path:
 @pytest.fixture
 def oracle_gguf() -> Path:
     return need_shared(ORACLE / "ds4-tiny-q2.gguf")
+
+
+@pytest.fixture(scope="session")
+def small_model(models_dir) -> Path:
+    """A fast model for engine invariants: the tiny shape with a 512-id vocabulary and 16 indexer
+    heads (so indexer scores have no ties), q2 experts."""
+    cfg, vocab = config_for("tiny", vocab=465, idx_n_head=16)
+    return Path(write_synthetic(models_dir / "small-q2.gguf", cfg, recipe="q2", vocab=vocab, seed=5).path)

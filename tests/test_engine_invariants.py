@@ -1,0 +1,142 @@
+"""Timeline invariants of the engine: causality, chunking, rewind, snapshots, progress."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import ContextFull, Engine, Session, SnapshotError
+from engine.kv_state import frontier_start
+
+
+@pytest.fixture(scope="module")
+def eng(small_model):
+    with Engine.open(small_model, numerics="ds4") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def toks():
+    # 300 tokens: 75 ratio-4 rows (indexer selecting 16 of them from position 67 on), 2 ratio-128 rows
+    return np.random.default_rng(0).integers(0, 512, 300).tolist()
+
+
+def test_later_tokens_never_change_earlier_logits(eng, toks):
+    a = Session(eng, 512).sync(toks, keep_logits=True)
+    other = toks[:200] + list(np.random.default_rng(1).integers(0, 512, 100))
+    b = Session(eng, 512).sync(other, keep_logits=True)
+    assert np.abs(a[:200] - b[:200]).max() < 1e-4
+    assert np.abs(a[200:] - b[200:]).max() > 0.1
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_chunked_prefill_equals_full_prefill_in_ds4_mode(eng, toks, chunk):
+    """float64 accumulation makes a token's math independent of its batch, so even with ds4's
+    activation rounding (where one ulp can flip a Q8 step) chunking changes nothing but noise."""
+    full = Session(eng, 512).sync(toks, keep_logits=True)
+    got = Session(eng, 512, chunk=chunk).sync(toks, keep_logits=True)
+    d = np.abs(full - got).max(axis=1)
+    assert np.median(d) < 1e-4 and (full.argmax(1) == got.argmax(1)).all()
+
+
+def test_snapshot_restore_continue_is_bit_exact(eng, toks):
+    s = Session(eng, 512)
+    s.sync(toks[:250])
+    blob = s.snapshot()
+    tail = toks[250:266]   # crosses a ratio-4 boundary and the 256 ratio-128 boundary
+    straight = np.array([s.eval(t).copy() for t in tail])
+    r = Session(eng, 512)
+    r.restore(blob)
+    assert r.tokens == toks[:250] and r.pos == 250
+    resumed = np.array([r.eval(t).copy() for t in tail])
+    assert np.array_equal(straight, resumed)
+
+
+def test_snapshot_is_canonical_and_sized_as_ds4(eng, toks):
+    c = eng.config
+    s = Session(eng, 512)
+    s.sync(toks[:250])
+    blob = s.snapshot()
+    r = Session(eng, 512)
+    r.restore(blob)
+    assert r.snapshot() == blob
+    T, R = 250, min(c.n_swa, 512)
+    size = 52 + 4 * T + 4 * c.n_vocab + 8 * c.n_layer + c.n_layer * R * 4 * c.head_dim
+    for il in range(c.n_layer):
+        ratio = c.ratio(il)
+        if ratio == 4:
+            size += 4 * c.head_dim * (T // 4) + 2 * 4 * 8 * 2 * c.head_dim
+            size += 4 * c.idx_head_dim * (T // 4) + 2 * 4 * 8 * 2 * c.idx_head_dim
+        elif ratio == 128:
+            size += 4 * c.head_dim * (T // 128) + 2 * 4 * 128 * c.head_dim
+    assert len(blob) == size
+    assert np.frombuffer(blob[:52], "<u4").tolist()[:2] == [0x34565344, 1]
+
+
+def test_bad_snapshots_are_rejected_and_lose_nothing(eng, toks):
+    s = Session(eng, 512)
+    s.sync(toks[:100])
+    blob = s.snapshot()
+    before = s.logits.copy()
+    for bad, words in [(b"XXXX" + blob[4:], "not a DSV4"), (blob[:1000], "truncated"),
+                       (blob + b"\0", "trailing"), (b"\1\2", "shorter than")]:
+        with pytest.raises(SnapshotError, match=words):
+            s.restore(bad)
+        assert s.pos == 100 and np.array_equal(s.logits, before)
+    small = Session(eng, 64)
+    with pytest.raises(SnapshotError, match="context"):
+        small.restore(blob)
+
+
+def test_rewind_then_reeval_reproduces_bitwise(eng, toks):
+    s = Session(eng, 512)
+    s.sync(toks[:100])                                  # the indexer selects from position 67 on
+    ref = np.array([s.eval(t).copy() for t in toks[100:130]])
+    s.rewind(17)                                        # back across ratio-4 window ends
+    assert s.pos == 113 and np.array_equal(s.logits, ref[12])
+    again = np.array([s.eval(t).copy() for t in toks[113:130]])
+    assert np.array_equal(again, ref[13:])
+
+
+def test_sync_keeps_common_prefix_and_rebuilds_past_the_rewind_window(eng, toks):
+    s = Session(eng, 512, rewind_cap=8)
+    s.sync(toks[:200])
+    calls = []
+    s.sync(toks[:196] + toks[250:260], progress=lambda d, t: calls.append((d, t)))
+    assert calls == [(10, 10)]                     # only the new suffix was prefilled
+    ref = Session(eng, 512).sync(toks[:196] + toks[250:260], keep_logits=True)[-1]
+    assert np.abs(s.logits - ref).max() < 1e-3
+    s.sync(toks[:100])                              # 106 back: more than the rings hold -> rebuild
+    assert s.tokens == toks[:100]
+    ref = Session(eng, 512).sync(toks[:100], keep_logits=True)[-1]
+    assert np.abs(s.logits - ref).max() < 1e-3
+
+
+def test_progress_and_cancel_between_chunks(eng, toks):
+    s = Session(eng, 512, chunk=64)
+    seen = []
+
+    def stop_after_two(done, total):
+        seen.append((done, total))
+        return len(seen) < 2
+    assert s.sync(toks, progress=stop_after_two) is False
+    assert seen == [(64, 300), (128, 300)] and s.pos == 128
+    assert s.sync(toks) is True and s.pos == 300
+
+
+def test_bad_tokens_and_full_context(eng):
+    s = Session(eng, 32)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.sync([1, 2, 99999])
+    with pytest.raises(ContextFull):
+        s.sync(list(range(32)))
+    assert s.pos == 0
+
+
+def test_kv_bytes_grow_with_ctx(eng):
+    a, b = Session(eng, 256).kv_bytes(), Session(eng, 4096).kv_bytes()
+    assert 0 < a < b
+
+
+def test_frontier_start():
+    assert frontier_start(0, 4) == 0 and frontier_start(9, 4) == 4 and frontier_start(3, 4) == 0
+    assert frontier_start(300, 128) == 256

@@ -1,0 +1,72 @@
+"""The engine against ds4 itself and transformers on ds4's own tiny model (shared/ds4-oracle).
+
+`ds4_logits.npz` holds ds4's CPU-path logits after every token of a 538-token prompt, fed one token
+at a time. Activation rounding makes two correct implementations differ by noise that routing
+near-ties amplify, so the comparison is over distributions (oracle README, "Agreement you can
+expect"): a float64 reimplementation with every ds4 numeric reached median 0.15, p90 0.31,
+top-1 89 %, KL 0.013.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine import Engine, Session
+
+from conftest import ORACLE, need_shared
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def stats(ours, ref):
+    d = np.abs(ours - ref).max(axis=1)
+    lr, lo = log_softmax(ref), log_softmax(ours)
+    kl = (np.exp(lr) * (lr - lo)).sum(axis=1)
+    return {"median": float(np.median(d)), "p90": float(np.percentile(d, 90)),
+            "top1": float((ours.argmax(1) == ref.argmax(1)).mean()), "kl": float(kl.mean())}
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    need_shared(ORACLE / "ds4_logits.npz")
+    toks = json.loads((ORACLE / "tokens.json").read_text())["token_ids"]
+    return toks, np.load(ORACLE / "ds4_logits.npz"), np.load(ORACLE / "transformers_logits.npz")
+
+
+def test_ds4_numerics_decode_matches_ds4(oracle, record_property):
+    toks, ds4, _ = oracle
+    with Engine.open(ORACLE / "ds4-tiny-q2.gguf", numerics="ds4") as e:
+        s = Session(e, 1024)
+        ours = np.array([s.eval(t).copy() for t in toks])
+    st = stats(ours, ds4["decode_logits_all"])
+    record_property("ds4_decode_vs_ds4", st)
+    print("ds4 mode, token-by-token decode vs ds4:", st)
+    assert st["median"] <= 0.2 and st["p90"] <= 0.5 and st["top1"] >= 0.85 and st["kl"] <= 0.02, st
+
+
+def test_ds4_numerics_prefill_matches_ds4_prefill(oracle):
+    toks, ds4, _ = oracle
+    pos = ds4["positions"]
+    with Engine.open(ORACLE / "ds4-tiny-q2.gguf", numerics="ds4") as e:
+        ours = Session(e, 1024).sync(toks, keep_logits=True)[pos]
+    st = stats(ours, ds4["prefill_logits_at_positions"])
+    print("ds4 mode, prefill vs ds4 prefill at checkpoints:", st)
+    assert st["median"] <= 0.3 and st["kl"] <= 0.03, st
+
+
+def test_exact_numerics_match_transformers_on_the_dequantized_weights(oracle):
+    toks, ds4, tf = oracle
+    pos = ds4["positions"]
+    with Engine.open(ORACLE / "ds4-tiny-q2.gguf", numerics="exact") as e:
+        ours = Session(e, 1024).sync(toks, keep_logits=True)[pos]
+    d = np.abs(ours - tf["tf_dequant_gguf_logits_at_positions"]).max(axis=1)
+    print("exact mode vs transformers (dequantized GGUF weights), max-abs per checkpoint:", d.round(5))
+    # this model has 4 indexer heads, so indexer scores tie and transformers' topk may pick
+    # differently at a few positions (spec/testing.md); most checkpoints agree to float32 noise
+    assert np.median(d) < 2e-3 and (d < 5e-3).mean() >= 0.8
