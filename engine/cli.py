@@ -149,7 +149,7 @@ def _run(a, prompt: str, think: str) -> int:
     if a.dump_logprobs:
         _write_json(a.dump_logprobs, {"prompt_tokens": len(ids), "top_k": a.logprobs_top_k, "steps": steps})
     if a.dump_logits:
-        np.save(a.dump_logits, np.array(logits_dump, dtype=np.float32).reshape(len(logits_dump), -1))
+        _write_atomic(a.dump_logits, lambda f: np.save(f, np.array(logits_dump, np.float32).reshape(len(logits_dump), -1)))
     n_gen = len(generated)
     print(f"prefill: {len(ids)} tokens in {t_prefill:.2f} s ({len(ids) / max(t_prefill, 1e-9):.2f} t/s); "
           f"generation: {n_gen} tokens in {t_gen:.2f} s ({n_gen / max(t_gen, 1e-9):.2f} t/s)", file=sys.stderr)
@@ -177,13 +177,23 @@ def _utf8_prefix(b: bytes) -> tuple[str, bytes]:
 
 
 def _write_json(path: str, obj):
+    _write_atomic(path, lambda f: f.write(json.dumps(obj, ensure_ascii=False, indent=1).encode("utf-8")))
+
+
+def _write_atomic(path: str, write):
+    """Write through a temp file in the same folder, then rename: a reader never sees half a file."""
     import os
     import tempfile
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".ds4-", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(obj, f, ensure_ascii=False, indent=1)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 if __name__ == "__main__":
