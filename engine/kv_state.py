@@ -39,6 +39,9 @@ class PosRing:
     def read(self, p0: int, p1: int) -> np.ndarray:
         if p1 <= p0:
             return np.zeros((0, self.width), np.float32)
+        if p0 < self.avail_lo or p1 - p0 > self.cap:
+            # a caller asked for rows the ring no longer holds: stale data must never be used
+            raise RuntimeError(f"KV ring holds positions from {self.avail_lo} (cap {self.cap}), asked {p0}..{p1}")
         return self.rows[np.arange(p0, p1) % self.cap]
 
     def holds(self, p0: int, end: int) -> bool:

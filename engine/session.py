@@ -136,7 +136,13 @@ class Session:
         return np.concatenate(kept) if keep_logits else True
 
     def eval(self, token: int) -> np.ndarray:
-        self._forward(self._check(list(self._tokens) + [int(token)])[-1:], all_logits=False)
+        """Append one token (a decode step); returns the logits for the token after it."""
+        token = int(token)
+        if not 0 <= token < self.engine.config.n_vocab:
+            raise ValueError(f"token id {token} is outside the vocabulary (0..{self.engine.config.n_vocab - 1})")
+        if len(self._tokens) + 1 >= self.ctx:
+            raise ContextFull(f"the context of {self.ctx} tokens is full")
+        self._forward([token], all_logits=False)
         return self._logits
 
     def rewind(self, n: int):

@@ -130,6 +130,13 @@ def test_bad_tokens_and_full_context(eng):
     with pytest.raises(ContextFull):
         s.sync(list(range(32)))
     assert s.pos == 0
+    s.sync(list(range(30)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.eval(-1)
+    s.eval(5)
+    with pytest.raises(ContextFull):
+        s.eval(6)
+    assert s.pos == 31
 
 
 def test_kv_bytes_grow_with_ctx(eng):
