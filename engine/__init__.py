@@ -8,6 +8,7 @@ from .model_file import ModelFile, QTensor
 from .sampling import Rng, SamplingParams
 from .session import ContextFull, Engine, Session
 from .snapshot import SnapshotError
+from .tokenizer import Tokenizer
 
 __all__ = ["ContextFull", "Engine", "ModelConfig", "ModelFile", "ModelFileError", "QTensor", "Rng",
-           "SamplingParams", "Session", "SnapshotError"]
+           "SamplingParams", "Session", "SnapshotError", "Tokenizer"]

@@ -117,7 +117,7 @@ def _run(a, prompt: str, think: str) -> int:
     params = SamplingParams(a.temp, a.top_k, a.top_p, a.min_p, a.seed or None)
     rng = Rng(params.seed)
     steps, logits_dump, generated = [], [], []
-    pending = b""
+    text_out = tok.stream_decoder()
     t1 = time.perf_counter()
     for step in range(a.n_predict):
         if a.dump_logits:
@@ -131,16 +131,15 @@ def _run(a, prompt: str, think: str) -> int:
         generated.append(t)
         if t == tok.eos_id:
             break  # EOS ends the turn and is never evaluated into the KV
-        pending += tok.token_bytes(t)
-        text, pending = _utf8_prefix(pending)
+        text = text_out.feed(t)
         if not a.dump_tokens:
             out.write(text)
             out.flush()
         if step + 1 < a.n_predict:
             sess.eval(t)
     t_gen = time.perf_counter() - t1
-    if pending and not a.dump_tokens:
-        out.write(pending.decode("utf-8", errors="replace"))
+    if not a.dump_tokens:
+        out.write(text_out.flush())
     if a.dump_tokens:
         for i, t in enumerate(generated):
             out.write(f"gen[{i}] {t} {_piece(tok, t)}\n")
@@ -164,16 +163,6 @@ def _piece(tok, t: int) -> str:
 def _tok_json(tok, t: int) -> dict:
     b = tok.token_bytes(t)
     return {"id": t, "text": b.decode("utf-8", errors="replace"), "bytes": list(b)}
-
-
-def _utf8_prefix(b: bytes) -> tuple[str, bytes]:
-    """The longest decodable prefix of b (a multi-byte character may be split across tokens)."""
-    for cut in range(len(b), max(-1, len(b) - 4), -1):
-        try:
-            return b[:cut].decode("utf-8"), b[cut:]
-        except UnicodeDecodeError:
-            continue
-    return b.decode("utf-8", errors="replace"), b""
 
 
 def _write_json(path: str, obj):

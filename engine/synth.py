@@ -266,3 +266,30 @@ def _add_metadata(w: GGUFWriter, c: ModelConfig, name, tokens, ttypes, merges):
     w.add_uint32("tokenizer.ggml.padding_token_id", 1)
     w.add_bool("tokenizer.ggml.add_bos_token", False)
     w.add_bool("tokenizer.ggml.add_eos_token", False)
+
+
+def write_vocab_only(path, vocab: int | str = FULL, name: str = "ds4-agent-vocab") -> str:
+    """A GGUF with only the tokenizer metadata (no tensors): what `Tokenizer.from_gguf` needs."""
+    tokens, ttypes, merges = deepseek_vocab(vocab)
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=".vocab-", suffix=".gguf.tmp", dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        w = GGUFWriter(tmp, ARCH)
+        w.add_string("general.name", name)
+        w.add_uint32(f"{ARCH}.vocab_size", len(tokens))
+        w.add_string("tokenizer.ggml.model", "gpt2")
+        w.add_string("tokenizer.ggml.pre", "joyai-llm")
+        w.add_key_value("tokenizer.ggml.tokens", tokens, GGUFValueType.ARRAY, GGUFValueType.STRING)
+        w.add_key_value("tokenizer.ggml.token_type", ttypes, GGUFValueType.ARRAY, GGUFValueType.INT32)
+        w.add_key_value("tokenizer.ggml.merges", merges, GGUFValueType.ARRAY, GGUFValueType.STRING)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path

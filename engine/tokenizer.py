@@ -1,31 +1,48 @@
-"""The DeepSeek V4 tokenizer, built from the GGUF's own metadata (tokens, merges, token types).
+"""The DeepSeek V4 tokenizer, built from the GGUF's own metadata so a published file is self-sufficient.
 
-Byte-level BPE with the pre-tokenizer of the official `tokenizer.json` (spec/model.md §6.2, three
-regex splits in "isolated" mode, then GPT-2 byte mapping), implemented with the `regex` module so
-Unicode classes match the reference exactly. Added tokens (token type CONTROL or USER_DEFINED: BOS,
-EOS, the chat markers, DSML) are recognised inside text by their exact strings and never split,
-as the reference tokenizer does; everything else goes through BPE.
+Provenance: the vocabulary and merges are `tokenizer.ggml.tokens` / `tokenizer.ggml.merges` of the
+GGUF (ds4's files carry the official DeepSeek V4 table); the pre-tokenizer is the one of the
+official `tokenizer.json` (three regex splits in "isolated" mode, then GPT-2 byte-level mapping,
+spec/model.md §6.2), which GGUF names "joyai-llm". The BPE itself runs in the `tokenizers`
+library (the same Rust code the official tokenizer uses).
+
+Special tokens are exactly ds4's seven markers (spec/protocol.md §1.2): BOS, EOS, <｜User｜>,
+<｜Assistant｜>, <think>, </think>, ｜DSML｜, recognised anywhere in text. Every other added token
+of the official table (FIM, <|EOT|>, <dsml:, ...) is BPE'd as plain text, as ds4 does.
+Decoding follows ds4's token text (§1.3): a vocabulary string containing U+FF5C is emitted
+verbatim, anything else is GPT-2 byte-decoded.
 """
 from __future__ import annotations
 
+import codecs
 import functools
+import re
 
-import regex
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
 
-CONTROL, USER_DEFINED = 3, 4
+from .errors import ModelFileError
 
-_SPLITS = [
-    regex.compile(r"\p{N}{1,3}"),
-    regex.compile(r"[一-龥぀-ゟ゠-ヿ]+"),
-    regex.compile(r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
-                  r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""),
-]
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+THINK, THINK_END = "<think>", "</think>"
+DSML = "｜DSML｜"
+MARKERS = (BOS, EOS, USER, ASSISTANT, THINK, THINK_END, DSML)  # ds4's match order
+PARALLEL_FROM = 32 * 1024                  # characters; shorter text is encoded in one call
+_SAFE_CUT = re.compile(r"(?<=\n)(?=\S)")
+
+SPLIT_PATTERNS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
 
 
 @functools.lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    keep = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
     table, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -36,116 +53,107 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _isolated(pattern, pieces):
-    out = []
-    for piece in pieces:
-        last = 0
-        for m in pattern.finditer(piece):
-            if m.start() > last:
-                out.append(piece[last:m.start()])
-            if m.end() > m.start():
-                out.append(m.group())
-            last = m.end()
-        if last < len(piece):
-            out.append(piece[last:])
-    return out
+def pre_tokenizer():
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in SPLIT_PATTERNS]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 class Tokenizer:
-    def __init__(self, tokens: list[str], merges: list[str], token_types=None):
-        self.tokens = tokens
-        self.id_of = {s: i for i, s in enumerate(tokens)}
-        self.ranks = {}
-        for i, m in enumerate(merges):
-            a, _, b = m.partition(" ")
-            self.ranks.setdefault((a, b), i)
-        types = list(token_types) if token_types is not None else [1] * len(tokens)
-        self.special_ids = {i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)}
-        specials = sorted((tokens[i] for i in self.special_ids), key=len, reverse=True)
-        self._special_re = regex.compile("|".join(regex.escape(s) for s in specials)) if specials else None
-        self._b2u = bytes_to_unicode()
-        self._u2b = {u: b for b, u in self._b2u.items()}
-        self._cache: dict[str, list[int]] = {}
-        self.bos_id = self.id_of.get("<｜begin▁of▁sentence｜>", 0)
-        self.eos_id = self.id_of.get("<｜end▁of▁sentence｜>", 1)
+    def __init__(self, tokens: list[str], merges: list[str]):
+        self.tokens = list(tokens)
+        self.id_of = {s: i for i, s in enumerate(self.tokens)}
+        missing = [m for m in (BOS, EOS) if m not in self.id_of]
+        if missing:
+            raise ValueError(f"the vocabulary lacks {missing[0]!r}")
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        self._hf = _HFTokenizer(models.BPE(vocab=dict(self.id_of), merges=pairs, fuse_unk=False))
+        self._hf.pre_tokenizer = pre_tokenizer()
+        self._hf.decoder = decoders.ByteLevel()
+        present = [m for m in MARKERS if m in self.id_of]
+        self._hf.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in present])
+        self.special_ids = {self.id_of[m] for m in present}
+        self.bos_id, self.eos_id = self.id_of[BOS], self.id_of[EOS]
+        self._u2b = {u: b for b, u in bytes_to_unicode().items()}
+        self._bytes_cache: dict[int, bytes] = {}
 
     @classmethod
     def from_metadata(cls, meta: dict) -> "Tokenizer":
-        return cls(meta["tokens"], meta["merges"], meta.get("token_type"))
+        return cls(meta["tokens"], meta["merges"])
+
+    @classmethod
+    def from_gguf(cls, path) -> "Tokenizer":
+        """Build from a GGUF's tokenizer metadata alone (a vocab-only GGUF is enough)."""
+        from .config import read_tokenizer_metadata
+        from .gguf_file import GGUFFile
+        with GGUFFile(path) as g:
+            n = g.get("deepseek4.vocab_size")
+            toks = g.fields.get("tokenizer.ggml.tokens")
+            meta = read_tokenizer_metadata(g, n if isinstance(n, int) else len(toks.value) if toks else 0)
+        try:
+            return cls(meta["tokens"], meta["merges"])
+        except ValueError as e:
+            raise ModelFileError(path, f"tokenizer metadata: {e}") from None
 
     @property
     def n_vocab(self) -> int:
         return len(self.tokens)
 
     def special(self, text: str) -> int:
-        """The id of a special token by its exact string (KeyError if the vocabulary lacks it)."""
+        """The id of a vocabulary string (a marker, or any added token) by its exact text."""
         return self.id_of[text]
 
     # -- encode --------------------------------------------------------------------------------
-    def encode(self, text: str, specials: bool = True) -> list[int]:
-        ids: list[int] = []
-        last = 0
-        if specials and self._special_re is not None:
-            for m in self._special_re.finditer(text):
-                self._encode_plain(text[last:m.start()], ids)
-                ids.append(self.id_of[m.group()])
-                last = m.end()
-        self._encode_plain(text[last:], ids)
-        return ids
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text: the seven markers anywhere, byte-level BPE for the rest."""
+        if len(text) <= PARALLEL_FROM:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        # Long text: cut where the pre-tokenizer always cuts (a newline followed by a character
+        # that is not whitespace: no split pattern and no marker crosses that point), then let
+        # the library encode the pieces on all cores.
+        parts, start = [], 0
+        for m in _SAFE_CUT.finditer(text, PARALLEL_FROM // 2):
+            if m.start() - start >= PARALLEL_FROM // 2:
+                parts.append(text[start:m.start()])
+                start = m.start()
+        parts.append(text[start:])
+        out: list[int] = []
+        for e in self._hf.encode_batch(parts, add_special_tokens=False):
+            out.extend(e.ids)
+        return out
 
-    def _encode_plain(self, text: str, out: list[int]):
-        if not text:
-            return
-        pieces = [text]
-        for pat in _SPLITS:
-            pieces = _isolated(pat, pieces)
-        for piece in pieces:
-            out.extend(self._bpe(piece))
-
-    def _bpe(self, piece: str) -> list[int]:
-        hit = self._cache.get(piece)
-        if hit is not None:
-            return hit
-        word = [self._b2u[b] for b in piece.encode("utf-8")]
-        ranks = self.ranks
-        while len(word) > 1:
-            best, best_rank = None, None
-            for i in range(len(word) - 1):
-                r = ranks.get((word[i], word[i + 1]))
-                if r is not None and (best_rank is None or r < best_rank):
-                    best, best_rank = i, r
-            if best is None:
-                break
-            a, b = word[best], word[best + 1]
-            merged, i = [], 0
-            while i < len(word):
-                if i < len(word) - 1 and word[i] == a and word[i + 1] == b:
-                    merged.append(a + b)
-                    i += 2
-                else:
-                    merged.append(word[i])
-                    i += 1
-            word = merged
-        ids = []
-        for sym in word:
-            i = self.id_of.get(sym)
-            if i is None:  # a symbol the (shrunk) vocabulary lacks: fall back to its bytes
-                ids.extend(self.id_of[ch] for ch in sym)
-            else:
-                ids.append(i)
-        if len(self._cache) < 100_000:
-            self._cache[piece] = ids
-        return ids
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
 
     # -- decode --------------------------------------------------------------------------------
     def token_bytes(self, i: int) -> bytes:
-        s = self.tokens[i]
-        if i in self.special_ids:
-            return s.encode("utf-8")
-        try:
-            return bytes(self._u2b[ch] for ch in s)
-        except KeyError:
-            return s.encode("utf-8")
+        b = self._bytes_cache.get(i)
+        if b is None:
+            s = self.tokens[i]
+            if "｜" in s:           # ds4 emits <｜...｜>-family strings verbatim
+                b = s.encode("utf-8")
+            else:                   # GPT-2 byte-level; unmapped code points are dropped
+                b = bytes(self._u2b[ch] for ch in s if ch in self._u2b)
+            self._bytes_cache[i] = b
+        return b
 
     def decode(self, ids) -> str:
         return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Token ids in, text out, never a broken UTF-8 sequence: a character split across tokens is
+    held back until its last byte arrives (invalid bytes become U+FFFD)."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._dec.decode(self.tok.token_bytes(int(token_id)))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
