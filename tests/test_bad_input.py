@@ -16,7 +16,7 @@ from gguf import GGUFValueType
 
 from ds4agent.cli import main as agent_main
 from engine import ModelFile, ModelFileError
-from engine.cli import main as ds4_main
+from ds4agent.ds4_cli import main as ds4_main
 from engine.gguf_cli import main as gguf_main
 
 from gguf_edit import rewrite

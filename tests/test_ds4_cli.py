@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from engine.cli import main, render_user_turn
+from ds4agent.ds4_cli import main, render_user_turn
 
 
 def run(capsys, *args):
@@ -71,6 +71,6 @@ def test_errors_are_one_line_exit_1(small_model, capsys, args, words):
 
 
 def test_console_script_streams(small_model):
-    p = subprocess.run([sys.executable, "-m", "engine.cli", "-m", str(small_model), "-p", "hello", "-n", "4",
+    p = subprocess.run([sys.executable, "-m", "ds4agent.ds4_cli", "-m", str(small_model), "-p", "hello", "-n", "4",
                         "--temp", "0"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() and "generation:" in p.stderr

@@ -2,9 +2,10 @@
 
   ds4 -m model.gguf -p "hello" -n 64 [--nothink] [--temp 0] [--dump-logprobs out.json]
 
-The prompt is rendered as one plain user turn (BOS, <｜User｜> prompt <｜Assistant｜>, then <think>
-or </think>); the prompt layer renders full conversations. Prefill and generation speeds go to
-stderr at the end; a bad model file or argument is one `error:` line and exit status 1.
+The prompt is rendered by the prompt layer as one user turn (BOS, <｜User｜> prompt <｜Assistant｜>,
+then <think> or </think>); markers typed in the prompt are recognised as ds4 recognises them.
+Prefill and generation speeds go to stderr at the end; a bad model file or argument is one
+`error:` line and exit status 1.
 """
 from __future__ import annotations
 
@@ -13,25 +14,14 @@ import json
 import sys
 import time
 
-from .errors import ModelFileError
-
-THINK_MAX_PREFIX = (
-    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
-    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the "
-    "root cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
-    "adversarial scenarios.\n"
-    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
-    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
-)
-THINK_MAX_MIN_CTX = 393216  # ds4 applies Think Max only with a context this large
+from engine import ModelFileError
+from prompts.messages import Message
+from prompts.render import render_messages, think_mode_for_context
 
 
 def render_user_turn(prompt: str, think: str) -> str:
-    out = "<｜begin▁of▁sentence｜>"
-    if think == "max":
-        out += THINK_MAX_PREFIX
-    out += "<｜User｜>" + prompt + "<｜Assistant｜>"
-    return out + ("</think>" if think == "none" else "<think>")
+    """One plain user turn, rendered by the prompt layer exactly as ds4 renders it."""
+    return render_messages([Message("user", prompt)], None, think)
 
 
 def _parser():
@@ -80,10 +70,9 @@ def main(argv=None) -> int:
         prompt = a.prompt if a.prompt is not None else ""
     if a.n_predict < 0 or a.ctx < 16 or a.logprobs_top_k < 1:
         return _fail("-n must be >= 0, --ctx >= 16 and --logprobs-top-k >= 1")
-    think = a.think
-    if think == "max" and a.ctx < THINK_MAX_MIN_CTX:
-        print(f"note: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; using --think", file=sys.stderr)
-        think = "high"
+    think = think_mode_for_context(a.think, a.ctx)
+    if think != a.think:
+        print("note: --think-max needs --ctx >= 393216 (ds4's gate); using --think", file=sys.stderr)
     try:
         return _run(a, prompt, think)
     except ModelFileError as e:
@@ -98,8 +87,8 @@ def main(argv=None) -> int:
 def _run(a, prompt: str, think: str) -> int:
     import numpy as np
 
-    from .sampling import Rng, SamplingParams, logprob_of
-    from .session import Engine, Session
+    from engine import Engine, Rng, SamplingParams, Session
+    from engine.sampling import logprob_of
 
     eng = Engine.open(a.model, backend=a.backend, numerics=a.numerics, threads=a.threads)
     tok = eng.tokenizer
