@@ -1,0 +1,298 @@
+"""ds4's KV cache file (`<sha1>.kv`), byte-compatible (spec/kvcache.md §2-3).
+
+    48-byte KVC header | u32 text_bytes | cache text | DSV4 session payload | optional KTM trailer
+
+The payload is the engine's `Session.snapshot()`; the text is the rendered text of the stored
+prefix (its SHA-1 names the file); the KTM trailer maps tool ids to the exact DSML blocks the model
+sampled. Writes go to a temporary name in the same folder, are fsynced and renamed over the final
+name, so a reader (or a crash) only ever sees the old file or the new one. Reads validate the whole
+file against the live session's model and context before the session is touched.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from engine import Session, SnapshotError
+
+MAGIC = b"KVC"
+VERSION = 1
+HEADER = struct.Struct("<3sBBBBBIII4sQQQ")   # 48 bytes
+assert HEADER.size == 48
+TEXT_LEN = struct.Struct("<I")
+PREFIX_BYTES = HEADER.size + TEXT_LEN.size  # 52
+
+# save reasons (header byte 5)
+REASONS = {"unknown": 0, "cold": 1, "continued": 2, "evict": 3, "shutdown": 4, "agent-system": 5,
+           "agent-session": 6}
+REASON_NAMES = {v: k for k, v in REASONS.items()}
+# extension flags (header byte 6)
+FLAG_TOOL_MAP, FLAG_RESPONSES_KEY, FLAG_THINKING_KEY = 0x01, 0x02, 0x04
+
+KTM_MAGIC = b"KTM"
+KTM_VERSION = 1
+KTM_MAX_ID = 256
+KTM_MAX_DSML = 512 << 20
+KTM_MAX_ENTRIES = 4 * 100_000   # ds4: 4 x the tool-memory size
+
+
+class KVFileError(Exception):
+    """A KV file that cannot be used; the message names the file and the fault."""
+
+    def __init__(self, path, problem):
+        self.path, self.problem = str(path), problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+@dataclass
+class KVHeader:
+    version: int
+    quant_bits: int
+    reason: int
+    flags: int
+    tokens: int
+    hits: int
+    ctx: int
+    created_at: int
+    last_used: int
+    payload_bytes: int
+    text_bytes: int
+
+    @property
+    def reason_name(self) -> str:
+        return REASON_NAMES.get(self.reason, "unknown")
+
+    @property
+    def key_kind(self) -> str:
+        if self.flags & FLAG_RESPONSES_KEY:
+            return "responses-visible"
+        if self.flags & FLAG_THINKING_KEY:
+            return "thinking-visible"
+        return "token-text"
+
+
+@dataclass
+class KVFileInfo:
+    path: str
+    header: KVHeader
+    text: bytes
+    size: int
+    tool_map: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.header.tokens
+
+
+def sha1_name(text: bytes | str) -> str:
+    """The file name of a cache text: lowercase hex SHA-1 + '.kv'."""
+    if isinstance(text, str):
+        text = text.encode("utf-8")
+    return hashlib.sha1(text).hexdigest() + ".kv"
+
+
+def routed_quant_bits(session_or_engine) -> int:
+    """Header byte 4: 2 for the IQ2_XXS/Q2_K expert files, 4 for Q4_K and MXFP4 ones."""
+    eng = getattr(session_or_engine, "engine", session_or_engine)
+    t = eng.file.tensor("blk.0.ffn_down_exps.weight").type_name
+    return 2 if t in ("IQ2_XXS", "Q2_K") else 4
+
+
+# -- writing -------------------------------------------------------------------------------------
+def encode_tool_map(tool_map: dict[str, str] | None) -> bytes:
+    if not tool_map:
+        return b""
+    parts = [KTM_MAGIC, bytes([KTM_VERSION]), struct.pack("<I", len(tool_map))]
+    for tid, dsml in tool_map.items():
+        i, d = tid.encode("utf-8"), dsml.encode("utf-8")
+        if not 1 <= len(i) <= KTM_MAX_ID or not 1 <= len(d) <= KTM_MAX_DSML:
+            raise ValueError(f"tool map entry {tid[:40]!r}: id must be 1..{KTM_MAX_ID} bytes and DSML "
+                             f"1..{KTM_MAX_DSML} bytes")
+        parts += [struct.pack("<II", len(i), len(d)), i, d]
+    return b"".join(parts)
+
+
+def kv_file_bytes(text: bytes, payload: bytes, trailer: bytes = b"") -> int:
+    return PREFIX_BYTES + len(text) + len(payload) + len(trailer)
+
+
+def write_kv(path, session: Session, rendered_text: bytes | str, *, reason: str = "cold",
+             tool_map: dict[str, str] | None = None, key_kind: str = "token-text",
+             now: int | None = None) -> KVFileInfo:
+    """Write `session` (its whole timeline) as a KV file at `path`, atomically."""
+    if session.pos == 0:
+        raise ValueError("nothing to save: the session holds no tokens")
+    text = rendered_text.encode("utf-8", "surrogateescape") if isinstance(rendered_text, str) else bytes(rendered_text)
+    payload = session.snapshot()
+    trailer = encode_tool_map(tool_map)
+    flags = (FLAG_TOOL_MAP if trailer else 0) | {"token-text": 0, "responses-visible": FLAG_RESPONSES_KEY,
+                                                 "thinking-visible": FLAG_THINKING_KEY}[key_kind]
+    now = int(time.time()) if now is None else now
+    hdr = KVHeader(VERSION, routed_quant_bits(session), REASONS[reason], flags, session.pos, 0,
+                   session.ctx, now, now, len(payload), len(text))
+    data = [pack_header(hdr), TEXT_LEN.pack(len(text)), text, payload, trailer]
+    atomic_write(path, data)
+    return KVFileInfo(os.fspath(path), hdr, text, kv_file_bytes(text, payload, trailer), dict(tool_map or {}))
+
+
+def pack_header(h: KVHeader) -> bytes:
+    return HEADER.pack(MAGIC, h.version, h.quant_bits, h.reason, h.flags, 0, h.tokens, h.hits, h.ctx,
+                       b"\0" * 4, h.created_at, h.last_used, h.payload_bytes)
+
+
+def atomic_write(path, chunks):
+    """Write chunks to a temp file beside `path`, fsync it, rename it over `path`, fsync the folder."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".tmp.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+# -- reading -------------------------------------------------------------------------------------
+def read_header(path) -> tuple[KVHeader, int]:
+    """The header and the file size; KVFileError if the file cannot be a KV file."""
+    path = os.fspath(path)
+    try:
+        if os.path.isdir(path):
+            raise KVFileError(path, "is a directory, not a KV file")
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(PREFIX_BYTES)
+    except FileNotFoundError:
+        raise KVFileError(path, "no such file") from None
+    except OSError as e:
+        raise KVFileError(path, f"cannot read: {e.strerror or e}") from None
+    if len(head) < PREFIX_BYTES:
+        raise KVFileError(path, f"truncated header: {size} bytes, a KV file has at least {PREFIX_BYTES}")
+    (magic, version, quant, reason, flags, _r, tokens, hits, ctx, _r2, created, last_used,
+     payload_bytes) = HEADER.unpack_from(head)
+    if magic != MAGIC:
+        raise KVFileError(path, f"not a KV cache file (magic {magic!r}, expected b'KVC')")
+    if version != VERSION:
+        raise KVFileError(path, f"unsupported KV file version {version}")
+    if quant not in (2, 4):
+        raise KVFileError(path, f"routed-expert quant bits {quant} (only 2 or 4 are valid)")
+    if tokens == 0:
+        raise KVFileError(path, "holds no tokens")
+    (text_bytes,) = TEXT_LEN.unpack_from(head, HEADER.size)
+    need = PREFIX_BYTES + text_bytes + payload_bytes
+    if need > size:
+        raise KVFileError(path, f"truncated: header promises {text_bytes} text + {payload_bytes} payload bytes "
+                                f"({need} in all), the file has {size}")
+    return KVHeader(version, quant, reason if reason <= 6 else 0, flags, tokens, hits, ctx, created,
+                    last_used, payload_bytes, text_bytes), size
+
+
+def decode_tool_map(path, buf: bytes) -> dict[str, str]:
+    if len(buf) < 8 or buf[:3] != KTM_MAGIC or buf[3] != KTM_VERSION:
+        raise KVFileError(path, "tool-id map section is missing or has a bad magic/version")
+    (n,) = struct.unpack_from("<I", buf, 4)
+    if n > KTM_MAX_ENTRIES:
+        raise KVFileError(path, f"tool-id map claims {n} entries (at most {KTM_MAX_ENTRIES})")
+    out, p = {}, 8
+    for k in range(n):
+        if p + 8 > len(buf):
+            raise KVFileError(path, f"tool-id map entry {k} runs past the end of the file")
+        il, dl = struct.unpack_from("<II", buf, p)
+        p += 8
+        if not 1 <= il <= KTM_MAX_ID or not 1 <= dl <= KTM_MAX_DSML or p + il + dl > len(buf):
+            raise KVFileError(path, f"tool-id map entry {k} has bad lengths (id {il}, DSML {dl} bytes)")
+        out[buf[p:p + il].decode("utf-8", "replace")] = buf[p + il:p + il + dl].decode("utf-8", "replace")
+        p += il + dl
+    return out
+
+
+def read_info(path, *, with_tool_map: bool = True) -> KVFileInfo:
+    """Header, text and tool map of a KV file, without its payload."""
+    h, size = read_header(path)
+    with open(path, "rb") as f:
+        f.seek(PREFIX_BYTES)
+        text = f.read(h.text_bytes)
+        tool_map = {}
+        if with_tool_map and h.flags & FLAG_TOOL_MAP:
+            f.seek(PREFIX_BYTES + h.text_bytes + h.payload_bytes)
+            tool_map = decode_tool_map(path, f.read())
+    if len(text) != h.text_bytes:
+        raise KVFileError(path, "truncated cached text")
+    return KVFileInfo(os.fspath(path), h, text, size, tool_map)
+
+
+def read_kv(path, session: Session, *, expect_text: bytes | None = None, check_name: bool = False,
+            allow_other_quant: bool = False) -> KVFileInfo:
+    """Restore `session` from a KV file. Everything is validated first (header, sizes, tool map,
+    name vs text, quant width, and the payload against the model and the session's context); on
+    any fault KVFileError is raised and `session` is exactly as it was."""
+    path = os.fspath(path)
+    info = read_info(path)
+    h = info.header
+    if check_name and os.path.basename(path) != sha1_name(info.text):
+        raise KVFileError(path, "cached text hash does not match file name")
+    if expect_text is not None and info.text != expect_text:
+        raise KVFileError(path, "cached text differs from the expected text")
+    if not allow_other_quant and h.quant_bits != routed_quant_bits(session):
+        raise KVFileError(path, f"KV checkpoint was written for a different quantization "
+                                f"({h.quant_bits}-bit experts, this model has {routed_quant_bits(session)}-bit)")
+    if not (h.flags & FLAG_TOOL_MAP) and info.size != PREFIX_BYTES + h.text_bytes + h.payload_bytes:
+        raise KVFileError(path, f"{info.size - PREFIX_BYTES - h.text_bytes - h.payload_bytes} trailing bytes "
+                                f"after the payload and no tool-id map flag")
+    with open(path, "rb") as f:
+        f.seek(PREFIX_BYTES + h.text_bytes)
+        payload = f.read(h.payload_bytes)
+    if len(payload) != h.payload_bytes:
+        raise KVFileError(path, "truncated payload")
+    if len(payload) >= 52 and struct.unpack_from("<13I", payload)[7] != h.tokens:
+        raise KVFileError(path, f"KV payload token count mismatch (header {h.tokens}, "
+                                f"payload {struct.unpack_from('<13I', payload)[7]})")
+    try:
+        session.restore(payload)   # validates fully before replacing the session's state
+    except SnapshotError as e:
+        raise KVFileError(path, f"payload: {e}") from None
+    return info
+
+
+def touch(path, now: int | None = None):
+    """Count a cache hit: hits + 1 and last_used = now, rewriting the header in place."""
+    h, _ = read_header(path)
+    h.hits += 1
+    h.last_used = int(time.time()) if now is None else now
+    with open(path, "r+b") as f:
+        f.write(pack_header(h))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_tool_map(path, tool_map: dict[str, str], now: int | None = None):
+    """Rewrite only the KTM trailer of an existing file (ds4's refresh of a same-name entry)."""
+    h, size = read_header(path)
+    trailer = encode_tool_map(tool_map)
+    if not trailer:
+        return
+    with open(path, "rb") as f:
+        body = f.read(PREFIX_BYTES + h.text_bytes + h.payload_bytes)
+    h.flags |= FLAG_TOOL_MAP
+    h.last_used = int(time.time()) if now is None else now
+    atomic_write(path, [pack_header(h), body[HEADER.size:], trailer])
