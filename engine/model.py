@@ -30,7 +30,7 @@ class Model:
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, pos0: int, state: KVState, all_logits: bool = False) -> np.ndarray:
         """Logits [T, vocab] (all_logits) or [vocab] for the last token."""
-        c, ops = self.c, self.ops
+        c = self.c
         tokens = np.asarray(tokens, dtype=np.int64)
         e = Q.dequantize(self.w.embd.type_id, self.w.embd.data[tokens])            # [T, E]
         X = np.repeat(e[:, None, :], c.n_hc, axis=1).astype(np.float32)           # [T, n_hc, E]
@@ -194,7 +194,6 @@ class Model:
     # -- FFN sublayer (§3.11) ------------------------------------------------------------------
     def _ffn(self, lw: LayerWeights, X, tokens):
         c, ops = self.c, self.ops
-        T = X.shape[0]
         x, post, C = self._hc_pre(lw.hc_ffn, X)
         u = ops.rmsnorm(x, lw.ffn_norm, c.rms_eps)
         p = np.sqrt(ops.softplus(ops.linear(lw.gate_inp, u)))                     # [T, n_expert]

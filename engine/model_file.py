@@ -11,7 +11,6 @@ import numpy as np
 
 from . import quants as Q
 from .config import ModelConfig, read_tokenizer_metadata
-from .errors import ModelFileError
 from .gguf_file import GGUFFile, TensorInfo
 from .layout import LayoutReport, check_layout, raise_on_problems, recipe_name
 

@@ -25,7 +25,7 @@ from gguf import GGUFValueType, GGUFWriter
 from gguf.constants import GGMLQuantizationType
 
 from . import quants as Q
-from .config import ARCH, CSA_RATIO, FLASH, ModelConfig, flash_schedule
+from .config import ARCH, FLASH, ModelConfig, flash_schedule
 from .layout import (ATTN, COMPRESSOR, EMBED, HASH, HC, INDEXER, NORM, OUTPUT, ROUTED, ROUTER, SHARED,
                      TensorSpec, expected_tensors)
 from .synth_vocab import FULL, deepseek_vocab, vocab_size_for

@@ -41,10 +41,11 @@ KTM_MAX_ENTRIES = 4 * 100_000   # ds4: 4 x the tool-memory size
 
 
 class KVFileError(Exception):
-    """A KV file that cannot be used; the message names the file and the fault."""
+    """A KV file that cannot be used; the message names the file and the fault. `corrupt` marks a
+    file that contradicts itself (as opposed to one that is merely for another model/context)."""
 
-    def __init__(self, path, problem):
-        self.path, self.problem = str(path), problem
+    def __init__(self, path, problem, *, corrupt: bool = False):
+        self.path, self.problem, self.corrupt = str(path), problem, corrupt
         super().__init__(f"{self.path}: {problem}")
 
 
@@ -122,12 +123,14 @@ def kv_file_bytes(text: bytes, payload: bytes, trailer: bytes = b"") -> int:
 
 def write_kv(path, session: Session, rendered_text: bytes | str, *, reason: str = "cold",
              tool_map: dict[str, str] | None = None, key_kind: str = "token-text",
-             now: int | None = None) -> KVFileInfo:
-    """Write `session` (its whole timeline) as a KV file at `path`, atomically."""
+             now: int | None = None, payload: bytes | None = None) -> KVFileInfo:
+    """Write `session` (its whole timeline) as a KV file at `path`, atomically. `payload` is the
+    session's snapshot when the caller already took it (a second one would double peak memory)."""
     if session.pos == 0:
         raise ValueError("nothing to save: the session holds no tokens")
     text = rendered_text.encode("utf-8", "surrogateescape") if isinstance(rendered_text, str) else bytes(rendered_text)
-    payload = session.snapshot()
+    if payload is None:
+        payload = session.snapshot()
     trailer = encode_tool_map(tool_map)
     flags = (FLAG_TOOL_MAP if trailer else 0) | {"token-text": 0, "responses-visible": FLAG_RESPONSES_KEY,
                                                  "thinking-visible": FLAG_THINKING_KEY}[key_kind]
@@ -173,17 +176,31 @@ def atomic_write(path, chunks):
 
 
 # -- reading -------------------------------------------------------------------------------------
-def read_header(path) -> tuple[KVHeader, int]:
-    """The header and the file size; KVFileError if the file cannot be a KV file."""
-    path = os.fspath(path)
+def _open(path, mode: str = "rb"):
+    """Open a KV file. Every reader takes all it reads (header, size, text, payload, trailer) from
+    this one descriptor, so a concurrent atomic replace can never mix two versions."""
     try:
         if os.path.isdir(path):
             raise KVFileError(path, "is a directory, not a KV file")
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(PREFIX_BYTES)
+        return open(path, mode)
     except FileNotFoundError:
         raise KVFileError(path, "no such file") from None
+    except OSError as e:
+        raise KVFileError(path, f"cannot read: {e.strerror or e}") from None
+
+
+def read_header(path) -> tuple[KVHeader, int]:
+    """The header and the file size; KVFileError if the file cannot be a KV file."""
+    path = os.fspath(path)
+    with _open(path) as f:
+        return _read_header(f, path)
+
+
+def _read_header(f, path) -> tuple[KVHeader, int]:
+    try:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(0)
+        head = f.read(PREFIX_BYTES)
     except OSError as e:
         raise KVFileError(path, f"cannot read: {e.strerror or e}") from None
     if len(head) < PREFIX_BYTES:
@@ -219,8 +236,11 @@ def decode_tool_map(path, buf: bytes) -> dict[str, str]:
             raise KVFileError(path, f"tool-id map entry {k} runs past the end of the file")
         il, dl = struct.unpack_from("<II", buf, p)
         p += 8
-        if not 1 <= il <= KTM_MAX_ID or not 1 <= dl <= KTM_MAX_DSML or p + il + dl > len(buf):
+        if not 1 <= il <= KTM_MAX_ID or not 1 <= dl <= KTM_MAX_DSML:
             raise KVFileError(path, f"tool-id map entry {k} has bad lengths (id {il}, DSML {dl} bytes)")
+        if p + il + dl > len(buf):
+            raise KVFileError(path, f"tool-id map entry {k} runs past the end of the file (id {il}, DSML {dl} "
+                                    f"bytes, {len(buf) - p} left)")
         out[buf[p:p + il].decode("utf-8", "replace")] = buf[p + il:p + il + dl].decode("utf-8", "replace")
         p += il + dl
     return out
@@ -228,14 +248,18 @@ def decode_tool_map(path, buf: bytes) -> dict[str, str]:
 
 def read_info(path, *, with_tool_map: bool = True) -> KVFileInfo:
     """Header, text and tool map of a KV file, without its payload."""
-    h, size = read_header(path)
-    with open(path, "rb") as f:
-        f.seek(PREFIX_BYTES)
-        text = f.read(h.text_bytes)
-        tool_map = {}
-        if with_tool_map and h.flags & FLAG_TOOL_MAP:
-            f.seek(PREFIX_BYTES + h.text_bytes + h.payload_bytes)
-            tool_map = decode_tool_map(path, f.read())
+    with _open(os.fspath(path)) as f:
+        return _read_info(f, os.fspath(path), with_tool_map)
+
+
+def _read_info(f, path, with_tool_map: bool = True) -> KVFileInfo:
+    h, size = _read_header(f, path)
+    f.seek(PREFIX_BYTES)
+    text = f.read(h.text_bytes)
+    tool_map = {}
+    if with_tool_map and h.flags & FLAG_TOOL_MAP:
+        f.seek(PREFIX_BYTES + h.text_bytes + h.payload_bytes)
+        tool_map = decode_tool_map(path, f.read())
     if len(text) != h.text_bytes:
         raise KVFileError(path, "truncated cached text")
     return KVFileInfo(os.fspath(path), h, text, size, tool_map)
@@ -247,8 +271,11 @@ def read_kv(path, session: Session, *, expect_text: bytes | None = None, check_n
     name vs text, quant width, and the payload against the model and the session's context); on
     any fault KVFileError is raised and `session` is exactly as it was."""
     path = os.fspath(path)
-    info = read_info(path)
-    h = info.header
+    with _open(path) as f:
+        info = _read_info(f, path)
+        h = info.header
+        f.seek(PREFIX_BYTES + h.text_bytes)
+        payload = f.read(h.payload_bytes)
     if check_name and os.path.basename(path) != sha1_name(info.text):
         raise KVFileError(path, "cached text hash does not match file name")
     if expect_text is not None and info.text != expect_text:
@@ -259,13 +286,10 @@ def read_kv(path, session: Session, *, expect_text: bytes | None = None, check_n
     if not (h.flags & FLAG_TOOL_MAP) and info.size != PREFIX_BYTES + h.text_bytes + h.payload_bytes:
         raise KVFileError(path, f"{info.size - PREFIX_BYTES - h.text_bytes - h.payload_bytes} trailing bytes "
                                 f"after the payload and no tool-id map flag")
-    with open(path, "rb") as f:
-        f.seek(PREFIX_BYTES + h.text_bytes)
-        payload = f.read(h.payload_bytes)
     if len(payload) != h.payload_bytes:
         raise KVFileError(path, "truncated payload")
     if len(payload) >= 52 and struct.unpack_from("<13I", payload)[7] != h.tokens:
-        raise KVFileError(path, f"KV payload token count mismatch (header {h.tokens}, "
+        raise KVFileError(path, corrupt=True, problem=f"KV payload token count mismatch (header {h.tokens}, "
                                 f"payload {struct.unpack_from('<13I', payload)[7]})")
     try:
         session.restore(payload)   # validates fully before replacing the session's state
@@ -276,10 +300,12 @@ def read_kv(path, session: Session, *, expect_text: bytes | None = None, check_n
 
 def touch(path, now: int | None = None):
     """Count a cache hit: hits + 1 and last_used = now, rewriting the header in place."""
-    h, _ = read_header(path)
-    h.hits += 1
-    h.last_used = int(time.time()) if now is None else now
-    with open(path, "r+b") as f:
+    path = os.fspath(path)
+    with _open(path, "r+b") as f:
+        h, _ = _read_header(f, path)
+        h.hits += 1
+        h.last_used = int(time.time()) if now is None else now
+        f.seek(0)
         f.write(pack_header(h))
         f.flush()
         os.fsync(f.fileno())
@@ -287,12 +313,36 @@ def touch(path, now: int | None = None):
 
 def replace_tool_map(path, tool_map: dict[str, str], now: int | None = None):
     """Rewrite only the KTM trailer of an existing file (ds4's refresh of a same-name entry)."""
-    h, size = read_header(path)
-    trailer = encode_tool_map(tool_map)
-    if not trailer:
-        return
-    with open(path, "rb") as f:
+    path = os.fspath(path)
+    with _open(path) as f:
+        h, size = _read_header(f, path)
+        trailer = encode_tool_map(tool_map)
+        if not trailer:
+            return
+        f.seek(0)
         body = f.read(PREFIX_BYTES + h.text_bytes + h.payload_bytes)
     h.flags |= FLAG_TOOL_MAP
     h.last_used = int(time.time()) if now is None else now
     atomic_write(path, [pack_header(h), body[HEADER.size:], trailer])
+
+
+def remove_stale_temps(folder, older_than_s: float = 3600.0, now: float | None = None) -> int:
+    """Delete temp files a killed writer left behind (`<name>.tmp.*`), once they are old enough
+    that no live writer can still own them. Returns how many were removed."""
+    now = time.time() if now is None else now
+    n = 0
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        if ".tmp." not in name:
+            continue
+        p = os.path.join(folder, name)
+        try:
+            if now - os.path.getmtime(p) > older_than_s:
+                os.unlink(p)
+                n += 1
+        except OSError:
+            pass
+    return n

@@ -1,7 +1,6 @@
 """Shared fixtures: synthetic models are generated once per test session, never downloaded."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

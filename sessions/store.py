@@ -1,0 +1,532 @@
+"""The agent's named sessions (/save /list /switch /rename /delete; spec/agent.md §6).
+
+A session is a ds4 KV file `<root>/<sha1>.kv` (save reason "agent-session"; sha1 of the rendered
+token text, so the file stays byte-compatible with ds4) plus a metadata record `<sha1>.json`
+beside it: title, project directory, think mode, created/updated times, token count, an optional
+user-given name, the lineage (which saved sessions this one was continued from), model file name
+and routed-expert quant width. Both are written to a temporary name and renamed. A KV file with no
+metadata (ds4 wrote it, or a crash came between the two writes) is still a session: its title is
+derived from its text and it has no project, so it shows in the global view only.
+
+Loading restores the KV tensors, the token list and the last logits: the session is ready to
+sample, nothing is prefilled. Every check runs before the live session is touched, so a failed
+load leaves it as it was.
+
+Lineage. The store remembers, per live Session object, which saved session it was last loaded
+from or saved as (its sha, text length and own lineage). When that session is saved again and its
+text still extends the remembered one (checked by hashing the new text's prefix), the new record
+gets `parent` = that sha and `ancestors` = the parent's ancestors + the parent. A timeline that
+was reset, compacted or rebuilt does not extend it, so it starts a fresh lineage.
+
+Prefix pruning (after every save). ds4 deletes every saved session whose text is a strict prefix
+of the new one; here a stored session P is removed only when ALL of these hold:
+  1. P is one of the new session's own ancestors (recorded lineage, not mere text overlap: a
+     session saved independently that happens to share a prefix is not ours to delete);
+  2. P's text is a strict byte prefix of the new text (the new file contains P's whole history);
+  3. P has no user-given name (naming a session is how the user keeps a branch point);
+  4. no other saved session descends from P, by recorded lineage or by text prefix (P is then a
+     branch point that another timeline still starts from);
+  5. P's KV header and metadata are readable (an unreadable file is never guessed about).
+So a linear save-continue-save chain keeps only its newest save, and saving can never remove a
+session that some other saved timeline, or the user's naming, still depends on.
+
+`sysprompt.kv` (reason "agent-system") is a single slot holding the prefilled system prefix; it is
+used only when its text equals the requested prefix byte for byte and its quant width matches.
+
+The root defaults to `$DS4_AGENT_HOME/sessions` or `~/.ds4-agent/sessions` (mode 0700). Sessions
+are global on disk; `list()` shows the current project directory's by default, `list("all")`
+every one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine import Session
+
+from .kvfile import (PREFIX_BYTES, KVFileError, KVFileInfo, atomic_write, read_header, read_info, read_kv,
+                     remove_stale_temps, routed_quant_bits, write_kv)
+from .prefix_cache import token_text
+
+SYSPROMPT = "sysprompt.kv"
+META_VERSION = 1
+TITLE_MAX_BYTES = 70
+MAX_ANCESTORS = 256
+NAME_MAX = 64
+USER_MARK = "<｜User｜>".encode()
+ASSISTANT_MARK = "<｜Assistant｜>".encode()
+_SHA_KV = re.compile(r"([0-9a-f]{40})\.kv")
+_HEX = re.compile(r"[0-9a-fA-F]+")
+
+
+class SessionStoreError(Exception):
+    """A session that cannot be found, read, loaded, renamed or saved; the message says why."""
+
+
+class SessionNotFound(SessionStoreError):
+    pass
+
+
+class AmbiguousSession(SessionStoreError):
+    def __init__(self, ref: str, candidates: list["SessionInfo"]):
+        self.ref, self.candidates = ref, candidates
+        lines = "\n".join(f"  {c.id}  {c.label}" for c in candidates)
+        super().__init__(f"{ref!r} matches {len(candidates)} sessions:\n{lines}")
+
+
+@dataclass
+class SessionInfo:
+    sha: str
+    path: str
+    title: str
+    tokens: int = 0
+    created: float = 0.0
+    updated: float = 0.0
+    project_dir: str | None = None
+    think_mode: str | None = None
+    name: str | None = None
+    parent: str | None = None
+    ancestors: tuple[str, ...] = ()
+    model: str | None = None
+    quant_bits: int | None = None
+    ctx: int | None = None
+    size: int = 0
+    error: str | None = None          # why the session is unreadable (None: it is fine)
+    has_meta: bool = True
+    text: bytes | None = field(default=None, repr=False)   # filled by load()
+
+    @property
+    def id(self) -> str:
+        return self.sha[:8]
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def label(self) -> str:
+        return self.name or self.title
+
+
+@dataclass
+class _Origin:
+    sha: str
+    text_bytes: int
+    ancestors: tuple[str, ...]
+
+
+def title_from_text(text: bytes | str, max_bytes: int = TITLE_MAX_BYTES) -> str:
+    """The first user message of a rendered transcript, as ds4 titles it: the text after the first
+    <｜User｜> up to the next <｜Assistant｜> or <｜User｜>, whitespace runs collapsed to one space,
+    cut to max_bytes with '...' (0: no limit); '(no user prompt)' / '(empty user prompt)'."""
+    if isinstance(text, str):
+        text = text.encode("utf-8", "surrogateescape")
+    i = text.find(USER_MARK)
+    if i < 0:
+        return "(no user prompt)"
+    p = i + len(USER_MARK)
+    end = len(text)
+    for mark in (ASSISTANT_MARK, USER_MARK):
+        j = text.find(mark, p)
+        if 0 <= j < end:
+            end = j
+    return clip_title(b" ".join(text[p:end].split()), max_bytes) or "(empty user prompt)"
+
+
+def clip_title(title: bytes | str, max_bytes: int = TITLE_MAX_BYTES) -> str:
+    if isinstance(title, str):
+        title = title.encode("utf-8", "surrogateescape")
+    if max_bytes and len(title) > max_bytes - 3:
+        # ds4 keeps at most max_bytes - 3 bytes before the '...'; we cut on a character boundary
+        cut = max(1, max_bytes - 3)
+        while cut > 0 and (title[cut] & 0xC0) == 0x80:
+            cut -= 1
+        title = title[:cut].rstrip(b" ") + b"..."
+    return title.decode("utf-8", "replace")
+
+
+def default_root() -> str:
+    home = os.environ.get("DS4_AGENT_HOME")
+    base = home if home else os.path.join(os.path.expanduser("~"), ".ds4-agent")
+    return os.path.join(base, "sessions")
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str):
+        raise SessionStoreError("a session name must be text")
+    name = name.strip()
+    if not name:
+        raise SessionStoreError("a session name cannot be empty")
+    if len(name) > NAME_MAX:
+        raise SessionStoreError(f"a session name has at most {NAME_MAX} characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise SessionStoreError("a session name cannot contain control characters")
+    return name
+
+
+class SessionStore:
+    def __init__(self, root=None, project_dir=None, *, now: Callable[[], float] = time.time):
+        self.root = os.path.abspath(os.fspath(root) if root is not None else default_root())
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise SessionStoreError(f"cannot create the session folder {self.root}: {e.strerror or e}") from None
+        self.project_dir = os.path.realpath(os.fspath(project_dir) if project_dir is not None else os.getcwd())
+        self._now = now
+        remove_stale_temps(self.root, now=now())
+        self._origins: "weakref.WeakKeyDictionary[Session, _Origin]" = weakref.WeakKeyDictionary()
+
+    # -- paths -----------------------------------------------------------------------------------
+    def kv_path(self, sha: str) -> str:
+        return os.path.join(self.root, sha + ".kv")
+
+    def meta_path(self, sha: str) -> str:
+        return os.path.join(self.root, sha + ".json")
+
+    @property
+    def sysprompt_path(self) -> str:
+        return os.path.join(self.root, SYSPROMPT)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _shas(self) -> list[str]:
+        try:
+            names = os.listdir(self.root)
+        except OSError as e:
+            raise SessionStoreError(f"cannot list {self.root}: {e.strerror or e}") from None
+        return sorted(m.group(1) for m in map(_SHA_KV.fullmatch, names) if m)
+
+    def _read_meta(self, sha: str) -> dict | None:
+        """The metadata record, None when there is none; SessionStoreError when it is corrupt."""
+        p = self.meta_path(sha)
+        try:
+            with open(p, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SessionStoreError(f"metadata {p}: cannot read: {e.strerror or e}") from None
+        try:
+            meta = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise SessionStoreError(f"metadata {p}: not valid JSON ({e})") from None
+        if not isinstance(meta, dict) or meta.get("sha") != sha:
+            raise SessionStoreError(f"metadata {p}: not a session record for {sha[:8]}")
+        try:
+            for k in ("title", "name", "project_dir", "think_mode", "parent", "model"):
+                if meta.get(k) is not None and not isinstance(meta[k], str):
+                    raise TypeError(k)
+            for k in ("created", "updated"):
+                float(meta.get(k, 0))
+            anc = meta.get("ancestors", [])
+            if not isinstance(anc, list) or not all(isinstance(a, str) for a in anc):
+                raise TypeError("ancestors")
+        except (TypeError, ValueError) as e:
+            raise SessionStoreError(f"metadata {p}: bad field {e}") from None
+        return meta
+
+    def _entry(self, sha: str) -> SessionInfo:
+        """One session as list() shows it; a damaged file gives an entry with `error` set."""
+        path = self.kv_path(sha)
+        e = SessionInfo(sha=sha, path=path, title="(unreadable session)")
+        problems = []
+        hdr = None
+        try:
+            hdr, e.size = read_header(path)
+            e.tokens, e.ctx, e.quant_bits = hdr.tokens, hdr.ctx, hdr.quant_bits
+            e.created, e.updated = float(hdr.created_at), float(hdr.last_used)
+        except KVFileError as x:
+            problems.append(x.problem)
+        try:
+            meta = self._read_meta(sha)
+        except SessionStoreError as x:
+            problems.append(str(x))
+            meta = None
+        else:
+            if meta is None:
+                e.has_meta = False
+                if hdr is not None:
+                    try:
+                        e.title = title_from_text(read_info(path, with_tool_map=False).text)
+                    except KVFileError as x:
+                        problems.append(x.problem)
+            else:
+                e.title = meta.get("title") or e.title
+                e.name = meta.get("name") or None
+                e.project_dir = meta.get("project_dir")
+                e.think_mode = meta.get("think_mode")
+                e.parent = meta.get("parent")
+                e.ancestors = tuple(meta.get("ancestors", ()))
+                e.model = meta.get("model")
+                e.created = float(meta.get("created", e.created))
+                e.updated = float(meta.get("updated", e.updated))
+                if hdr is None:
+                    e.tokens = int(meta.get("tokens", 0) or 0)
+        if problems:
+            e.error = "; ".join(problems)
+        return e
+
+    def _all(self) -> list[SessionInfo]:
+        return [self._entry(s) for s in self._shas()]
+
+    def list(self, scope: str = "project") -> list[SessionInfo]:
+        """Sessions, most recently updated first: this project's ("project") or every one ("all").
+        Damaged ones are listed with `error` set (a session without readable metadata has no
+        project, so it appears in the "all" view only)."""
+        if scope not in ("project", "all"):
+            raise ValueError(f"scope must be 'project' or 'all', not {scope!r}")
+        out = self._all()
+        if scope == "project":
+            out = [e for e in out if e.project_dir is not None
+                   and os.path.realpath(e.project_dir) == self.project_dir]
+        out.sort(key=lambda e: (e.updated, e.created, e.sha), reverse=True)
+        return out
+
+    def resolve(self, ref: str) -> SessionInfo:
+        """A session by user-given name (exact; a name wins over an id prefix that spells the
+        same) or by a unique prefix of its sha (AmbiguousSession lists the candidates)."""
+        if not isinstance(ref, str) or not ref.strip():
+            raise SessionNotFound("no session given")
+        ref = ref.strip()
+        entries = self._all()
+        named = [e for e in entries if e.name == ref]
+        if len(named) == 1:
+            return named[0]
+        if len(named) > 1:
+            raise AmbiguousSession(ref, named)
+        if _HEX.fullmatch(ref):
+            hits = [e for e in entries if e.sha.startswith(ref.lower())]
+            if len(hits) == 1:
+                return hits[0]
+            if hits:
+                hits.sort(key=lambda e: (e.updated, e.sha), reverse=True)
+                raise AmbiguousSession(ref, hits)
+        raise SessionNotFound(f"no session {ref!r} (give a name or the start of an id from /list)")
+
+    def info(self, ref: str) -> SessionInfo:
+        return self.resolve(ref)
+
+    # -- load ------------------------------------------------------------------------------------
+    def load(self, ref: str, session: Session, *, allow_other_quant: bool = False) -> SessionInfo:
+        """Restore a saved session into `session`: tokens, KV state and the last logits, so the
+        next token can be sampled at once (no prefill). On any failure SessionStoreError is raised
+        and `session` is exactly as it was."""
+        e = self.resolve(ref)
+        if e.error:
+            raise SessionStoreError(f"session {e.id} is unreadable: {e.error}")
+        try:
+            info = read_kv(e.path, session, check_name=True, allow_other_quant=allow_other_quant)
+        except KVFileError as x:
+            raise SessionStoreError(f"cannot load session {e.id}: {x.problem}") from None
+        except OSError as x:
+            raise SessionStoreError(f"cannot load session {e.id}: {x.strerror or x}") from None
+        e.text = info.text
+        e.tokens = info.header.tokens
+        self._origins[session] = _Origin(e.sha, len(info.text), e.ancestors)
+        return e
+
+    # -- save ------------------------------------------------------------------------------------
+    def save(self, session: Session, rendered_text: bytes | str | None = None, *, think_mode: str,
+             title: str | None = None, name: str | None = None) -> SessionInfo:
+        """Save the live timeline of `session` (its whole KV state and logits) and its metadata;
+        then prune the ancestors it supersedes (module docstring). `rendered_text`, when given,
+        must be the token text of the timeline (it is what names the file)."""
+        if session.pos == 0:
+            raise SessionStoreError("nothing to save: the session holds no tokens")
+        text = token_text(session)
+        if rendered_text is not None:
+            rt = rendered_text.encode("utf-8", "surrogateescape") if isinstance(rendered_text, str) \
+                else bytes(rendered_text)
+            if rt != text:
+                raise SessionStoreError("the transcript does not match the live session's tokens; "
+                                        "sync the session to the transcript before saving")
+        sha = hashlib.sha1(text).hexdigest()
+        if name is not None:
+            name = _check_name(name)
+            self._check_name_free(name, sha)
+        try:
+            old = self._read_meta(sha)
+        except SessionStoreError:
+            old = None                     # a corrupt record of the same text is replaced
+        ancestors = self._lineage(session, sha, text, old)
+        now = float(self._now())
+        path = self.kv_path(sha)
+        existed = os.path.exists(path)
+        try:
+            write_kv(path, session, text, reason="agent-session", now=int(now))
+        except OSError as x:
+            raise SessionStoreError(f"cannot save session {sha[:8]}: {x.strerror or x}") from None
+        eng = session.engine
+        meta = {
+            "version": META_VERSION,
+            "sha": sha,
+            "title": clip_title(" ".join(title.split())) if title else title_from_text(text),
+            "name": name if name is not None else (old or {}).get("name"),
+            "project_dir": self.project_dir,
+            "think_mode": think_mode,
+            "created": float((old or {}).get("created", now)),
+            "updated": now,
+            "tokens": session.pos,
+            "ctx": session.ctx,
+            "parent": ancestors[-1] if ancestors else None,
+            "ancestors": list(ancestors),
+            "model": os.path.basename(str(getattr(eng.file, "path", "")) or "") or None,
+            "quant_bits": routed_quant_bits(session),
+        }
+        try:
+            self._write_meta(sha, meta)
+        except OSError as x:
+            if not existed:            # no half-saved session: drop the KV file we just wrote
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            raise SessionStoreError(f"cannot save session {sha[:8]} metadata: {x.strerror or x}") from None
+        self._origins[session] = _Origin(sha, len(text), tuple(ancestors))
+        self._prune(sha, text, ancestors)
+        e = self._entry(sha)
+        e.text = text
+        return e
+
+    def _lineage(self, session: Session, sha: str, text: bytes, old: dict | None) -> tuple[str, ...]:
+        o = self._origins.get(session)
+        if o is not None and o.sha == sha:           # the same text saved again
+            return tuple(old.get("ancestors", ())) if old else o.ancestors
+        if (o is not None and o.text_bytes < len(text)
+                and hashlib.sha1(text[:o.text_bytes]).hexdigest() == o.sha):
+            anc = [a for a in o.ancestors if a != sha] + [o.sha]
+            return tuple(anc[-MAX_ANCESTORS:])
+        return tuple(old.get("ancestors", ())) if old else ()
+
+    def _write_meta(self, sha: str, meta: dict):
+        data = json.dumps(meta, indent=1, ensure_ascii=False).encode("utf-8") + b"\n"
+        atomic_write(self.meta_path(sha), [data])
+
+    def _check_name_free(self, name: str, sha: str):
+        for e in self._all():
+            if e.name == name and e.sha != sha:
+                raise SessionStoreError(f"the name {name!r} is already used by session {e.id}")
+
+    def _prune(self, sha: str, text: bytes, ancestors) -> list[str]:
+        removed = []
+        if not ancestors:
+            return removed
+        others = None
+        for p in reversed(ancestors):
+            if p == sha or not os.path.exists(self.kv_path(p)):
+                continue
+            try:
+                hdr, _ = read_header(self.kv_path(p))
+                meta = self._read_meta(p)
+            except (KVFileError, SessionStoreError):
+                continue                                  # rule 5
+            if meta is None or meta.get("name"):         # rules 5 and 3
+                continue
+            n = hdr.text_bytes
+            if not (n < len(text) and hashlib.sha1(text[:n]).hexdigest() == p):
+                continue                                  # rule 2
+            if others is None:
+                others = [e for e in self._all() if e.sha != sha]
+            if any(self._descends(e, p, n) for e in others if e.sha != p and e.sha not in removed):
+                continue                                  # rule 4
+            try:
+                self._remove_files(p)
+            except OSError:
+                continue                                  # the save stands; the old one stays
+            removed.append(p)
+        return removed
+
+    def _descends(self, e: SessionInfo, p: str, n: int) -> bool:
+        """Whether saved session `e` continues from `p` (whose text is n bytes long)."""
+        if p in e.ancestors:
+            return True
+        if e.error:
+            return False                # its text cannot be read; only its record could say
+        try:
+            hdr, _ = read_header(e.path)
+            if hdr.text_bytes <= n:
+                return False
+            with open(e.path, "rb") as f:
+                f.seek(PREFIX_BYTES)
+                head = f.read(n)
+        except (KVFileError, OSError):
+            return False
+        return hashlib.sha1(head).hexdigest() == p
+
+    def _remove_files(self, sha: str):
+        for p in (self.kv_path(sha), self.meta_path(sha)):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    # -- rename / delete -------------------------------------------------------------------------
+    def rename(self, ref: str, name: str | None) -> SessionInfo:
+        """Give a session a name (unique in the store), or clear it with None/''."""
+        e = self.resolve(ref)
+        new = _check_name(name) if name is not None and str(name).strip() else None
+        if new is not None:
+            self._check_name_free(new, e.sha)
+        try:
+            meta = self._read_meta(e.sha)
+        except SessionStoreError as x:
+            raise SessionStoreError(f"cannot rename session {e.id}: {x}") from None
+        if meta is None:
+            if e.error:
+                raise SessionStoreError(f"cannot rename session {e.id}: {e.error}")
+            # a KV file without metadata (ds4's, or a crash between the writes): adopt it here
+            meta = {"version": META_VERSION, "sha": e.sha, "title": e.title, "project_dir": self.project_dir,
+                    "think_mode": None, "created": e.created, "updated": e.updated, "tokens": e.tokens,
+                    "ctx": e.ctx, "parent": None, "ancestors": [], "model": None, "quant_bits": e.quant_bits}
+        meta["name"] = new
+        try:
+            self._write_meta(e.sha, meta)
+        except OSError as x:
+            raise SessionStoreError(f"cannot rename session {e.id}: {x.strerror or x}") from None
+        return self._entry(e.sha)
+
+    def delete(self, ref: str) -> SessionInfo:
+        """Remove a session's KV file and metadata (works on damaged sessions too)."""
+        e = self.resolve(ref)
+        try:
+            self._remove_files(e.sha)
+        except OSError as x:
+            raise SessionStoreError(f"cannot delete session {e.id}: {x.strerror or x}") from None
+        return e
+
+    def forget(self, session: Session):
+        """Drop the remembered origin of a live session (after /new), so its next save starts a
+        new lineage. Saving checks the text anyway; this only makes it explicit."""
+        self._origins.pop(session, None)
+
+    # -- sysprompt.kv ----------------------------------------------------------------------------
+    def load_system_prefix(self, session: Session, text: bytes | str) -> bool:
+        """Restore sysprompt.kv into `session` if its text is exactly `text` (and its quant width
+        is this model's); False, with the session untouched, otherwise."""
+        want = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
+        path = self.sysprompt_path
+        if not os.path.exists(path):
+            return False
+        try:
+            read_kv(path, session, expect_text=want)
+        except (KVFileError, OSError):
+            return False
+        self._origins.pop(session, None)
+        return True
+
+    def save_system_prefix(self, session: Session, text: bytes | str) -> KVFileInfo:
+        """Write the session (exactly the prefilled system prefix `text`) as sysprompt.kv."""
+        want = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
+        if token_text(session) != want:
+            raise SessionStoreError("the session does not hold exactly the system prefix")
+        try:
+            info = write_kv(self.sysprompt_path, session, want, reason="agent-system", now=int(self._now()))
+        except (OSError, ValueError) as x:
+            raise SessionStoreError(f"cannot save {self.sysprompt_path}: {x}") from None
+        self._origins.pop(session, None)
+        return info
