@@ -1,28 +1,125 @@
-"""`ds4-agent`: the coding agent. The TUI lands with the agent issue; until then this validates the
-model it would load and says what is missing."""
+"""`ds4-agent`: the coding agent, in the project directory it is started from.
+
+  ds4-agent [--model PATH] [--ctx N] [--nothink|--think-max] [--yolo] [--resume]
+  ds4-agent -p "task"          headless: run one task, print the answer and a tool summary
+
+The model is --model, else $DS4_MODEL, else ./ds4flash.gguf, else `model` in
+~/.ds4-agent/config.toml (or $DS4_AGENT_HOME/config.toml).
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tomllib
+from pathlib import Path
+
+GUIDANCE = """no model found (looked for {tried}).
+
+ds4-agent runs DeepSeek V4 Flash from one of ds4's GGUF files:
+  q2 (about 81 GB, needs ~96 GB of RAM or unified memory):
+      DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2.gguf
+  q4 (about 153 GB, needs ~170 GB):
+      DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2.gguf
+Get them with ds4's download script (github.com/antirez/ds4), then pass --model PATH, put the file
+at ./ds4flash.gguf, or set `model = "/path/to/file.gguf"` in {config}.
+To try the agent without the real weights: `ds4-gguf synth tiny.gguf && ds4-agent --model tiny.gguf`
+(random weights: it answers gibberish, but every part of the agent runs)."""
+
+
+def agent_home() -> Path:
+    h = os.environ.get("DS4_AGENT_HOME")
+    return Path(h) if h else Path.home() / ".ds4-agent"
+
+
+def load_config() -> dict:
+    p = agent_home() / "config.toml"
+    try:
+        with open(p, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        print(f"warning: ignoring {p}: {e}", file=sys.stderr)
+        return {}
+
+
+def find_model(arg: str | None, cfg: dict) -> tuple[str | None, list[str]]:
+    tried = []
+    for cand in (arg, os.environ.get("DS4_MODEL"), "ds4flash.gguf", cfg.get("model")):
+        if not cand:
+            continue
+        tried.append(cand)
+        if arg and cand == arg:
+            return cand, tried          # an explicit path is used as given (errors are reported)
+        if os.path.isfile(os.path.expanduser(cand)):
+            return os.path.expanduser(cand), tried
+    return None, tried
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="ds4-agent", description="a native coding agent for DeepSeek V4 Flash")
+    p.add_argument("-m", "--model", help="path to a ds4 GGUF")
+    p.add_argument("--ctx", type=int, help="context size in tokens (default 65536)")
+    t = p.add_mutually_exclusive_group()
+    t.add_argument("--think", dest="think", action="store_const", const="high")
+    t.add_argument("--nothink", dest="think", action="store_const", const="none")
+    t.add_argument("--think-max", dest="think", action="store_const", const="max")
+    p.add_argument("--yolo", action="store_true", help="run bash/write/edit/git commit without asking")
+    p.add_argument("--allow-outside", action="store_true", help="let tools use paths outside the project")
+    p.add_argument("--resume", action="store_true", help="continue the last session of this directory")
+    p.add_argument("-p", "--prompt", help="headless: run this task, print the answer, exit")
+    p.add_argument("--numerics", choices=["ds4", "exact"], default="ds4")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--temp", type=float, help="sampling temperature (default 1.0)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--serve", action="store_true", help="the HTTP shim (not built yet)")
+    return p
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="ds4-agent", description="a native coding agent for DeepSeek V4 Flash")
-    p.add_argument("-m", "--model", help="path to a ds4 GGUF")
-    p.add_argument("--serve", action="store_true", help="run the HTTP shim instead of the TUI")
-    a = p.parse_args(argv)
-    if a.model:
-        from engine import ModelFile, ModelFileError
-        try:
-            with ModelFile.open(a.model) as m:
-                print(f"{m.path}: valid DeepSeek V4 model ({m.config.n_layer} layers, recipe {m.recipe})")
-        except ModelFileError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    what = "the HTTP shim" if a.serve else "the agent TUI"
-    print(f"ds4-agent: {what} is not built yet; for now `ds4-gguf synth` / `ds4-gguf inspect` "
-          f"write and check model files.", file=sys.stderr)
-    return 0
+    a = _parser().parse_args(argv)
+    if a.serve:
+        print("ds4-agent: --serve (the HTTP shim) is not built yet", file=sys.stderr)
+        return 2
+    cfg = load_config()
+    model, tried = find_model(a.model, cfg)
+    if model is None:
+        print("error: " + GUIDANCE.format(tried=", ".join(tried) or "nothing",
+                                         config=agent_home() / "config.toml"), file=sys.stderr)
+        return 1
+    from engine import Engine, ModelFileError, SamplingParams
+    from sessions import SessionStore, SessionStoreError
+
+    from .agent import Agent, AgentConfig
+    ctx = a.ctx or int(cfg.get("ctx", 65536))
+    think = a.think or cfg.get("think", "high")
+    sampling = SamplingParams(temperature=a.temp if a.temp is not None else float(cfg.get("temperature", 1.0)),
+                              seed=a.seed)
+    conf = AgentConfig(ctx=ctx, think_mode=think, yolo=a.yolo or bool(cfg.get("yolo", False)),
+                       sampling=sampling, allow_outside=a.allow_outside)
+    project = Path.cwd()
+    try:
+        store = SessionStore(project_dir=project)
+    except SessionStoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    def make_agent(emit):
+        eng = Engine.open(model, backend=a.backend, numerics=a.numerics)
+        return Agent(eng, project, config=conf, store=store, emit=emit)
+
+    try:
+        if a.prompt is not None:
+            from .headless import run_headless
+            return run_headless(make_agent, a.prompt, resume=a.resume)
+        from .app import run_app
+        return run_app(make_agent, resume=a.resume) or 0
+    except ModelFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -47,3 +47,11 @@ def small_model(models_dir) -> Path:
     heads (so indexer scores have no ties), q2 experts."""
     cfg, vocab = config_for("tiny", vocab=465, idx_n_head=16)
     return Path(write_synthetic(models_dir / "small-q2.gguf", cfg, recipe="q2", vocab=vocab, seed=5).path)
+
+
+@pytest.fixture(scope="session")
+def agent_model(models_dir) -> Path:
+    """For agent and UI tests: two layers (sliding window + ratio-128 compression) and a
+    16k-entry vocabulary, so the ~11k characters of tool schemas are ~3k tokens and a turn is fast."""
+    cfg, vocab = config_for("tiny", n_layer=2, ratios=[0, 128], vocab=16000)
+    return Path(write_synthetic(models_dir / "agent-q2.gguf", cfg, recipe="q2", vocab=vocab, seed=9).path)

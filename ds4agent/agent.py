@@ -1,0 +1,532 @@
+"""The agent loop: one live timeline, rendered once and then only appended to.
+
+The system prefix is rendered and prefilled once (or restored from its cache file); each user turn,
+each sampled token and each batch of tool results is appended to the live Session, so the KV
+state is always the truth and nothing is ever re-prefilled (only compaction rebuilds, explicitly).
+Sampled tokens stream through prompts.DsmlStream: reasoning and answer text go to the UI as they
+come, DSML syntax is sampled greedily and payloads normally, and a finished tool block is executed
+through tools/ and answered in the model's native <tool_result> form.
+
+Everything here runs on the engine's worker thread; the UI talks to it through AgentWorker and
+hears from it through the `emit` callback (ds4agent/events.py). UI-free, so headless mode and the
+tests drive the same code.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import prompts
+import tools
+from engine import Engine, Rng, SamplingParams, Session
+from prompts import DsmlStream, Message, ToolCall
+from prompts.render import assistant_prefix, render_messages, render_tool_results
+from sessions import SessionStore, SessionStoreError
+
+from . import events as E
+from .environment import system_text
+
+EOS_TEXT = prompts.EOS
+MAX_TOOL_ROUNDS = 64
+COMPACT_AT = 0.85          # ds4's soft limit: compact at 85 % of the context ...
+WARN_AT = 0.75             # ... and warn from 75 %
+SUMMARY_MAX_TOKENS = 1024
+COMPACT_REQUEST = (
+    "Internal ds4-agent context compaction request. This is not a user request.\n"
+    "Write a durable task-state summary of the conversation so far: the user's goals, constraints and "
+    "preferences; files inspected or edited; commands run and important results; decisions, rejected "
+    "approaches, known bugs and pending next steps; bulky data worth reloading with exact paths, line "
+    "ranges or commands. Do not invent facts, do not narrate, do not copy file contents unless essential.\n"
+    "After the summary, stop. Do not continue the user task, do not call tools, and do not output "
+    "thinking tags or DSML markup.\nOutput only the compact summary.\nCompaction reason: {reason}")
+SUMMARY_HEAD = "[ds4-agent compacted earlier conversation. Durable task-state summary follows.]\n"
+SUMMARY_TAIL = "[End compacted summary. Recent conversation continues verbatim below.]\n\n"
+HELP = """commands:
+  /save [name]       save the session now (it is also saved after every turn and on exit)
+  /list [all]        saved sessions of this project (all: every project)
+  /switch ID|NAME    continue a saved session (no prefill)
+  /resume            continue the last session of this directory
+  /new               start a fresh session
+  /history [N]       the last N user turns of this session
+  /think on|off|max  thinking mode for the next turns
+  /ctx               context use
+  /compact           summarize the conversation and keep the recent tail
+  /help              this text
+  /quit              save and leave"""
+
+
+class Interrupted(Exception):
+    pass
+
+
+@dataclass
+class AgentConfig:
+    ctx: int = 65536
+    think_mode: str = "high"
+    yolo: bool = False
+    autosave: bool = True
+    max_turn_tokens: int = 16384
+    chunk: int = 2048              # prefill chunk (progress and Esc act between chunks)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    allow_outside: bool = False
+
+
+class Agent:
+    def __init__(self, engine: Engine, project_dir, *, config: AgentConfig | None = None,
+                 store: SessionStore | None = None, emit: Callable[[object], None] | None = None,
+                 model_name: str = "", system: str | None = None):
+        self.engine = engine
+        self.tok = engine.tokenizer
+        self.cfg = config or AgentConfig()
+        self.project_dir = Path(project_dir).resolve()
+        self.store = store
+        self.emit = emit or (lambda ev: None)
+        self.model_name = model_name or Path(engine.file.path).name
+        self.session = Session(engine, self.cfg.ctx, chunk=self.cfg.chunk)
+        self.rng = Rng(self.cfg.sampling.seed)
+        self.tool_ctx = tools.ToolContext(root=self.project_dir, allow_outside=self.cfg.allow_outside)
+        self.always_allowed: set[str] = set()
+        self._interrupt = threading.Event()
+        self._approval = threading.Event()
+        self._approval_answer = "n"
+        self._forced: list[list[int]] = []
+        self.transcript: list[Message] = []
+        self.session_name = "new"
+        self.pending_eos = False   # the last assistant turn ended; its EOS goes in with the next append
+        self.modified = False
+        self.last_finish = E.TurnFinished()
+        self._system = system      # fixed system text (tests); None: gathered from the project
+
+    # -- thread-safe controls (called from the UI thread) ---------------------------------------
+    def interrupt(self):
+        self._interrupt.set()
+        self._approval.set()
+
+    def answer_approval(self, answer: str):
+        self._approval_answer = answer
+        self._approval.set()
+
+    def force(self, *texts: str):
+        """Tests: the next generations emit exactly these texts, one per generation (a tool round
+        starts a new one), each ending as if the model sampled EOS; the engine still evaluates
+        every forced token, so the KV state stays real."""
+        self._forced = [self.tok.encode(t) for t in texts]
+
+    # -- timeline ---------------------------------------------------------------------------------
+    @property
+    def think_mode(self) -> str:
+        return prompts.think_mode_for_context(self.cfg.think_mode, self.cfg.ctx)
+
+    def system_prefix(self) -> str:
+        return render_messages(self.transcript[:1], tools.schemas(), self.think_mode)
+
+    def start(self):
+        """A fresh timeline: the system prefix, from its cache file when the text matches."""
+        self.transcript = [Message("system", self._system if self._system is not None
+                                   else system_text(self.project_dir))]
+        self.pending_eos = False
+        self.modified = False
+        self.session_name = "new"
+        text = self.system_prefix()
+        ids = self.tok.encode(text)
+        self.session.reset()
+        if self.store is not None and self.store.load_system_prefix(self.session, text):
+            self._status()
+            return
+        self._prefill_to(ids)
+        if self.store is not None:
+            try:
+                self.store.save_system_prefix(self.session, text)
+            except (OSError, SessionStoreError) as e:
+                self.emit(E.Notice(f"could not cache the system prompt: {e}", "warning"))
+        self._status()
+
+    def _append(self, text: str):
+        """Append rendered text to the live timeline (tokenized on its own, then prefilled)."""
+        if self.pending_eos:
+            text = EOS_TEXT + text
+            self.pending_eos = False
+        ids = self.tok.encode(text)
+        self._prefill_to(self.session.tokens + ids)
+
+    def _prefill_to(self, target: list[int]):
+        if len(target) >= self.cfg.ctx:
+            raise ValueError(f"the conversation ({len(target)} tokens) does not fit the context of {self.cfg.ctx}")
+        start = self.session.pos
+        t0 = time.perf_counter()
+
+        def progress(done, total):
+            dt = max(time.perf_counter() - t0, 1e-9)
+            tps = done / dt
+            self.emit(E.Prefill(done, total, tps, (total - done) / tps if tps else 0.0))
+            return not self._interrupt.is_set()
+        self._status("prefill")
+        ok = self.session.sync(target, progress=progress if len(target) - start > 0 else None)
+        if ok is False:
+            raise Interrupted()
+
+    # -- a user turn ------------------------------------------------------------------------------
+    def submit(self, text: str) -> E.TurnFinished:
+        """Run one user turn to completion: generation, tools, more generation."""
+        self._interrupt.clear()
+        before = (self.session.tokens, list(self.transcript), self.pending_eos)
+        self.maybe_compact("soft limit before user turn")
+        try:
+            self.transcript.append(Message("user", text))
+            self._append(prompts.USER + text + assistant_prefix(self.think_mode))
+        except Interrupted:
+            # cancelled during the user message's prefill: the turn never happened
+            self.transcript, self.pending_eos = before[1], before[2]
+            self.session.sync(before[0])
+            self.emit(E.Notice("interrupted before the model started; the message was not sent", "warning"))
+            return self._finish(E.TurnFinished(interrupted=True, finish_reason="interrupted"))
+        except ValueError as e:
+            self.transcript = before[1]
+            self.emit(E.Notice(str(e), "error"))
+            return self._finish(E.TurnFinished(finish_reason="error"))
+        self.modified = True
+        n_calls = 0
+        answer = ""
+        for _ in range(MAX_TOOL_ROUNDS):
+            parsed, interrupted = self._generate()
+            msg = Message("assistant", parsed.content or "", parsed.reasoning,
+                          [ToolCall(tools_call_id(i), c.name, c.arguments_json, parsed.dsml)
+                           for i, c in enumerate(parsed.tool_calls)])
+            self.transcript.append(msg)
+            answer = parsed.content or ""
+            if interrupted:
+                return self._finish(E.TurnFinished(True, "interrupted", n_calls, answer))
+            if parsed.finish_reason != "tool_calls" or not parsed.tool_calls:
+                return self._finish(E.TurnFinished(False, parsed.finish_reason, n_calls, answer))
+            results = []
+            for i, call in enumerate(parsed.tool_calls):
+                n_calls += 1
+                results.append(self._run_tool(i, call.name, call.arguments))
+                if self._interrupt.is_set():
+                    break
+            for m in results:
+                self.transcript.append(m)
+            try:
+                self.maybe_compact("soft limit before tool continuation", appended=False)
+                self._append(render_tool_results(m.content for m in results) + assistant_prefix(self.think_mode))
+            except Interrupted:
+                return self._finish(E.TurnFinished(True, "interrupted", n_calls, answer))
+            except ValueError as e:
+                self.emit(E.Notice(str(e), "error"))
+                return self._finish(E.TurnFinished(False, "error", n_calls, answer))
+            if self._interrupt.is_set():
+                return self._finish(E.TurnFinished(True, "interrupted", n_calls, answer))
+        self.emit(E.Notice(f"stopped after {MAX_TOOL_ROUNDS} tool rounds", "warning"))
+        return self._finish(E.TurnFinished(False, "length", n_calls, answer))
+
+    def _finish(self, result: E.TurnFinished) -> E.TurnFinished:
+        self.last_finish = result
+        if self.cfg.autosave and self.modified:
+            self.save(quiet=True)
+        self.emit(result)
+        self._status()
+        return result
+
+    def _generate(self, *, think_mode: str | None = None, max_tokens: int | None = None,
+                  greedy: bool = False, stream_events: bool = True):
+        """Sample until EOS, the end of a tool block, the token cap or an interrupt. Every sampled
+        token is evaluated into the timeline. Returns (Parsed, interrupted)."""
+        mode = think_mode or self.think_mode
+        stream = DsmlStream(mode, has_tools=True)
+        room = self.cfg.ctx - self.session.pos - 2
+        forced = self._forced.pop(0) if self._forced else None
+        limit = room if forced is not None else min(max_tokens or self.cfg.max_turn_tokens, room)
+        greedy_p = SamplingParams(temperature=0)
+        interrupted = False
+        n, t0 = 0, time.perf_counter()
+        self._status("generating")
+        for _ in range(max(0, limit)):
+            if self._interrupt.is_set():
+                interrupted = True
+                break
+            if forced is not None:
+                if not forced:
+                    break            # a forced text ends as if EOS had been sampled
+                t = forced.pop(0)
+            else:
+                p = greedy_p if (greedy or stream.in_dsml_syntax) else self.cfg.sampling
+                t = self.session.sample(p, self.rng)
+            if t == self.tok.eos_id:
+                break
+            self.session.eval(t)
+            n += 1
+            evs = stream.feed(self.tok.token_bytes(t))
+            if stream_events:
+                self._forward_events(evs)
+            if stream.done:
+                break
+        evs = stream.finish()
+        if stream_events:
+            self._forward_events(evs)
+        self.pending_eos = True   # the assistant turn is over: EOS opens the next append
+        dt = time.perf_counter() - t0
+        self.gen_tps = n / dt if dt > 0 and n else getattr(self, "gen_tps", 0.0)
+        return stream.result, interrupted
+
+    def _forward_events(self, evs):
+        for ev in evs:
+            if isinstance(ev, prompts.ReasoningDelta):
+                self.emit(E.ReasoningDelta(ev.text))
+            elif isinstance(ev, prompts.TextDelta):
+                self.emit(E.TextDelta(ev.text))
+            elif isinstance(ev, prompts.StreamError):
+                self.emit(E.Notice(f"tool call could not be parsed: {ev.message}", "warning"))
+
+    def _run_tool(self, index: int, name: str, args: dict) -> Message:
+        tool = tools.REGISTRY.get(name)
+        self.emit(E.ToolStarted(index, name, args))
+        approved = True
+        if tool is not None and tool.needs_approval and not self.cfg.yolo and name not in self.always_allowed:
+            approved = self._ask(name, args)
+        if not approved:
+            res = tools.ToolResult.error(f"the user did not approve this {name} call")
+        else:
+            self._status("tool")
+            res = tools.call(name, args, self.tool_ctx)
+        self.emit(E.ToolFinished(index, name, args, res.ok, res.text, res.diff, res.exit_status, approved))
+        return Message("tool", res.text, name=name)
+
+    def _ask(self, name: str, args: dict) -> bool:
+        if self._interrupt.is_set():
+            return False
+        self._approval.clear()
+        self.emit(E.ApprovalNeeded(name, args, approval_summary(name, args)))
+        self._approval.wait()
+        ans = self._approval_answer if not self._interrupt.is_set() else "n"
+        if ans == "always":
+            self.always_allowed.add(name)
+            return True
+        return ans == "y"
+
+    # -- context ----------------------------------------------------------------------------------
+    def ctx_used(self) -> int:
+        return self.session.pos
+
+    def maybe_compact(self, reason: str, appended: bool = True) -> bool:
+        used, ctx = self.session.pos, self.cfg.ctx
+        if used >= COMPACT_AT * ctx or ctx - used <= min(8192, ctx // 4):
+            if len(self.transcript) > 2:
+                return self.compact(reason)
+        return False
+
+    def compact(self, reason: str = "requested") -> bool:
+        """Summary of the conversation + its recent tail, on a fresh timeline (explicit, shown)."""
+        if len(self.transcript) < 2:
+            self.emit(E.Notice("nothing to compact"))
+            return False
+        before = self.session.pos
+        old_tokens, old_transcript, old_eos = self.session.tokens, list(self.transcript), self.pending_eos
+        self._status("compacting")
+        self.emit(E.Notice(f"compacting ({reason}): summarizing the conversation", "warning"))
+        try:
+            self._append(prompts.USER + COMPACT_REQUEST.format(reason=reason) + assistant_prefix("none"))
+            parsed, interrupted = self._generate(think_mode="none", max_tokens=SUMMARY_MAX_TOKENS,
+                                                 greedy=True, stream_events=False)
+            summary = (parsed.content or "").split("</think>")[0].strip()
+            if interrupted or not summary:
+                raise ValueError("the compaction summary was empty" if not interrupted else "interrupted")
+            tail = recent_tail(old_transcript[1:], keep_chars=self.cfg.ctx // 10 * 3)
+            system = Message("system", old_transcript[0].content + "\n\n" + SUMMARY_HEAD + summary + "\n" + SUMMARY_TAIL)
+            self.transcript = [system] + tail
+            text = render_messages(self.transcript, tools.schemas(), self.think_mode)
+            if text.endswith(assistant_prefix(self.think_mode)):
+                text = text[: -len(assistant_prefix(self.think_mode))]
+            self.pending_eos = False
+            self.session.reset()
+            self._prefill_to(self.tok.encode(text))
+            self.pending_eos = bool(tail) and tail[-1].role == "assistant"
+        except (ValueError, Interrupted) as e:
+            self.transcript, self.pending_eos = old_transcript, old_eos
+            self.session.sync(old_tokens)
+            self.emit(E.Notice(f"compaction failed: {e}; the conversation is unchanged", "error"))
+            self._status()
+            return False
+        self.modified = True
+        self.emit(E.Compacted(before, self.session.pos, summary))
+        self._status()
+        return True
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def save(self, name: str | None = None, quiet: bool = False):
+        if self.store is None:
+            return None
+        try:
+            info = self.store.save(self.session, think_mode=self.cfg.think_mode, name=name)
+        except (OSError, SessionStoreError, ValueError) as e:
+            self.emit(E.Notice(f"save failed: {e}", "error"))
+            return None
+        self.session_name = info.name or info.sha[:8]
+        self.modified = False
+        if not quiet:
+            self.emit(E.Notice(f"saved session {info.sha[:8]} ({info.tokens} tokens)"))
+        return info
+
+    def switch(self, ref: str):
+        if self.store is None:
+            raise SessionStoreError("no session store")
+        info = self.store.load(ref, self.session)   # restores tokens, KV and logits: no prefill
+        text = self.tok.decode(self.session.tokens)
+        self.transcript = transcript_from_text(text)
+        self.pending_eos = not text.endswith(EOS_TEXT) and "<｜Assistant｜>" in text and not _ends_open(text)
+        self.cfg.think_mode = info.think_mode or self.cfg.think_mode
+        self.session_name = info.name or info.sha[:8]
+        self.modified = False
+        self._status()
+        return info
+
+    def history(self, n: int = 3) -> list[str]:
+        users = [m for m in self.transcript if m.role == "user"]
+        return [m.content for m in users[-n:]]
+
+    # -- slash commands ---------------------------------------------------------------------------
+    def command(self, line: str) -> str:
+        """Run a slash command; returns the text to show. '/quit' returns 'quit'."""
+        parts = line.strip().split(maxsplit=1)
+        cmd, arg = parts[0].lower(), (parts[1].strip() if len(parts) > 1 else "")
+        if cmd in ("/quit", "/exit"):
+            if self.modified:
+                self.save(quiet=True)
+            return "quit"
+        if cmd == "/help":
+            return HELP
+        if cmd == "/save":
+            info = self.save(arg or None, quiet=True)
+            return f"saved session {info.sha[:8]}{' as ' + info.name if info.name else ''} ({info.tokens} tokens)" if info else "save failed"
+        if cmd == "/list":
+            if self.store is None:
+                return "no session store"
+            rows = self.store.list("all" if arg == "all" else "project")
+            if not rows:
+                return "no saved sessions" + ("" if arg == "all" else " in this project (/list all shows every project)")
+            return "\n".join(f"  {r.sha[:8]}  {_age(r.updated)}  {(r.name + ': ') if r.name else ''}{r.title}  "
+                             f"[{r.tokens} tokens, {r.think_mode or '?'}]" for r in rows)
+        if cmd == "/switch":
+            if not arg:
+                return "usage: /switch ID|NAME"
+            if self.modified:
+                self.save(quiet=True)
+            try:
+                info = self.switch(arg)
+            except SessionStoreError as e:
+                return f"switch failed: {e}"
+            last = self.history(3)
+            return (f"switched to session {info.sha[:8]} ({info.tokens} tokens)" +
+                    "".join(f"\n  > {_one_line(u)}" for u in last))
+        if cmd == "/resume":
+            rows = [r for r in self.store.list("project") if r.ok] if self.store is not None else []
+            if not rows:
+                return "no saved session in this directory to resume"
+            return self.command(f"/switch {rows[0].sha}")
+        if cmd == "/new":
+            if self.modified:
+                self.save(quiet=True)
+            self.start()
+            return "new session"
+        if cmd == "/history":
+            n = int(arg) if arg.isdigit() else 3
+            return "\n".join(f"  > {_one_line(u, 200)}" for u in self.history(n)) or "(no user turns yet)"
+        if cmd == "/think":
+            mode = {"on": "high", "high": "high", "off": "none", "none": "none", "max": "max"}.get(arg)
+            if mode is None:
+                return f"thinking is {self.cfg.think_mode}; usage: /think on|off|max"
+            self.cfg.think_mode = mode
+            self._status()
+            eff = self.think_mode
+            return f"thinking: {mode}" + (f" (runs as {eff}: Think Max needs a context of 393216)" if eff != mode else "")
+        if cmd == "/ctx":
+            used, ctx = self.session.pos, self.cfg.ctx
+            return f"context: {used} / {ctx} tokens ({100 * used / ctx:.1f} %), KV state {self.session.kv_bytes() / 2**20:.0f} MiB"
+        if cmd == "/compact":
+            return "compacted" if self.compact("requested by /compact") else "not compacted"
+        return f"unknown command {cmd} (/help lists them)"
+
+    def _status(self, busy: str = ""):
+        st = self.session.stats
+        used, ctx = self.session.pos, self.cfg.ctx
+        warn = f"context {100 * used // ctx}% full: compaction at {int(COMPACT_AT * 100)}%" if used >= WARN_AT * ctx else ""
+        self.emit(E.Status(self.model_name, self.engine.backend, used, ctx,
+                           st["prefill_tokens"] / st["prefill_s"] if st["prefill_s"] else 0.0,
+                           getattr(self, "gen_tps", 0.0), self.session_name, self.cfg.think_mode, busy, warn))
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def tools_call_id(i: int) -> str:
+    return prompts.new_tool_id("openai")
+
+
+def approval_summary(name: str, args: dict) -> str:
+    if name == "bash":
+        return f"run: {args.get('command', '')}"
+    if name in ("write", "edit"):
+        return f"{name} {args.get('path', '')}"
+    if name == "git_commit":
+        return f"git commit: {args.get('message', '')}"
+    return f"{name} {json.dumps(args, ensure_ascii=False)[:200]}"
+
+
+def recent_tail(messages: list[Message], keep_chars: int) -> list[Message]:
+    """The last messages worth about keep_chars of text, starting at a user turn."""
+    total, start = 0, len(messages)
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        total += len(m.content or "") + len(m.reasoning or "") + sum(len(c.arguments_json) for c in m.tool_calls)
+        if total > keep_chars:
+            break
+        start = i
+    while start < len(messages) and messages[start].role != "user":
+        start += 1
+    return messages[start:]
+
+
+def transcript_from_text(text: str) -> list[Message]:
+    """Messages recovered from a rendered timeline (after /switch): system, user turns, tool results
+    and assistant turns (parsed with the DSML parser)."""
+    body = text.replace(prompts.BOS, "", 1)
+    out: list[Message] = []
+    first_user = body.find(prompts.USER)
+    system = body if first_user < 0 else body[:first_user]
+    out.append(Message("system", system))
+    if first_user < 0:
+        return out
+    for chunk in body[first_user + len(prompts.USER):].split(prompts.USER):
+        user_part, _, rest = chunk.partition(prompts.ASSISTANT)
+        if user_part.startswith("<tool_result>"):
+            for piece in user_part.split("<tool_result>")[1:]:
+                out.append(Message("tool", piece.rsplit("</tool_result>", 1)[0]))
+        else:
+            out.append(Message("user", user_part))
+        if not rest:
+            continue
+        gen = rest.split(EOS_TEXT)[0]
+        mode = "high" if gen.startswith("<think>") else "none"
+        gen = gen[len("<think>"):] if gen.startswith("<think>") else gen[len("</think>"):] if gen.startswith("</think>") else gen
+        parsed = prompts.parse_output(gen, mode)
+        out.append(Message("assistant", parsed.content or "", parsed.reasoning,
+                           [ToolCall(None, c.name, c.arguments_json, parsed.dsml) for c in parsed.tool_calls]))
+    return out
+
+
+def _ends_open(text: str) -> bool:
+    return text.endswith(prompts.ASSISTANT + "<think>") or text.endswith(prompts.ASSISTANT + "</think>")
+
+
+def _one_line(s: str, n: int = 100) -> str:
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _age(t: float) -> str:
+    d = max(0, time.time() - t)
+    for unit, sec in (("d", 86400), ("h", 3600), ("m", 60)):
+        if d >= sec:
+            return f"{int(d // sec)}{unit} ago"
+    return f"{int(d)}s ago"

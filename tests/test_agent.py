@@ -1,0 +1,262 @@
+"""The agent loop on a tiny model: render once then append, tool calls through DSML, approvals,
+interrupts, sessions, compaction, headless mode.
+
+`agent.force(...)` makes the model emit given text (the engine still evaluates every forced token,
+so the KV state stays real); everything else is the real loop.
+"""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import threading
+
+import pytest
+
+import prompts
+from ds4agent import events as E
+from ds4agent.agent import Agent, AgentConfig
+from ds4agent.headless import run_headless
+from engine import Engine, SamplingParams
+from sessions import SessionStore
+
+
+SYSTEM = "You are ds4-agent under test."
+
+
+@pytest.fixture(scope="module")
+def engine(agent_model):
+    with Engine.open(agent_model) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def sessions_root(tmp_path_factory):
+    """One session folder for the module: its sysprompt.kv makes every agent after the first
+    start without prefilling the ~3.7k-token tool prompt."""
+    return tmp_path_factory.mktemp("sessions")
+
+
+@pytest.fixture
+def project(tmp_path):
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "hello.py").write_text("def greet(name):\n    return 'hi ' + name\n")
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    return root
+
+
+class Recorder:
+    def __init__(self, answer="y"):
+        self.events, self.answer, self.agent = [], answer, None
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if isinstance(ev, E.ApprovalNeeded):
+            self.agent.answer_approval(self.answer)
+
+    def of(self, kind):
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def text(self):
+        return "".join(e.text for e in self.of(E.TextDelta))
+
+
+@pytest.fixture
+def make(engine, project, sessions_root):
+    def build(answer="y", **cfg):
+        return _make(engine, project, sessions_root, answer, **cfg)
+    return build
+
+
+def _make(engine, project, root, answer="y", **cfg):
+    rec = Recorder(answer)
+    conf = AgentConfig(ctx=cfg.pop("ctx", 16384), think_mode=cfg.pop("think_mode", "none"),
+                       max_turn_tokens=cfg.pop("max_turn_tokens", 24), chunk=cfg.pop("chunk", 2048),
+                       sampling=SamplingParams(seed=1), **cfg)
+    store = SessionStore(root=root, project_dir=project)
+    agent = Agent(engine, project, config=conf, store=store, emit=rec, system=SYSTEM)
+    rec.agent = agent
+    agent.start()
+    return agent, rec
+
+
+def call(name, **args):
+    return prompts.render_tool_calls([prompts.ToolCall(None, name, json.dumps(args))])
+
+
+def timeline(agent):
+    return agent.tok.decode(agent.session.tokens)
+
+
+def test_plain_turn_streams_and_only_appends(make, engine, project):
+    agent, rec = make()
+    sys_tokens = agent.session.pos
+    stats0 = dict(agent.session.stats)
+    fin = agent.submit("hello there")
+    assert fin.finish_reason == "stop" or fin.finish_reason == "length"
+    assert [m.role for m in agent.transcript] == ["system", "user", "assistant"]
+    text = timeline(agent)
+    assert "<｜User｜>hello there<｜Assistant｜></think>" in text
+    assert rec.text() and text.endswith(rec.text()[-5:])
+    # the KV state is the truth: every token was evaluated exactly once, nothing re-prefilled
+    st = agent.session.stats
+    evaluated = (st["prefill_tokens"] - stats0["prefill_tokens"]) + (st["decode_tokens"] - stats0["decode_tokens"])
+    assert evaluated == agent.session.pos - sys_tokens
+    assert rec.of(E.Status)[-1].ctx_used == agent.session.pos
+
+
+def test_forced_edit_call_is_approved_applied_and_answered(make, engine, project):
+    agent, rec = make(answer="y")
+    agent.force("I will edit it." + call("edit", path="hello.py", old="'hi '", new="'hello '"), "Done.")
+    fin = agent.submit("say hello instead of hi")
+    assert fin.tool_calls == 1 and fin.finish_reason == "stop"
+    assert rec.of(E.ApprovalNeeded)[0].name == "edit"
+    done = rec.of(E.ToolFinished)[0]
+    assert done.ok and done.approved and "+    return 'hello ' + name" in done.diff
+    assert "'hello '" in (project / "hello.py").read_text()
+    roles = [m.role for m in agent.transcript]
+    assert roles == ["system", "user", "assistant", "tool", "assistant"]
+    text = timeline(agent)
+    assert "<tool_result>" in text and text.endswith("Done.")
+    assert agent.transcript[2].tool_calls[0].name == "edit"
+
+
+def test_refused_approval_leaves_the_file(make, engine, project):
+    agent, rec = make(answer="n")
+    agent.force(call("write", path="new.txt", content="x"), "ok")
+    agent.submit("write a file")
+    done = rec.of(E.ToolFinished)[0]
+    assert not done.ok and not done.approved and "did not approve" in done.text
+    assert not (project / "new.txt").exists()
+
+
+def test_path_escape_and_bad_arguments_become_error_results(make, engine, project):
+    agent, rec = make()
+    agent.force(call("read", path="../../../../etc/passwd") + "", "x")
+    agent.submit("read it")
+    assert "outside the project" in rec.of(E.ToolFinished)[0].text
+    agent.force(call("read", path="hello.py", bogus=1), "y")
+    agent.submit("again")
+    bad = rec.of(E.ToolFinished)[1]
+    assert not bad.ok and "unknown argument" in bad.text
+    agent.force(call("no_such_tool", a=1), "z")
+    agent.submit("and again")
+    assert "unknown tool" in rec.of(E.ToolFinished)[2].text
+
+
+def test_bash_timeout_becomes_a_background_job(make, engine, project):
+    agent, rec = make(yolo=True)
+    agent.force(call("bash", command="sleep 3; echo late", timeout=1), "waiting")
+    agent.submit("run it")
+    res = rec.of(E.ToolFinished)[0]
+    assert "job" in res.text.lower()
+    assert not rec.of(E.ApprovalNeeded)          # --yolo asks nothing
+
+
+def test_interrupt_mid_generation_keeps_the_timeline_usable(make, engine, project):
+    agent, rec = make(max_turn_tokens=400)
+    n = {"k": 0}
+    orig = rec.__call__
+
+    def emit(ev):
+        orig(ev)
+        if isinstance(ev, (E.TextDelta, E.ReasoningDelta)):
+            n["k"] += 1
+            if n["k"] == 3:
+                agent.interrupt()
+    agent.emit = emit
+    fin = agent.submit("write a long story")
+    assert fin.interrupted and fin.finish_reason == "interrupted"
+    before = agent.session.pos
+    agent.emit = rec
+    agent.force("short")
+    fin2 = agent.submit("now briefly")
+    assert not fin2.interrupted
+    text = timeline(agent)
+    # the interrupted turn was closed with EOS before the next user turn
+    assert "<｜end▁of▁sentence｜><｜User｜>now briefly" in text and agent.session.pos > before
+
+
+def test_interrupt_mid_prefill_cancels_the_message(make, engine, project):
+    agent, rec = make(chunk=16)
+    before_tokens, before_msgs = agent.session.tokens, len(agent.transcript)
+    orig = rec.__call__
+
+    def emit(ev):
+        orig(ev)
+        if isinstance(ev, E.Prefill) and ev.done >= 16:
+            agent.interrupt()
+    agent.emit = emit
+    fin = agent.submit("word " * 120)
+    assert fin.interrupted
+    assert agent.session.tokens == before_tokens and len(agent.transcript) == before_msgs
+
+
+def test_autosave_save_list_switch_without_prefill(make, engine, project, monkeypatch):
+    agent, rec = make()
+    agent.force("first answer")
+    agent.submit("first question")
+    rows = agent.store.list()
+    assert len(rows) == 1 and rows[0].tokens == agent.session.pos    # autosaved after the turn
+    assert "first question" in rows[0].title
+    out = agent.command("/save mywork")
+    assert "mywork" in out
+    saved = agent.session.tokens
+    agent.force("second answer")
+    agent.submit("second question")
+    assert "first question" in agent.command("/list")
+    calls = {"n": 0}
+    real = engine.model.forward
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(engine.model, "forward", counting)
+    out = agent.command("/switch mywork")
+    assert out.startswith("switched to session") and calls["n"] == 0
+    assert agent.session.tokens == saved
+    assert [m.role for m in agent.transcript][:3] == ["system", "user", "assistant"]
+    assert agent.history(1) == ["first question"]
+    monkeypatch.undo()
+    agent.force("third")
+    agent.submit("continue here")
+    assert "first question" in timeline(agent) and "second question" not in timeline(agent)
+
+
+def test_compaction_keeps_summary_and_recent_tail(make, engine, project):
+    agent, rec = make()
+    for i in range(3):
+        agent.force(f"answer {i}")
+        agent.submit(f"question {i}")
+    before = agent.session.pos
+    agent.force("SUMMARY: the user asked three questions.")
+    assert agent.compact("test") is True
+    ev = rec.of(E.Compacted)[-1]
+    assert ev.before_tokens == before and "three questions" in ev.summary
+    text = timeline(agent)
+    assert "Durable task-state summary follows" in text and "three questions" in text
+    assert "question 2" in text                      # the recent tail is verbatim
+    agent.force("after")
+    assert agent.submit("go on").finish_reason == "stop"
+
+
+def test_think_and_ctx_commands(make, engine, project):
+    agent, rec = make()
+    assert agent.command("/think on") == "thinking: high"
+    assert "runs as high" in agent.command("/think max")
+    assert agent.command("/ctx").startswith("context: ")
+    assert "unknown command" in agent.command("/nope")
+
+
+def test_headless_runs_a_task(engine, project, sessions_root):
+    def make_agent(emit):
+        agent = Agent(engine, project, config=AgentConfig(ctx=16384, think_mode="none", max_turn_tokens=16,
+                                                          sampling=SamplingParams(seed=2)),
+                      store=SessionStore(root=sessions_root, project_dir=project), emit=emit, system=SYSTEM)
+        agent.force(call("read", path="hello.py"), "It greets.")
+        return agent
+    out, err = io.StringIO(), io.StringIO()
+    rc = run_headless(make_agent, "what does hello.py do?", out=out, err=err)
+    assert rc == 0 and "It greets." in out.getvalue()
+    assert "1 tool call(s)" in err.getvalue() and "read: ok" in err.getvalue()

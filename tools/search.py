@@ -1,0 +1,163 @@
+"""search: regex or literal text search over the project's files, grep-style output.
+
+Better than ds4's (spec/agent.md §3.10, §10 item 8): .gitignore is honoured (plus dependency and
+cache folders), results are in path order, symlinked files inside the project are searched, and
+hitting max_matches or the size limit is said explicitly. Lines shown are registered with the
+edit guard, so they can be edited by number straight away.
+"""
+from __future__ import annotations
+
+import re
+
+from . import views
+from .base import MAX_RESULT_CHARS, Tool, ToolContext, ToolError, ToolResult, register
+from .fileutil import (MAX_FILE_BYTES, decode, glob_matcher, is_binary, printable, project_files,
+                       split_lines, strip_eol)
+
+MAX_LINE_CHARS = 300     # a longer matching line is cut around the match
+
+
+def _show(n: int, sep: str, line: str, m: re.Match | None) -> tuple[str, bool]:
+    text = printable(strip_eol(line))
+    if len(text) <= MAX_LINE_CHARS:
+        return f"{n}{sep}{text}", True
+    lo = max(0, (m.start() if m else 0) - MAX_LINE_CHARS // 3)
+    piece = text[lo:lo + MAX_LINE_CHARS]
+    pre = f"[... {lo} characters ...]" if lo else ""
+    post = f"[... {len(text) - lo - len(piece)} characters ...]" if lo + len(piece) < len(text) else ""
+    return f"{n}{sep}{pre}{piece}{post}", False
+
+
+def _search(args: dict, ctx: ToolContext) -> ToolResult:
+    pattern = args["pattern"]
+    if pattern == "":
+        raise ToolError("pattern must not be empty")
+    flags = re.IGNORECASE if args.get("ignore_case") else 0
+    try:
+        rx = re.compile(re.escape(pattern) if args.get("literal") else pattern, flags)
+    except re.error as e:
+        raise ToolError(f"invalid regular expression: {e} (set literal=true to search for the "
+                        "text as it is)") from None
+    base = ctx.resolve(args.get("path", "."), must_exist=True)
+    context = args.get("context", 0)
+    max_matches = args.get("max_matches", 100)
+    match_glob = glob_matcher(args.get("glob"))
+    files, hit_file_limit = project_files(ctx, base)
+    # A whole-file search can only stand in for the per-line one when nothing in the pattern
+    # depends on where a line starts or ends.
+    prefilter = not any(t in rx.pattern for t in ("^", "$", "\\A", "\\Z", "(?"))
+    root_is_file = base.is_file()
+
+    blocks: list[str] = []
+    matches = nfiles = skipped_binary = skipped_large = 0
+    more = False
+    for f in files:
+        if not root_is_file and not match_glob(f.relative_to(base).as_posix()):
+            continue
+        try:
+            if f.stat().st_size > MAX_FILE_BYTES:
+                skipped_large += 1
+                continue
+            data = f.read_bytes()
+        except OSError:
+            continue
+        if is_binary(data):
+            skipped_binary += 1
+            continue
+        text, _ = decode(data)
+        if prefilter and not rx.search(text):
+            continue          # quick reject: no match anywhere in the file, so none in a line
+        lines = split_lines(text)
+        hits: list[tuple[int, re.Match]] = []
+        for i, line in enumerate(lines, 1):
+            m = rx.search(strip_eol(line))
+            if m:
+                if matches + len(hits) >= max_matches:
+                    more = True
+                    break
+                hits.append((i, m))
+        if not hits:
+            if more:
+                break
+            continue
+        nfiles += 1
+        matches += len(hits)
+        hit_at = dict(hits)
+        want: list[int] = sorted({j for i, _ in hits
+                                  for j in range(max(1, i - context), min(len(lines), i + context) + 1)})
+        out, shown, prev = [ctx.rel(f)], [], None
+        for j in want:
+            if prev is not None and j != prev + 1:
+                out.append("--")
+            entry, whole = _show(j, ":" if j in hit_at else "-", lines[j - 1], hit_at.get(j))
+            out.append(entry)
+            if whole:
+                shown.append(j)
+            prev = j
+        views.remember(ctx, f, data, lines, shown)
+        blocks.append("\n".join(out))
+        if more:
+            break
+
+    what = f"/{pattern}/" if not args.get("literal") else repr(pattern)
+    where = ctx.rel(base)
+    if matches == 0:
+        text = f"No matches for {what} in {where}" + (f" (glob {args['glob']})" if args.get("glob") else "")
+        text += f"; {len(files)} files searched"
+    else:
+        text = (f"{matches} matching line{'s' if matches != 1 else ''} in {nfiles} "
+                f"file{'s' if nfiles != 1 else ''} for {what} in {where}")
+    notes = []
+    if skipped_binary:
+        notes.append(f"{skipped_binary} binary files skipped")
+    if skipped_large:
+        notes.append(f"{skipped_large} files over {MAX_FILE_BYTES >> 20} MiB skipped")
+    if notes:
+        text += " (" + "; ".join(notes) + ")"
+    body = "\n\n".join(blocks)
+    full = text + ("\n\n" + body if body else "")
+    truncated = False
+    if len(full) > MAX_RESULT_CHARS:
+        cut = full.rfind("\n", 0, MAX_RESULT_CHARS - 200)
+        full = full[:cut] + ("\n[... truncated at the size limit; narrow the search with path, "
+                             "glob or a more specific pattern ...]")
+        truncated = True
+    if more:
+        full += (f"\n[... truncated: stopped at max_matches={max_matches}; more matches exist. "
+                 "Narrow the search or raise max_matches ...]")
+        truncated = True
+    if hit_file_limit:
+        full += "\n[... truncated: too many files; only the first 100000 were searched ...]"
+        truncated = True
+    return ToolResult(full, truncated=truncated)
+
+
+register(Tool(
+    name="search",
+    description=(
+        "Search file contents under a folder (or in one file) for a regular expression (Python "
+        "`re` syntax, matched per line) or, with literal=true, for exact text. Files ignored by "
+        ".gitignore, .git, dependency/cache folders (node_modules, .venv, __pycache__, ...) and "
+        "binary files are skipped. `glob` limits the files: `*.py`, `*.{ts,tsx}`, `src/**/*.c` "
+        "(a pattern without `/` matches file names at any depth; several patterns separated by "
+        "spaces). Output groups matches by file in path order: `N:text` is a matching line, "
+        "`N-text` a context line, `--` separates distant groups. Lines shown can be edited by "
+        "number afterwards. The result says when it stopped at max_matches or the size limit."),
+    parameters={
+        "type": "object",
+        "properties": {
+            "pattern": {"type": "string", "description": "regular expression (or exact text with literal=true)"},
+            "path": {"type": "string", "description": "folder or file to search (default: the project directory)"},
+            "literal": {"type": "boolean", "description": "treat pattern as exact text, not a regex (default false)"},
+            "ignore_case": {"type": "boolean", "description": "case-insensitive matching (default false)"},
+            "glob": {"type": "string", "description": "only files matching this glob, e.g. *.py or src/**/*.{c,h}"},
+            "context": {"type": "integer", "minimum": 0, "maximum": 10,
+                        "description": "lines of context before and after each match (default 0)"},
+            "max_matches": {"type": "integer", "minimum": 1, "maximum": 1000,
+                            "description": "stop after this many matching lines (default 100)"},
+        },
+        "required": ["pattern"],
+        "additionalProperties": False,
+    },
+    run=_search,
+))
