@@ -88,7 +88,12 @@ def main(argv=None) -> int:
         print("error: " + GUIDANCE.format(tried=", ".join(tried) or "nothing",
                                          config=agent_home() / "config.toml"), file=sys.stderr)
         return 1
-    from engine import Engine, ModelFileError, SamplingParams
+    from engine import Engine, ModelFile, ModelFileError, SamplingParams
+    try:   # validate up front (O(metadata)): a bad file is one line and exit 1, before any UI
+        ModelFile.open(model).close()
+    except ModelFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     from sessions import SessionStore, SessionStoreError
 
     from .agent import Agent, AgentConfig

@@ -1,0 +1,49 @@
+"""ds4-agent's command line: model discovery and guidance, headless exit status, system prompt."""
+from __future__ import annotations
+
+import subprocess
+
+from ds4agent import cli
+from ds4agent.environment import system_text
+
+
+def test_no_model_gives_guidance_and_exit_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DS4_AGENT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DS4_MODEL", raising=False)
+    assert cli.main([]) == 1
+    err = capsys.readouterr().err
+    assert "no model found" in err and "DeepSeek-V4-Flash-IQ2XXS" in err and "ds4-gguf synth" in err
+
+
+def test_model_from_config_file(tmp_path, monkeypatch, small_model):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text(f'model = "{small_model}"\nctx = 4096\n')
+    monkeypatch.setenv("DS4_AGENT_HOME", str(home))
+    monkeypatch.delenv("DS4_MODEL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    path, tried = cli.find_model(None, cli.load_config())
+    assert path == str(small_model) and tried[-1] == str(small_model)
+    assert cli.find_model("/explicit.gguf", {})[0] == "/explicit.gguf"
+
+
+def test_bad_model_file_is_one_line(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 10)
+    monkeypatch.setenv("DS4_AGENT_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--model", str(bad), "-p", "hi"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {bad}: unsupported GGUF version 0 (supported: 3)"]
+
+
+def test_system_prompt_has_environment_and_agents_md(tmp_path):
+    subprocess.run(["git", "init", "-q", "-b", "trunk", str(tmp_path)], check=True)
+    (tmp_path / "AGENTS.md").write_text("Always run `make check` before finishing.\n")
+    text = system_text(tmp_path)
+    assert f"Working directory: {tmp_path}" in text and "branch trunk" in text
+    assert "Always run `make check`" in text and "OS: " in text and "Date: " in text
+    plain = tmp_path.parent / (tmp_path.name + "-plain")   # outside any repository
+    plain.mkdir()
+    assert "not a git repository" in system_text(plain) and "AGENTS.md" not in system_text(plain)
