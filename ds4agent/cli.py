@@ -119,7 +119,8 @@ def main(argv=None) -> int:
             from .headless import run_headless
             return run_headless(make_agent, a.prompt, resume=a.resume)
         from .app import run_app
-        return run_app(make_agent, resume=a.resume) or 0
+        banner = f"ds4-agent · {Path(model).name} · context {ctx} · {project}"
+        return run_app(make_agent, resume=a.resume, banner=banner) or 0
     except ModelFileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

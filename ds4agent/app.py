@@ -1,0 +1,1016 @@
+"""The terminal UI: a Textual app over the agent, which runs on its own engine thread.
+
+    transcript (scrolls, sticks to the bottom while you are there)
+      * user message
+        ▶ thinking (dimmed, collapsible; streams, folds when the answer starts)
+        answer (Markdown, streamed)
+        tool call: arguments, approval, result (edits as coloured diffs, bash output + exit status)
+    queue preview        messages typed while the model works, sent in order
+    approval bar         y / n / a(lways) for bash, write, edit, git commit
+    prefill bar          ▶▶▶···  done/total  pct  t/s  ETA
+    input                multi-line: Enter sends, Shift+Enter / Ctrl+J new line, Up/Down history
+    status bar           model · backend │ ctx used/total │ prefill t/s │ gen t/s │ session │ think │ state
+
+The engine never runs on the UI thread. AgentWorker owns the Agent (and so the Session); this app
+sends it lines and reads its events (ds4agent/events.py). Events arrive on the worker thread and go
+into an inbox; the UI drains it at most ~30 times a second, merging consecutive text deltas, so a
+fast model costs one Markdown append per frame, not one per token, and the worker never waits for
+the screen. The app keeps its own queue of typed messages and hands the worker one item at a time,
+so a queued message is echoed where it really starts and can be taken back (Ctrl+X) before it runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from rich.text import Text
+from textual import events
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.content import Content  # titles are plain text: a "[" in a tool result is not markup
+from textual.message import Message
+from textual.widget import Widget
+from textual.widgets import Collapsible, Markdown, Static, TextArea
+
+from . import events as E
+from .worker import AgentWorker
+
+FLUSH_S = 1 / 30            # how often streamed events reach the screen at most
+HISTORY_MAX = 512
+SHOW_DIFF_LINES = 400       # longer diffs and outputs are cut on screen (the model got its own copy)
+SHOW_OUTPUT_LINES = 200
+REPLAY_MESSAGES = 60        # how much of a switched-to session is drawn
+QUEUE_PREVIEW_CHARS = 120
+KEYS_HINT = ("Enter sends · Shift+Enter/Ctrl+J new line · ↑↓ history · Esc interrupts · "
+             "Ctrl+X edits the queued message · Ctrl+O folds thinking · Ctrl+C quits · /help")
+
+
+# -- markers the app adds to the agent's event stream (emitted on the worker thread) ----------------
+@dataclass
+class Ready:                 # the agent started: the system prefix is live
+    pass
+
+
+@dataclass
+class Begin:                 # the worker took an item (a user message or a slash command)
+    kind: str
+    text: str
+
+
+@dataclass
+class End:                   # ... and finished it; for a command the worker's reply Notice follows
+    kind: str
+    error: bool = False
+
+
+@dataclass
+class Timeline:              # after /switch or /new: the messages of the timeline now live
+    messages: list = field(default_factory=list)
+
+
+def instrument(make_agent: Callable) -> Callable:
+    """Wrap a make_agent(emit) factory so the agent tells the UI when it starts and finishes each item.
+
+    AgentWorker runs items one after another and emits nothing of its own around them; the UI needs
+    to know when the worker is idle (to send the next queued message) and which Notice is a
+    command's reply. The wrappers run on the worker thread, in order with the agent's own events.
+    """
+    def make(emit):
+        agent = make_agent(emit)
+        orig_start, orig_submit, orig_command = agent.start, agent.submit, agent.command
+
+        def start():
+            del agent.start              # /new calls start() again: that one is the agent's own
+            orig_start()                 # a failure here is the worker's "could not start"
+            emit(Ready())
+
+        def submit(text):
+            emit(Begin("user", text))
+            try:
+                return orig_submit(text)
+            except Exception as e:       # reported here so that it lands before End
+                import traceback
+                emit(E.Notice(f"internal error: {e}\n{traceback.format_exc(limit=3)}", "error"))
+                return None
+            finally:
+                emit(End("user"))
+
+        def command(line):
+            emit(Begin("command", line))
+            before = agent.transcript
+            error = False
+            try:
+                out = orig_command(line)
+            except Exception as e:
+                out, error = f"internal error: {e}", True
+            if agent.transcript is not before and line.split()[0].lower() in ("/switch", "/new"):
+                emit(Timeline(list(agent.transcript)))
+            emit(End("command", error))
+            return out                   # the worker emits it as a Notice right after End
+
+        agent.start, agent.submit, agent.command = start, submit, command
+        return agent
+    return make
+
+
+# -- formatting -------------------------------------------------------------------------------------
+def fmt_tokens(n: int) -> str:
+    """ds4's footer counts: 950, 12k, 12.3k."""
+    if n < 1000:
+        return str(n)
+    if n % 1000 == 0:
+        return f"{n // 1000}k"
+    return f"{n / 1000:.1f}k"
+
+
+def fmt_secs(s: float) -> str:
+    if s < 60:
+        return f"{s:.1f}s"
+    m, s = divmod(int(s), 60)
+    return f"{m}m{s:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
+
+
+def prefill_bar(done: int, total: int, tps: float, eta: float, cells: int = 24) -> Text:
+    frac = done / total if total else 1.0
+    filled = max(1 if done < total else cells, int(frac * cells)) if total else cells
+    t = Text("prefill ", style="bold")
+    t.append("▶" * filled, style="bold magenta")
+    t.append("·" * (cells - filled), style="dim")
+    t.append(f" {done}/{total} {100 * frac:.0f}%")
+    if tps:
+        t.append(f"  {tps:,.0f} t/s", style="cyan")
+    if done < total and tps:
+        t.append(f"  ETA {fmt_secs(eta)}", style="yellow")
+    t.append("   Esc stops it", style="dim")
+    return t
+
+
+def diff_text(diff: str, limit: int = SHOW_DIFF_LINES) -> Text:
+    """A unified diff coloured line by line (headers bold, hunks cyan, - red, + green)."""
+    lines = diff.splitlines()
+    t = Text()
+    for line in lines[:limit]:
+        if line.startswith(("+++", "---")):
+            style = "bold"
+        elif line.startswith("@@"):
+            style = "cyan"
+        elif line.startswith("+"):
+            style = "green"
+        elif line.startswith("-"):
+            style = "red"
+        else:
+            style = "dim"
+        t.append(line + "\n", style=style)
+    if len(lines) > limit:
+        t.append(f"... {len(lines) - limit} more diff lines\n", style="dim italic")
+    t.rstrip()
+    return t
+
+
+def clip_lines(text: str, limit: int) -> tuple[str, int]:
+    lines = text.splitlines()
+    if len(lines) <= limit:
+        return text.rstrip("\n"), 0
+    return "\n".join(lines[:limit]), len(lines) - limit
+
+
+def one_line(s: str, n: int = 100) -> str:
+    s = " ".join(str(s).split())
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def call_header(name: str, args: dict) -> Text:
+    """What a tool call does, in one line (arguments as the model gave them)."""
+    t = Text("⚒ ", style="bold yellow")
+    if name == "bash":
+        t.append("$ ", style="bold cyan")
+        t.append(str(args.get("command", "")), style="bold cyan")
+        return t
+    t.append(name, style="bold")
+    path = args.get("path")
+    if path is not None:
+        t.append(" " + str(path), style="green")
+    for k, v in args.items():
+        if k in ("path", "content", "old", "new", "command"):
+            continue
+        t.append(f" {k}=", style="dim")
+        t.append(one_line(json.dumps(v, ensure_ascii=False) if not isinstance(v, str) else v, 60),
+                 style="yellow" if isinstance(v, (int, float)) else "")
+    if "content" in args:
+        n = str(args["content"]).count("\n") + (0 if str(args["content"]).endswith("\n") else 1)
+        t.append(f" ({n} lines)", style="dim")
+    return t
+
+
+def call_preview(name: str, args: dict) -> Text | None:
+    """What the user approves before it happens: old/new text of an edit, the start of a write."""
+    t = Text()
+    if "old" in args or "new" in args:
+        for line in str(args.get("old", "")).splitlines()[:40]:
+            t.append("- " + line + "\n", style="red")
+        for line in str(args.get("new", "")).splitlines()[:40]:
+            t.append("+ " + line + "\n", style="green")
+    elif "content" in args:
+        body, more = clip_lines(str(args["content"]), 20)
+        for line in body.splitlines():
+            t.append("+ " + line + "\n", style="blue")
+        if more:
+            t.append(f"... {more} more lines\n", style="dim italic")
+    else:
+        return None
+    t.rstrip()
+    return t
+
+
+# -- transcript widgets -----------------------------------------------------------------------------
+class UserMessage(Static):
+    def __init__(self, text: str):
+        t = Text("❯ ", style="bold red")
+        t.append(text, style="bold")
+        super().__init__(t, classes="user")
+
+
+class NoticeLine(Static):
+    def __init__(self, text: str, level: str = "info"):
+        style = {"error": "bold red", "warning": "yellow"}.get(level, "")
+        super().__init__(Text(text, style=style), classes=f"notice {level}")
+        self.level = level
+
+
+class Thinking(Collapsible):
+    """Reasoning: dimmed, collapsible, streamed a paragraph per Static (so an update re-renders one
+    paragraph, not the whole block)."""
+
+    def __init__(self, text: str = "", collapsed: bool = False):
+        super().__init__(title="thinking…", collapsed=collapsed, classes="thinking")
+        self.t0 = time.perf_counter()
+        self.chars = 0
+        self._cur: Static | None = None
+        self._cur_text = ""
+        self._initial = text
+
+    async def on_mount(self):
+        if self._initial:
+            await self.add(self._initial)
+
+    async def add(self, text: str):
+        self.chars += len(text)
+        if self._cur is None:
+            text = text.lstrip("\n")
+            if not text:
+                return
+            pieces = text.split("\n\n")
+            new = pieces
+        else:
+            pieces = (self._cur_text + text).split("\n\n")
+            self._cur.update(Text(pieces[0]))
+            new = pieces[1:]
+        contents = self.query_one(Collapsible.Contents)
+        for p in new:
+            self._cur = Static(Text(p), classes="para")
+            await contents.mount(self._cur)
+        self._cur_text = pieces[-1]
+
+    def done(self, collapse: bool):
+        dt = time.perf_counter() - self.t0
+        self.title = Content(f"thought for {fmt_secs(dt)} ({self.chars} chars)" if self.chars else "thinking")
+        if collapse:
+            self.collapsed = True
+
+
+class Answer(Markdown):
+    """The answer as Markdown; streamed through Textual's MarkdownStream (which merges appends when
+    the screen is slower than the model)."""
+
+    def __init__(self, text: str = ""):
+        super().__init__(text, classes="answer")
+        self.stream = None
+        self.chars = len(text)
+
+    async def add(self, text: str):
+        if self.stream is None:
+            text = text.lstrip("\n") if self.chars == 0 else text
+            if not text:
+                return
+            self.stream = Markdown.get_stream(self)
+        self.chars += len(text)
+        await self.stream.write(text)
+
+    async def close(self):
+        if self.stream is not None:
+            await self.stream.stop()
+            self.stream = None
+
+
+class ToolView(Vertical):
+    """One tool call: its arguments, then the approval state, then its result."""
+
+    def __init__(self, name: str, args: dict):
+        super().__init__(classes="tool")
+        self.tool_name, self.args = name, args
+        self.finished: E.ToolFinished | None = None
+        self.answer = ""           # what the user said when asked: "y", "always", "n" ("" not asked)
+
+    def compose(self) -> ComposeResult:
+        yield Static(call_header(self.tool_name, self.args), classes="tool-head")
+        prev = call_preview(self.tool_name, self.args)
+        yield Static(prev if prev is not None else "", classes="tool-body")
+        yield Static("", classes="tool-state")
+
+    def on_mount(self):
+        body = self.query_one(".tool-body", Static)
+        body.display = bool(str(body.content))
+        self.query_one(".tool-state", Static).display = False
+
+    def set_state(self, text: Text | str):
+        st = self.query_one(".tool-state", Static)
+        st.update(text)
+        st.display = bool(str(text))
+
+    async def finish(self, ev: E.ToolFinished):
+        self.finished = ev
+        body = self.query_one(".tool-body", Static)
+        if not ev.approved:
+            self.set_state(Text("✗ not approved: the model was told so", style="yellow"))
+            return
+        if ev.diff:
+            body.update(diff_text(ev.diff))
+            body.display = True
+            body.add_class("diff")
+        if ev.exit_status is not None:
+            out, more = clip_lines(ev.text, SHOW_OUTPUT_LINES)
+            t = Text(out, style="" if ev.exit_status == 0 else "dark_orange")
+            if more:
+                t.append(f"\n... {more} more lines (the model read them)", style="dim italic")
+            body.update(t)
+            body.display = True
+            body.add_class("output")
+            st = Text(f"exit {ev.exit_status}", style="bold green" if ev.exit_status == 0 else "bold red")
+            if self.answer:
+                st.append("  (approved)", style="dim")
+            self.set_state(st)
+            return
+        if not ev.ok:
+            self.set_state(Text(one_line(ev.text, 300), style="bold red"))
+            return
+        first = one_line(ev.text.splitlines()[0] if ev.text.strip() else "(empty result)", 100)
+        n = ev.text.count("\n") + 1
+        if ev.diff or n <= 1:
+            t = Text("✓ ", style="green")
+            if self.answer:
+                t.append("approved" + (" (always)" if self.answer == "always" else "") + " · ", style="dim")
+            t.append(first, style="green")
+            self.set_state(t)
+        else:
+            out, more = clip_lines(ev.text, SHOW_OUTPUT_LINES)
+            if more:
+                out += f"\n... {more} more lines"
+            self.set_state("")
+            await self.mount(Collapsible(Static(Text(out, style="dim"), classes="result"),
+                                         title=Content(f"✓ {first} ({n} lines)"), collapsed=True, classes="result-box"))
+
+
+class ApprovalBar(Static, can_focus=True):
+    """Asks y / n / always for one call; the worker waits until it is answered."""
+
+    GUARD_S = 0.25
+
+    BINDINGS = [
+        Binding("y", "answer('y')", "yes"),
+        Binding("n", "answer('n')", "no"),
+        Binding("a", "answer('always')", "always"),
+    ]
+
+    class Answered(Message):
+        def __init__(self, answer: str):
+            super().__init__()
+            self.answer = answer
+
+    def __init__(self, ev: E.ApprovalNeeded):
+        t = Text("Allow ", style="bold")
+        t.append(ev.summary, style="bold yellow")
+        t.append("?  ")
+        for key, what in (("y", "yes"), ("n", "no"), ("a", f"always {ev.name} this session")):
+            t.append(f"[{key}]", style="bold reverse")
+            t.append(f" {what}  ")
+        t.append("Esc: no, and stop", style="dim")
+        super().__init__(t, id="approval")
+        self.request = ev
+
+    def on_mount(self):
+        self.shown_at = time.monotonic()
+
+    def action_answer(self, ans: str):
+        # keys typed for the prompt in the instant the question appeared must not answer it
+        if time.monotonic() - self.shown_at < self.GUARD_S:
+            return
+        self.post_message(self.Answered(ans))
+
+
+class InputArea(TextArea):
+    """The prompt: Enter sends, Shift+Enter / Ctrl+J / Alt+Enter insert a new line, Up on the first
+    line and Down on the last walk the history, Ctrl+D on an empty prompt leaves."""
+
+    BINDINGS = [
+        Binding("ctrl+p", "history(-1)", "previous", show=False),
+        Binding("ctrl+n", "history(1)", "next", show=False),
+        Binding("ctrl+x", "recall_queued", "edit queued", show=False),
+        Binding("ctrl+d", "delete_or_leave", show=False),
+    ]
+
+    class Submitted(Message):
+        def __init__(self, text: str):
+            super().__init__()
+            self.text = text
+
+    def __init__(self, history: list[str] | None = None, **kw):
+        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kw)
+        self.past: list[str] = history if history is not None else []
+        self._hist_pos = len(self.past)
+        self._draft = ""
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            text = self.text
+            if text.strip():
+                self.post_message(self.Submitted(text))
+            self.clear()
+            self._hist_pos = len(self.past)
+            return
+        if event.key in ("shift+enter", "ctrl+j", "alt+enter", "newline"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        if event.key == "up" and self.cursor_location[0] == 0 and self.past:
+            event.stop()
+            event.prevent_default()
+            self.action_history(-1)
+            return
+        if event.key == "down" and self.cursor_location[0] == self.document.line_count - 1 \
+                and self._hist_pos < len(self.past):
+            event.stop()
+            event.prevent_default()
+            self.action_history(1)
+            return
+        await super()._on_key(event)
+
+    def action_history(self, step: int):
+        if not self.past:
+            return
+        if self._hist_pos == len(self.past):
+            self._draft = self.text
+        pos = min(max(self._hist_pos + step, 0), len(self.past))
+        if pos == self._hist_pos:
+            return
+        self._hist_pos = pos
+        self.load_text(self.past[pos] if pos < len(self.past) else self._draft)
+        self.move_cursor(self.document.end)
+
+    def remember(self, text: str):
+        if not self.past or self.past[-1] != text:
+            self.past.append(text)
+            del self.past[:-HISTORY_MAX]
+        self._hist_pos = len(self.past)
+
+    def action_recall_queued(self):
+        if not self.app.recall_queued(self):
+            self.action_cut()
+
+    def action_delete_or_leave(self):
+        if not self.text:
+            self.app.action_leave()
+        else:
+            self.action_delete_right()
+
+
+class _Wake(Message):
+    """Posted (thread-safely) when the inbox goes from empty to non-empty."""
+
+
+# -- the app ----------------------------------------------------------------------------------------
+CSS = """
+Screen { layout: vertical; }
+#transcript { height: 1fr; padding: 0 1; scrollbar-size-vertical: 1; }
+#transcript > * { margin-bottom: 1; }
+.user { color: $text; margin-top: 1; }
+.notice { color: $text-muted; }
+.notice.error { color: $error; }
+.notice.warning { color: $warning; }
+.notice.reply { color: $text; }
+.notice.command { color: $accent; margin-top: 1; }
+.thinking { background: $background; border-top: none; padding: 0 0 0 0; margin-bottom: 0; }
+.thinking CollapsibleTitle { color: $text-muted; padding: 0; }
+.thinking Contents { padding: 0 0 0 2; }
+.thinking .para { color: $text-muted; text-style: italic; margin-bottom: 1; }
+.thinking .para:last-child { margin-bottom: 0; }
+#transcript > .answer { margin: 0; padding: 0; background: $background; }
+.answer MarkdownFence { margin: 0 0 1 0; }
+.answer MarkdownFence > Label { padding: 0 1; }
+.tool { height: auto; border-left: thick $warning 60%; padding: 0 1; background: $boost; }
+.tool-body { padding: 0 0 0 2; }
+.tool-state { padding: 0 0 0 2; }
+.result-box { background: $boost; border-top: none; padding: 0; }
+.result-box Contents { padding: 0 0 0 2; }
+.turn-end { color: $text-muted; text-style: italic; }
+.turn-end.bad { color: $warning; }
+#queue { height: auto; max-height: 4; color: $accent; padding: 0 1; display: none; }
+#approval { height: auto; background: $warning 25%; padding: 0 1; }
+#approval:focus { background: $warning 40%; }
+#prefill { height: 1; padding: 0 1; display: none; }
+#input { height: auto; min-height: 3; max-height: 12; border: round $primary 50%; padding: 0 1; }
+#input:focus { border: round $primary; }
+#status { height: 1; background: $panel; color: $text; padding: 0 1; }
+#warning { height: auto; background: $warning 30%; padding: 0 1; display: none; }
+"""
+
+
+class AgentApp(App):
+    """ds4-agent's TUI. make_agent(emit) -> Agent runs on the engine thread (see AgentWorker)."""
+
+    CSS = CSS
+    TITLE = "ds4-agent"
+    BINDINGS = [
+        Binding("escape", "interrupt", "interrupt", show=False),
+        Binding("ctrl+c", "leave", "quit", show=False, priority=True),
+        Binding("ctrl+q", "leave", "quit", show=False, priority=True),
+        Binding("ctrl+o", "toggle_thinking", "thinking", show=False),
+        Binding("ctrl+l", "clear_screen", "clear", show=False),
+    ]
+
+    def __init__(self, make_agent: Callable, *, history_path: str | os.PathLike | None = None,
+                 banner: str | None = None, worker_factory=AgentWorker, initial: list[str] | None = None,
+                 **kw):
+        super().__init__(**kw)
+        self._make_agent = make_agent
+        self._worker_factory = worker_factory
+        self.worker: AgentWorker | None = None
+        self.history_path = Path(history_path) if history_path else None
+        self.banner = banner
+        # inbox: events from the worker thread, drained on the UI loop
+        self._lock = threading.Lock()
+        self._inbox: list = []
+        self._wake_pending = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # state of the conversation as the UI sees it
+        self.ready = False
+        self.busy = True               # an item is with the worker (or the model is still loading)
+        self.queue: list[str] = []     # typed while busy, sent in order
+        self.queue.extend(initial or [])   # e.g. /resume: sent once the model is ready
+        self.status: E.Status | None = None
+        self.approval: ApprovalBar | None = None
+        self._await_reply: str | None = None   # a command ended: its reply Notice comes next
+        self._leaving = False
+        self._think: Thinking | None = None
+        self._answer: Answer | None = None
+        self._tools: dict[int, ToolView] = {}
+        self._turn_t0 = 0.0
+        self.turns_finished = 0        # tests and the screenshot wait on these
+        self.events_seen: deque = deque(maxlen=10_000)
+
+    # -- layout ------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(id="transcript")
+        yield Static(id="queue")
+        yield Static(id="prefill")
+        yield InputArea(self._load_history(), id="input")
+        yield Static(id="warning")
+        yield Static(Text("loading the model…", style="dim"), id="status")
+
+    async def on_mount(self):
+        self._loop = asyncio.get_running_loop()
+        self.transcript = self.query_one("#transcript", VerticalScroll)
+        self.transcript.anchor()
+        self.input = self.query_one("#input", InputArea)
+        self.input.focus()
+        if self.banner:
+            await self._add(Static(Text(self.banner, style="bold"), classes="banner"))
+        await self._add(NoticeLine(KEYS_HINT, "info"))
+        self.worker = self._worker_factory(instrument(self._make_agent), self._emit)
+
+    # -- events from the worker thread ---------------------------------------------------------------
+    def _emit(self, ev):
+        """Called on the worker thread: queue the event, wake the UI once per batch."""
+        with self._lock:
+            self._inbox.append(ev)
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        loop = self._loop
+        try:
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self.post_message, _Wake())
+        except RuntimeError:     # the UI has already gone (the loop closed under us)
+            pass
+
+    def on__wake(self, _msg: _Wake):
+        # let a frame's worth of events pile up, then apply them in one go
+        self.set_timer(FLUSH_S, self._drain)
+
+    async def _drain(self):
+        with self._lock:
+            evs, self._inbox = self._inbox, []
+            self._wake_pending = False
+        with self.batch_update():
+            for ev in coalesce(evs):
+                try:
+                    await self._apply(ev)
+                except Exception as e:   # a display bug must not take the UI down
+                    self.log.error(f"could not show {type(ev).__name__}: {e!r}")
+                    await self._add(NoticeLine(f"ui error showing {type(ev).__name__}: {e}", "error"))
+
+    async def _apply(self, ev):
+        self.events_seen.append(ev)
+        if isinstance(ev, E.TextDelta):
+            await self._close_thinking(collapse=True)
+            if self._answer is None:
+                self._answer = Answer()
+                await self._add(self._answer)
+            await self._answer.add(ev.text)
+        elif isinstance(ev, E.ReasoningDelta):
+            if self._think is None:
+                await self._close_answer()
+                self._think = Thinking()
+                await self._add(self._think)
+            await self._think.add(ev.text)
+        elif isinstance(ev, E.Prefill):
+            bar = self.query_one("#prefill", Static)
+            bar.update(prefill_bar(ev.done, ev.total, ev.tokens_per_s, ev.eta_s))
+            bar.display = ev.done < ev.total
+        elif isinstance(ev, E.Status):
+            self._show_status(ev)
+        elif isinstance(ev, E.ToolStarted):
+            await self._close_stream()
+            view = ToolView(ev.name, ev.arguments)
+            self._tools[ev.index] = view
+            await self._add(view)
+        elif isinstance(ev, E.ApprovalNeeded):
+            await self._ask(ev)
+        elif isinstance(ev, E.ToolFinished):
+            view = self._tools.get(ev.index)
+            if view is None:
+                view = ToolView(ev.name, ev.arguments)
+                await self._add(view)
+            await view.finish(ev)
+            self._tools.pop(ev.index, None)
+            await self._drop_approval()
+        elif isinstance(ev, E.TurnFinished):
+            await self._turn_finished(ev)
+        elif isinstance(ev, E.Compacted):
+            await self._add(NoticeLine(f"context compacted: {fmt_tokens(ev.before_tokens)} → "
+                                       f"{fmt_tokens(ev.after_tokens)} tokens", "warning"))
+            if ev.summary:
+                await self._add(Collapsible(Static(Text(ev.summary, style="dim")), title="summary kept",
+                                            collapsed=True, classes="result-box"))
+        elif isinstance(ev, E.Notice):
+            await self._notice(ev)
+        elif isinstance(ev, Ready):
+            self.ready = True
+            await self._idle()
+        elif isinstance(ev, Begin):
+            pass
+        elif isinstance(ev, End):
+            await self._close_stream()
+            await self._drop_approval()
+            self.query_one("#prefill", Static).display = False
+            if ev.kind == "command":
+                self._await_reply = "error" if ev.error else "info"
+            else:
+                await self._idle()
+        elif isinstance(ev, Timeline):
+            await self._replay(ev.messages)
+
+    async def _notice(self, ev: E.Notice):
+        if self._await_reply is not None:      # a command's reply: the worker is free again
+            level = "error" if self._await_reply == "error" else "reply"
+            self._await_reply = None
+            if ev.text == "quit":
+                await self._stop_and_exit()
+                return
+            if ev.text:
+                await self._add(NoticeLine(ev.text, level))
+            await self._idle()
+            return
+        if ev.text == "stopped":
+            return
+        if ev.level == "error" and not self.ready and self.worker is not None and self.worker.failed:
+            self._set_status(Text(f"could not start: {self.worker.failed}", style="bold red"))
+        await self._add(NoticeLine(ev.text, ev.level))
+
+    # -- transcript helpers ------------------------------------------------------------------------
+    async def _add(self, widget: Widget):
+        await self.transcript.mount(widget)
+
+    async def _close_thinking(self, collapse: bool):
+        if self._think is not None:
+            self._think.done(collapse)
+            self._think = None
+
+    async def _close_answer(self):
+        if self._answer is not None:
+            await self._answer.close()
+            self._answer = None
+
+    async def _close_stream(self):
+        await self._close_thinking(collapse=True)
+        await self._close_answer()
+
+    async def _turn_finished(self, ev: E.TurnFinished):
+        await self._close_stream()
+        self.turns_finished += 1
+        dt = time.perf_counter() - self._turn_t0 if self._turn_t0 else 0.0
+        parts = [fmt_secs(dt)]
+        if ev.tool_calls:
+            parts.append(f"{ev.tool_calls} tool call{'s' if ev.tool_calls != 1 else ''}")
+        if self.status is not None and self.status.gen_tps:
+            parts.append(f"{self.status.gen_tps:.1f} t/s")
+        bad = ev.interrupted or ev.finish_reason not in ("stop", "tool_calls")
+        head = {"interrupted": "⏹ interrupted", "length": "⚠ stopped at the token limit",
+                "error": "✗ error"}.get(ev.finish_reason, "✓")
+        await self._add(Static(Text(f"{head} · " + " · ".join(parts)),
+                               classes="turn-end bad" if bad else "turn-end"))
+
+    async def _replay(self, messages: list):
+        """Draw a switched-to (or new) timeline from its messages, nothing streamed."""
+        await self.transcript.remove_children()
+        self._think = self._answer = None
+        self._tools = {}
+        body = [m for m in messages if m.role != "system"]
+        if len(body) > REPLAY_MESSAGES:
+            await self._add(NoticeLine(f"... {len(body) - REPLAY_MESSAGES} earlier messages", "info"))
+            body = body[-REPLAY_MESSAGES:]
+        widgets: list[Widget] = []
+        for m in body:
+            if m.role == "user":
+                widgets.append(UserMessage(m.content))
+            elif m.role == "assistant":
+                if m.reasoning:
+                    th = Thinking(m.reasoning, collapsed=True)
+                    th.title = Content(f"thinking ({len(m.reasoning)} chars)")
+                    widgets.append(th)
+                if m.content:
+                    widgets.append(Answer(m.content))
+                for c in m.tool_calls:
+                    try:
+                        args = json.loads(c.arguments_json) if c.arguments_json else {}
+                    except (ValueError, TypeError):
+                        args = {"arguments": c.arguments_json}
+                    widgets.append(Static(call_header(c.name, args if isinstance(args, dict) else {}),
+                                          classes="tool"))
+            elif m.role == "tool":
+                first = one_line(m.content.splitlines()[0] if m.content.strip() else "(empty)", 100)
+                widgets.append(Collapsible(Static(Text(m.content, style="dim")), title=Content(f"result: {first}"),
+                                           collapsed=True, classes="result-box"))
+        if widgets:
+            await self.transcript.mount_all(widgets)
+        self.transcript.anchor()
+
+    # -- approvals ---------------------------------------------------------------------------------
+    async def _ask(self, ev: E.ApprovalNeeded):
+        await self._drop_approval()
+        view = next(iter(reversed(list(self._tools.values()))), None) if self._tools else None
+        if view is not None:
+            view.set_state(Text("waiting for your approval…", style="yellow"))
+        self.approval = ApprovalBar(ev)
+        await self.mount(self.approval, before=self.query_one("#prefill"))
+        self.approval.focus()
+        self.transcript.scroll_end(animate=False)
+        if self.status is not None:
+            self._show_status(self.status)
+
+    async def on_approval_bar_answered(self, msg: ApprovalBar.Answered):
+        if self.worker is not None:
+            self.worker.answer(msg.answer)
+        view = next(iter(reversed(list(self._tools.values()))), None) if self._tools else None
+        if view is not None:
+            view.answer = msg.answer
+            view.set_state(Text({"y": "approved", "always": "approved (always, this session)"}.get(
+                msg.answer, "refused"), style="dim"))
+        await self._drop_approval()
+
+    async def _drop_approval(self):
+        if self.approval is not None:
+            bar, self.approval = self.approval, None
+            await bar.remove()
+            self.input.focus()
+            if self.status is not None:
+                self._show_status(self.status)
+
+    # -- input, queue, dispatch --------------------------------------------------------------------
+    async def on_input_area_submitted(self, msg: InputArea.Submitted):
+        text = msg.text.strip("\n")
+        line = text.strip()
+        self.input.remember(text)
+        self._save_history(text)
+        if line.split()[0].lower() in ("/quit", "/exit") and (self.busy or not self.ready):
+            await self.action_leave()
+            return
+        if self.busy:
+            self.queue.append(text)
+            self._show_queue()
+            return
+        await self._dispatch(text)
+
+    async def _dispatch(self, text: str):
+        """Hand one item to the (idle) worker; it is echoed here, where it really starts."""
+        line = text.strip()
+        self.busy = True
+        if self.status is not None:
+            self._show_status(self.status)
+        self._turn_t0 = time.perf_counter()
+        self._tools = {}
+        if line.startswith("/"):
+            await self._add(NoticeLine("› " + line, "command"))
+            self.worker.send_command(line)
+        else:
+            await self._add(UserMessage(text))
+            self.worker.send_user(text)
+
+    async def _idle(self):
+        self.busy = False
+        await self._send_next()
+        if self.status is not None:
+            self._show_status(self.status)
+
+    async def _send_next(self):
+        if self.busy or self._leaving or not self.queue:
+            self._show_queue()
+            return
+        text = self.queue.pop(0)
+        self._show_queue()
+        await self._dispatch(text)
+
+    def _show_queue(self):
+        box = self.query_one("#queue", Static)
+        if not self.queue:
+            box.display = False
+            return
+        first = one_line(self.queue[0], QUEUE_PREVIEW_CHARS)
+        t = Text(f"queued ({len(self.queue)}): ", style="bold")
+        t.append(first)
+        t.append("   Ctrl+X edits it · Esc interrupts so it runs now", style="dim")
+        box.update(t)
+        box.display = True
+
+    def recall_queued(self, area: InputArea) -> bool:
+        if not self.queue:
+            return False
+        text = self.queue.pop(0)
+        area.load_text(text)
+        area.move_cursor(area.document.end)
+        self._show_queue()
+        return True
+
+    # -- status bar ----------------------------------------------------------------------------------
+    def _show_status(self, st: E.Status):
+        self.status = st
+        busy = "waiting for your approval" if self.approval is not None else \
+            st.busy or ("working" if self.busy and self.ready else "idle")
+        sep = (" │ ", "dim")
+        t = Text()
+        t.append("● " + busy, style="bold magenta" if busy != "idle" else "green")
+        t.append(*sep)
+        pct = 100 * st.ctx_used / st.ctx_total if st.ctx_total else 0
+        t.append(f"ctx {fmt_tokens(st.ctx_used)}/{fmt_tokens(st.ctx_total)} {pct:.0f}%",
+                 style="bold yellow" if st.warning else "")
+        t.append(*sep)
+        t.append(f"prefill {st.prefill_tps:,.0f} t/s")
+        t.append(*sep)
+        t.append(f"gen {st.gen_tps:.1f} t/s")
+        t.append(*sep)
+        t.append(f"session {st.session}")
+        t.append(*sep)
+        t.append(f"think {st.think_mode}")
+        t.append(*sep)
+        t.append(st.model, style="bold")
+        t.append(f" · {st.backend}")
+        self._set_status(t)
+        warn = self.query_one("#warning", Static)
+        warn.update(Text("⚠ " + st.warning) if st.warning else "")
+        warn.display = bool(st.warning)
+        if st.busy != "prefill":
+            self.query_one("#prefill", Static).display = False
+
+    def _set_status(self, t: Text):
+        self.query_one("#status", Static).update(t)
+
+    # -- actions -----------------------------------------------------------------------------------
+    async def action_interrupt(self):
+        """Esc: stop generation or prefill (between chunks); a pending approval counts as 'no'."""
+        if self.worker is None or not self.busy:
+            return
+        self.worker.interrupt()
+        if self.approval is not None:
+            await self._drop_approval()
+
+    async def action_leave(self):
+        """Ctrl+C, Ctrl+Q, Ctrl+D on an empty prompt, /quit: stop what runs, save, leave."""
+        if self._leaving:
+            return
+        self._leaving = True
+        self.queue.clear()
+        self._show_queue()
+        if self.worker is not None:
+            self.worker.interrupt()
+        await self._stop_and_exit()
+
+    async def _stop_and_exit(self):
+        self._leaving = True
+        self._set_status(Text("saving and leaving…", style="bold"))
+        worker = self.worker
+        if worker is None:
+            self.exit()
+            return
+        # stop() joins the engine thread (which saves first): never on the UI loop
+        await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        self.exit()
+
+    def action_toggle_thinking(self):
+        blocks = list(self.query(Thinking))
+        if blocks:
+            collapse = not all(b.collapsed for b in blocks)
+            for b in blocks:
+                b.collapsed = collapse
+
+    async def action_clear_screen(self):
+        await self.transcript.remove_children()
+        self._think = self._answer = None
+        self._tools = {}
+
+    # -- history file ------------------------------------------------------------------------------
+    def _load_history(self) -> list[str]:
+        if self.history_path is None or not self.history_path.exists():
+            return []
+        out = []
+        try:
+            for line in self.history_path.read_text(encoding="utf-8").splitlines():
+                try:
+                    s = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(s, str):
+                    out.append(s)
+        except OSError:
+            return []
+        return out[-HISTORY_MAX:]
+
+    def _save_history(self, text: str):
+        if self.history_path is None:
+            return
+        try:
+            self.history_path.parent.mkdir(parents=True, exist_ok=True)
+            entries = self.input.past[-HISTORY_MAX:]
+            tmp = self.history_path.with_name(self.history_path.name + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
+            os.replace(tmp, self.history_path)
+        except OSError:
+            pass
+
+
+def coalesce(evs: list) -> list:
+    """Merge runs of text deltas of the same kind; keep only the last of a run of Prefill/Status."""
+    out: list = []
+    for ev in evs:
+        prev = out[-1] if out else None
+        if isinstance(ev, (E.TextDelta, E.ReasoningDelta)) and type(prev) is type(ev):
+            out[-1] = type(ev)(prev.text + ev.text)
+        elif isinstance(ev, (E.Prefill, E.Status)) and type(prev) is type(ev):
+            out[-1] = ev
+        else:
+            out.append(ev)
+    return out
+
+
+def default_history_path() -> Path:
+    home = os.environ.get("DS4_AGENT_HOME") or os.path.join(os.path.expanduser("~"), ".ds4-agent")
+    return Path(home) / "history"
+
+
+def run_app(make_agent: Callable, **opts) -> int:
+    """Run the TUI until the user leaves. make_agent(emit) -> Agent is called on the engine thread.
+    opts: history_path (default ~/.ds4-agent/history; None keeps none), banner, resume (continue the
+    last session of the directory once the model is ready)."""
+    opts.setdefault("history_path", default_history_path())
+    if opts.pop("resume", False):
+        opts["initial"] = ["/resume"]
+    app = AgentApp(make_agent, **opts)
+    try:
+        app.run()
+    finally:
+        # the normal ways out stop the worker (which saves); after a crash of the UI, do it here
+        if app.worker is not None:
+            app.worker.interrupt()
+            app.worker.stop()            # returns at once when the engine thread is already done
+    return app.return_code or 0
