@@ -370,6 +370,12 @@ class Agent:
             self.emit(E.Notice(f"saved session {info.sha[:8]} ({info.tokens} tokens)"))
         return info
 
+    def save_on_exit(self):
+        """Leaving saves the session the user was in, changed or not, so that `--resume` brings
+        back this one (not the last one written)."""
+        if any(m.role == "user" for m in self.transcript):
+            self.save(quiet=True)
+
     def switch(self, ref: str):
         if self.store is None:
             raise SessionStoreError("no session store")
@@ -393,8 +399,7 @@ class Agent:
         parts = line.strip().split(maxsplit=1)
         cmd, arg = parts[0].lower(), (parts[1].strip() if len(parts) > 1 else "")
         if cmd in ("/quit", "/exit"):
-            if self.modified:
-                self.save(quiet=True)
+            self.save_on_exit()
             return "quit"
         if cmd == "/help":
             return HELP

@@ -58,8 +58,7 @@ class AgentWorker:
         while True:
             kind, text = self._q.get()
             if kind == "stop":
-                if self.agent.modified:
-                    self.agent.save(quiet=True)
+                self.agent.save_on_exit()
                 self._emit(E.Notice("stopped"))
                 return
             try:

@@ -259,3 +259,18 @@ def test_headless_runs_a_task(engine, project, sessions_root):
     rc = run_headless(make_agent, "what does hello.py do?", out=out, err=err)
     assert rc == 0 and "It greets." in out.getvalue()
     assert "1 tool call(s)" in err.getvalue() and "read: ok" in err.getvalue()
+
+
+def test_resume_continues_the_session_the_user_left(make, engine, project):
+    agent, rec = make()
+    agent.force("a1")
+    agent.submit("first")
+    agent.command("/save one")
+    one = agent.session.tokens
+    agent.force("a2")
+    agent.submit("second")                 # autosaved: the newest file
+    agent.command("/switch one")
+    assert agent.command("/quit") == "quit"
+    other, _ = make()
+    assert other.command("/resume").startswith("switched to session")
+    assert other.session.tokens == one
