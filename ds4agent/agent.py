@@ -24,6 +24,8 @@ import prompts
 import tools
 from engine import Engine, Rng, SamplingParams, Session
 from prompts import DsmlStream, Message, ToolCall
+from prompts.render import _TOOLS_HEAD as TOOLS_HEAD
+from prompts.render import _TOOLS_TAIL as TOOLS_TAIL
 from prompts.render import assistant_prefix, render_messages, render_tool_results
 from sessions import SessionStore, SessionStoreError
 
@@ -118,6 +120,10 @@ class Agent:
 
     # -- timeline ---------------------------------------------------------------------------------
     @property
+    def compact_reserve(self) -> int:
+        return min(SUMMARY_MAX_TOKENS + 512, self.cfg.ctx // 8)
+
+    @property
     def think_mode(self) -> str:
         return prompts.think_mode_for_context(self.cfg.think_mode, self.cfg.ctx)
 
@@ -137,7 +143,7 @@ class Agent:
         if self.store is not None and self.store.load_system_prefix(self.session, text):
             self._status()
             return
-        self._prefill_to(ids)
+        self._prefill_to(ids, interruptible=False)
         if self.store is not None:
             try:
                 self.store.save_system_prefix(self.session, text)
@@ -145,27 +151,35 @@ class Agent:
                 self.emit(E.Notice(f"could not cache the system prompt: {e}", "warning"))
         self._status()
 
-    def _append(self, text: str):
-        """Append rendered text to the live timeline (tokenized on its own, then prefilled)."""
-        if self.pending_eos:
-            text = EOS_TEXT + text
-            self.pending_eos = False
-        ids = self.tok.encode(text)
-        self._prefill_to(self.session.tokens + ids)
+    def _append(self, text: str, *, interruptible: bool = True):
+        """Append rendered text to the live timeline (tokenized on its own, then prefilled). All or
+        nothing: on an interrupt or an error the timeline and the pending EOS are as before."""
+        prev, prev_eos = self.session.tokens, self.pending_eos
+        ids = self.tok.encode((EOS_TEXT if prev_eos else "") + text)
+        try:
+            self._prefill_to(prev + ids, interruptible=interruptible)
+        except BaseException:
+            if self.session.tokens != prev:
+                self.session.sync(prev)          # cut back (in place: see _prefill_to)
+            self.pending_eos = prev_eos
+            raise
+        self.pending_eos = False
 
-    def _prefill_to(self, target: list[int]):
+    def _prefill_to(self, target: list[int], *, interruptible: bool = True):
         if len(target) >= self.cfg.ctx:
             raise ValueError(f"the conversation ({len(target)} tokens) does not fit the context of {self.cfg.ctx}")
         start = self.session.pos
         t0 = time.perf_counter()
+        # Esc is honoured only while cutting back stays in place (within the session's rewind window)
+        window = self.session.rewind_cap - self.session.chunk
 
         def progress(done, total):
             dt = max(time.perf_counter() - t0, 1e-9)
             tps = done / dt
             self.emit(E.Prefill(done, total, tps, (total - done) / tps if tps else 0.0))
-            return not self._interrupt.is_set()
+            return not (interruptible and done <= window and self._interrupt.is_set())
         self._status("prefill")
-        ok = self.session.sync(target, progress=progress if len(target) - start > 0 else None)
+        ok = self.session.sync(target, progress=progress if len(target) > start else None)
         if ok is False:
             raise Interrupted()
 
@@ -173,21 +187,17 @@ class Agent:
     def submit(self, text: str) -> E.TurnFinished:
         """Run one user turn to completion: generation, tools, more generation."""
         self._interrupt.clear()
-        before = (self.session.tokens, list(self.transcript), self.pending_eos)
         self.maybe_compact("soft limit before user turn")
         try:
-            self.transcript.append(Message("user", text))
             self._append(prompts.USER + text + assistant_prefix(self.think_mode))
         except Interrupted:
             # cancelled during the user message's prefill: the turn never happened
-            self.transcript, self.pending_eos = before[1], before[2]
-            self.session.sync(before[0])
             self.emit(E.Notice("interrupted before the model started; the message was not sent", "warning"))
             return self._finish(E.TurnFinished(interrupted=True, finish_reason="interrupted"))
         except ValueError as e:
-            self.transcript = before[1]
             self.emit(E.Notice(str(e), "error"))
             return self._finish(E.TurnFinished(finish_reason="error"))
+        self.transcript.append(Message("user", text))
         self.modified = True
         n_calls = 0
         answer = ""
@@ -208,17 +218,19 @@ class Agent:
                 results.append(self._run_tool(i, call.name, call.arguments))
                 if self._interrupt.is_set():
                     break
-            for m in results:
-                self.transcript.append(m)
+            stop = self._interrupt.is_set()
+            if not stop:
+                self.maybe_compact("soft limit before tool continuation")
+            # The tools have run: their results go in whole (Esc does not cut them); after an Esc
+            # the model is not asked to continue, and the next user turn follows the results.
+            tail = render_tool_results(m.content for m in results)
             try:
-                self.maybe_compact("soft limit before tool continuation", appended=False)
-                self._append(render_tool_results(m.content for m in results) + assistant_prefix(self.think_mode))
-            except Interrupted:
-                return self._finish(E.TurnFinished(True, "interrupted", n_calls, answer))
+                self._append(tail if stop else tail + assistant_prefix(self.think_mode), interruptible=False)
             except ValueError as e:
                 self.emit(E.Notice(str(e), "error"))
                 return self._finish(E.TurnFinished(False, "error", n_calls, answer))
-            if self._interrupt.is_set():
+            self.transcript.extend(results)
+            if stop:
                 return self._finish(E.TurnFinished(True, "interrupted", n_calls, answer))
         self.emit(E.Notice(f"stopped after {MAX_TOOL_ROUNDS} tool rounds", "warning"))
         return self._finish(E.TurnFinished(False, "length", n_calls, answer))
@@ -237,7 +249,8 @@ class Agent:
         token is evaluated into the timeline. Returns (Parsed, interrupted)."""
         mode = think_mode or self.think_mode
         stream = DsmlStream(mode, has_tools=True)
-        room = self.cfg.ctx - self.session.pos - 2
+        # leave room for a compaction request and its summary, so a full context can still compact
+        room = self.cfg.ctx - self.session.pos - 2 - (0 if think_mode == "none" and greedy else self.compact_reserve)
         forced = self._forced.pop(0) if self._forced else None
         limit = room if forced is not None else min(max_tokens or self.cfg.max_turn_tokens, room)
         greedy_p = SamplingParams(temperature=0)
@@ -311,7 +324,7 @@ class Agent:
     def ctx_used(self) -> int:
         return self.session.pos
 
-    def maybe_compact(self, reason: str, appended: bool = True) -> bool:
+    def maybe_compact(self, reason: str) -> bool:
         used, ctx = self.session.pos, self.cfg.ctx
         if used >= COMPACT_AT * ctx or ctx - used <= min(8192, ctx // 4):
             if len(self.transcript) > 2:
@@ -340,13 +353,13 @@ class Agent:
             text = render_messages(self.transcript, tools.schemas(), self.think_mode)
             if text.endswith(assistant_prefix(self.think_mode)):
                 text = text[: -len(assistant_prefix(self.think_mode))]
-            self.pending_eos = False
+            self.pending_eos = False        # the rendered text already closes every assistant turn
             self.session.reset()
-            self._prefill_to(self.tok.encode(text))
-            self.pending_eos = bool(tail) and tail[-1].role == "assistant"
+            self._prefill_to(self.tok.encode(text), interruptible=False)
         except (ValueError, Interrupted) as e:
             self.transcript, self.pending_eos = old_transcript, old_eos
-            self.session.sync(old_tokens)
+            if self.session.tokens != old_tokens:
+                self.session.sync(old_tokens)
             self.emit(E.Notice(f"compaction failed: {e}; the conversation is unchanged", "error"))
             self._status()
             return False
@@ -396,6 +409,7 @@ class Agent:
     # -- slash commands ---------------------------------------------------------------------------
     def command(self, line: str) -> str:
         """Run a slash command; returns the text to show. '/quit' returns 'quit'."""
+        self._interrupt.clear()
         parts = line.strip().split(maxsplit=1)
         cmd, arg = parts[0].lower(), (parts[1].strip() if len(parts) > 1 else "")
         if cmd in ("/quit", "/exit"):
@@ -499,7 +513,7 @@ def transcript_from_text(text: str) -> list[Message]:
     out: list[Message] = []
     first_user = body.find(prompts.USER)
     system = body if first_user < 0 else body[:first_user]
-    out.append(Message("system", system))
+    out.append(Message("system", strip_system_extras(system)))
     if first_user < 0:
         return out
     for chunk in body[first_user + len(prompts.USER):].split(prompts.USER):
@@ -518,6 +532,17 @@ def transcript_from_text(text: str) -> list[Message]:
         out.append(Message("assistant", parsed.content or "", parsed.reasoning,
                            [ToolCall(None, c.name, c.arguments_json, parsed.dsml) for c in parsed.tool_calls]))
     return out
+
+
+def strip_system_extras(system: str) -> str:
+    """The system message proper of a rendered system block: without the Think Max prefix and the
+    tools block the renderer puts in front of it (they are re-rendered from the current tools)."""
+    if system.startswith(prompts.THINK_MAX_PREFIX):
+        system = system[len(prompts.THINK_MAX_PREFIX):]
+    if system.startswith(TOOLS_HEAD) and TOOLS_TAIL in system:
+        system = system.split(TOOLS_TAIL, 1)[1]
+        system = system[2:] if system.startswith("\n\n") else system
+    return system
 
 
 def _ends_open(text: str) -> bool:

@@ -85,10 +85,8 @@ def main(argv=None) -> int:
 
 
 def _run(a, prompt: str, think: str) -> int:
-    import numpy as np
-
     from engine import Engine, Rng, SamplingParams, Session
-    from engine.sampling import logprob_of
+    from engine.session import LogitsDump
 
     eng = Engine.open(a.model, backend=a.backend, numerics=a.numerics, threads=a.threads)
     tok = eng.tokenizer
@@ -105,16 +103,16 @@ def _run(a, prompt: str, think: str) -> int:
     t_prefill = time.perf_counter() - t0
     params = SamplingParams(a.temp, a.top_k, a.top_p, a.min_p, a.seed or None)
     rng = Rng(params.seed)
-    steps, logits_dump, generated = [], [], []
+    steps, logits_dump, generated = [], LogitsDump(), []
     text_out = tok.stream_decoder()
     t1 = time.perf_counter()
     for step in range(a.n_predict):
         if a.dump_logits:
-            logits_dump.append(sess.logits.copy())
+            logits_dump.add(sess)
         t = sess.sample(params, rng)
         if a.dump_logprobs:
             top = sess.top_logprobs(a.logprobs_top_k)
-            lp = logprob_of(sess.logits, t)
+            lp = sess.logprob(t)
             steps.append({"step": step, "token": _tok_json(tok, t), "logprob": lp,
                           "top_logprobs": [dict(_tok_json(tok, i), logprob=v) for i, v in top]})
         generated.append(t)
@@ -137,7 +135,7 @@ def _run(a, prompt: str, think: str) -> int:
     if a.dump_logprobs:
         _write_json(a.dump_logprobs, {"prompt_tokens": len(ids), "top_k": a.logprobs_top_k, "steps": steps})
     if a.dump_logits:
-        _write_atomic(a.dump_logits, lambda f: np.save(f, np.array(logits_dump, np.float32).reshape(len(logits_dump), -1)))
+        logits_dump.save(a.dump_logits)
     n_gen = len(generated)
     print(f"prefill: {len(ids)} tokens in {t_prefill:.2f} s ({len(ids) / max(t_prefill, 1e-9):.2f} t/s); "
           f"generation: {n_gen} tokens in {t_gen:.2f} s ({n_gen / max(t_gen, 1e-9):.2f} t/s)", file=sys.stderr)

@@ -18,7 +18,7 @@ from .kv_state import KVState
 from .model import Model
 from .model_file import ModelFile
 from .ops_numpy import DS4, NumpyOps
-from .sampling import Rng, SamplingParams, sample, top_logprobs
+from .sampling import Rng, SamplingParams, logprob_of, sample, top_logprobs
 from .tokenizer import Tokenizer
 from .weights import bind
 
@@ -203,6 +203,9 @@ class Session:
     def top_logprobs(self, k: int) -> list[tuple[int, float]]:
         return top_logprobs(self.logits, k)
 
+    def logprob(self, token: int) -> float:
+        return logprob_of(self.logits, token)
+
     # -- snapshots -----------------------------------------------------------------------------
     def snapshot(self) -> bytes:
         logits = self._logits if self._logits is not None else np.zeros(self.engine.config.n_vocab, np.float32)
@@ -217,4 +220,29 @@ class Session:
         self._logits = logits if tokens else None
 
 
-__all__ = ["Engine", "Session", "ContextFull", "ModelFileError", "SamplingParams", "Rng"]
+class LogitsDump:
+    """Every step's logits, collected from a session and written as one .npy [steps, vocab]
+    through a temp file (for `ds4 --dump-logits`)."""
+
+    def __init__(self):
+        self.rows: list[np.ndarray] = []
+
+    def add(self, session: "Session"):
+        self.rows.append(session.logits.copy())
+
+    def save(self, path):
+        import os
+        import tempfile
+        d = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".ds4-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, np.array(self.rows, np.float32).reshape(len(self.rows), -1))
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+
+__all__ = ["Engine", "Session", "LogitsDump", "ContextFull", "ModelFileError", "SamplingParams", "Rng"]

@@ -12,7 +12,21 @@ import numpy as np
 
 from . import quants as Q
 from .config import CSA_RATIO
+from .errors import ModelFileError
 from .model_file import ModelFile, QTensor
+
+
+def _hash_table(m: ModelFile, name: str, n_expert: int) -> np.ndarray:
+    """The token -> experts table, checked: ids in range and distinct per token (a bad table would
+    otherwise fail or silently mis-route in the middle of a forward pass)."""
+    ids = m.tensor(name).int32()
+    if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+        raise ModelFileError(m.path, f"tensor '{name}' holds expert ids outside 0..{n_expert - 1}")
+    srt = np.sort(ids, axis=1)
+    if ids.shape[1] > 1 and (srt[:, 1:] == srt[:, :-1]).any():
+        row = int(np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0][0])
+        raise ModelFileError(m.path, f"tensor '{name}' routes token {row} to the same expert twice")
+    return ids
 
 
 def _vec(t: QTensor) -> np.ndarray:
@@ -106,7 +120,7 @@ def bind(m: ModelFile) -> ModelWeights:
             idx = IndexerWeights(t(p + "indexer.attn_q_b.weight"), t(p + "indexer.proj.weight"),
                                  compressor(p, "indexer_compressor", r, c.idx_head_dim))
         bias = _vec(t(p + "exp_probs_b.bias")) if m.has(p + "exp_probs_b.bias") else None
-        tid2eid = t(p + "ffn_gate_tid2eid.weight").int32() if c.is_hash_layer(il) else None
+        tid2eid = _hash_table(m, p + "ffn_gate_tid2eid.weight", c.n_expert) if c.is_hash_layer(il) else None
         layers.append(LayerWeights(
             il=il, ratio=r, hc_attn=hc(p, "attn"), hc_ffn=hc(p, "ffn"),
             attn_norm=_vec(t(p + "attn_norm.weight")), q_a=t(p + "attn_q_a.weight"),

@@ -274,3 +274,83 @@ def test_resume_continues_the_session_the_user_left(make, engine, project):
     other, _ = make()
     assert other.command("/resume").startswith("switched to session")
     assert other.session.tokens == one
+
+
+def assert_consistent(agent):
+    """The live timeline equals a fresh render of the transcript (the KV state never drifts)."""
+    import tools
+    from prompts.render import assistant_prefix, render_messages
+    live = timeline(agent) + (prompts.EOS if agent.pending_eos else "")
+    rendered = render_messages(agent.transcript, tools.schemas(), agent.think_mode)
+    prefix = assistant_prefix(agent.think_mode)
+    if rendered.endswith(prefix) and not live.endswith(prefix):
+        rendered = rendered[: -len(prefix)]
+    assert live == rendered
+
+
+def test_timeline_stays_consistent_on_every_path(make, engine, project):
+    (project / "big.txt").write_text("".join(f"line {i} of a long file\n" for i in range(300)))
+    agent, rec = make(chunk=16)
+    agent.force("plain answer")
+    agent.submit("one")
+    assert_consistent(agent)
+    # Esc while the (long) tool result is being prefilled: the result still goes in whole
+    orig = rec.__call__
+
+    def emit(ev):
+        orig(ev)
+        if isinstance(ev, E.ToolFinished):
+            agent.interrupt()
+    agent.emit = emit
+    agent.force(call("read", path="big.txt"))
+    fin = agent.submit("read it")
+    assert fin.interrupted and agent.transcript[-1].role == "tool"
+    assert timeline(agent).endswith("</tool_result>")
+    assert_consistent(agent)
+    agent.emit = rec
+    agent.force("after the interrupted tool round")
+    agent.submit("go on")
+    assert_consistent(agent)
+    # a message that does not fit keeps the pending EOS of the previous answer
+    assert agent.submit("word " * 20000).finish_reason == "error"
+    assert_consistent(agent)
+    agent.force("fine")
+    agent.submit("short one")
+    assert "</think>fine" in timeline(agent)
+    assert_consistent(agent)
+    # compaction then more turns; switch back and compact again (no duplicated tools block)
+    agent.force("SUMMARY: short.")
+    assert agent.compact("test")
+    assert_consistent(agent)
+    agent.force("post")
+    agent.submit("after compaction")
+    assert_consistent(agent)
+    agent.command("/save here")
+    agent.command("/switch here")
+    assert_consistent(agent)
+    agent.force("SUMMARY: again.")
+    assert agent.compact("again")
+    assert timeline(agent).count("## Tools") == 1
+    assert_consistent(agent)
+
+
+def test_compaction_before_a_tool_continuation_adds_results_once(make, engine, project):
+    agent, rec = make(ctx=16384)
+    agent.force("a")
+    agent.submit("q")
+    agent.compact_reserve  # property exists
+    real = agent.maybe_compact
+    seen = {}
+
+    def force_compact(reason):
+        if "tool continuation" in reason:
+            agent.force("SUMMARY: mid tool round.")
+            seen["ok"] = agent.compact(reason)
+            agent.force("done")
+            return seen["ok"]
+        return real(reason)
+    agent.maybe_compact = force_compact
+    agent.force(call("read", path="hello.py"), "unused")
+    agent.submit("read hello")
+    assert seen["ok"] and timeline(agent).count("<tool_result>") == 1
+    assert_consistent(agent)

@@ -197,3 +197,21 @@ def test_first_problem_names_how_many_more(tiny_q2, tmp_path):
                                                           "blk.2.attn_kv.weight"])
     with pytest.raises(ModelFileError, match=r"missing tensor 'blk.0.attn_kv.weight' \(and 2 more problems"):
         ModelFile.open(path)
+
+
+def test_bad_hash_table_is_caught_at_load(tiny_q2, tmp_path):
+    """Expert ids outside the range, or twice for one token, would fail (or mis-route) in the middle
+    of a forward pass; Engine.open refuses them with the tensor named."""
+    from engine import Engine
+    from engine.gguf_file import GGUFFile
+    g = GGUFFile(tiny_q2)
+    t = g.tensors["blk.1.ffn_gate_tid2eid.weight"]
+    g.close()
+    data = bytearray(tiny_q2.read_bytes())
+    for value, words in ((99, "outside 0..7"), (None, "same expert twice")):
+        d = bytearray(data)
+        first, second = struct.unpack_from("<ii", d, t.offset)
+        struct.pack_into("<ii", d, t.offset, 99 if value else first, second if value else first)
+        p = _write(tmp_path, f"hash-{words.split()[0]}.gguf", bytes(d))
+        with pytest.raises(ModelFileError, match=words):
+            Engine.open(p)
