@@ -1,0 +1,105 @@
+"""ds4-bench: the sweep's CSV, plot, token dump, determinism and bad input (spec/testing.md §1.3)."""
+from __future__ import annotations
+
+import json
+import random
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from engine import Engine, Session
+from engine.bench import HEADER, frontiers, greedy_no_eos, main, run_bench
+
+WORDS = ("quel ramo del lago di Como che volge a mezzogiorno tra due catene non interrotte di monti "
+         "tutto a seni e a golfi a seconda dello sporgere e del rientrare di quelli vien quasi a un tratto "
+         "a ristringersi e a prender corso e figura di fiume").split()
+SWEEP = ["--ctx-start", "64", "--ctx-max", "192", "--step-incr", "64", "--gen-tokens", "4"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    rng = random.Random(3)
+    p = tmp_path_factory.mktemp("bench") / "text.txt"
+    p.write_text(" ".join(rng.choice(WORDS) for _ in range(3000)) + "\n")
+    return p
+
+
+def _run(capsys, argv):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_sweep_csv_plot_and_tokens(small_model, text_file, tmp_path, capsys):
+    svg, dump = tmp_path / "speed.svg", tmp_path / "tokens.json"
+    rc, out, err = _run(capsys, ["-m", str(small_model), "--prompt-file", str(text_file), *SWEEP,
+                                 "--plot", str(svg), "--dump-tokens", str(dump)])
+    assert rc == 0, err
+    lines = out.strip().splitlines()
+    assert lines[0] == ",".join(HEADER)
+    rows = [dict(zip(HEADER, ln.split(","))) for ln in lines[1:]]
+    assert [int(r["ctx_tokens"]) for r in rows] == [64, 128, 192]
+    assert all(int(r["prefill_tokens"]) == 64 for r in rows)
+    assert all(int(r["gen_tokens"]) == 4 for r in rows)
+    kv = [int(r["kvcache_bytes"]) for r in rows]
+    assert kv == sorted(kv) and len(set(kv)) == 3
+    assert all(float(r["prefill_tps"]) > 0 and float(r["gen_tps"]) > 0 for r in rows)
+    assert "read floor" in err and "GEMM floor" in err and "Traceback" not in err
+
+    root = ET.parse(svg).getroot()
+    assert root.tag.endswith("svg")
+    assert len([e for e in root.iter() if e.tag.endswith("polyline")]) == 2
+
+    first = json.loads(dump.read_text())
+    assert [d["ctx_tokens"] for d in first] == [64, 128, 192]
+    assert all(len(d["tokens"]) == 4 for d in first)
+    # determinism: a second run decodes the same greedy tokens
+    dump2 = tmp_path / "tokens2.json"
+    rc, out2, _ = _run(capsys, ["-m", str(small_model), "--prompt-file", str(text_file), *SWEEP,
+                                "--dump-tokens", str(dump2), "--csv", str(tmp_path / "b.csv")])
+    assert rc == 0 and out2 == ""
+    assert json.loads(dump2.read_text()) == first
+    assert (tmp_path / "b.csv").read_text().splitlines()[0] == ",".join(HEADER)
+
+
+def test_incremental_prefill_and_restore_match_fresh_sessions(small_model, text_file):
+    with Engine.open(small_model) as eng:
+        tokens = eng.tokenizer.encode(text_file.read_text())
+        eos = eng.tokenizer.eos_id
+        s = Session(eng, 200)
+        rows, probes = run_bench(s, tokens, [64, 128, 192], 4, eos)
+        # only the new suffix is prefilled at each frontier; restore undoes the decode
+        assert s.stats["prefill_tokens"] == 192 and s.stats["decode_tokens"] == 12
+        assert s.tokens == tokens[:192]
+        for f, probe in zip([64, 128, 192], probes):
+            fresh = Session(eng, 200)
+            fresh.sync(tokens[:f])
+            assert greedy_no_eos(fresh, 4, eos) == probe
+            assert eos not in probe
+
+
+def test_frontiers():
+    assert frontiers(64, 192, incr=64) == [64, 128, 192]
+    assert frontiers(64, 200, incr=64) == [64, 128, 192, 200]
+    assert frontiers(2, 10, mul=1.2) == [2, 3, 4, 5, 6, 8, 10]
+    assert frontiers(1000, 4000, mul=2) == [1000, 2000, 4000]
+
+
+@pytest.mark.parametrize("case", ["missing_model", "short_text", "bad_number", "bad_mul", "start_above_max",
+                                  "missing_text"])
+def test_bad_input(case, small_model, text_file, tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("poche parole\n")
+    argv = {
+        "missing_model": ["-m", str(tmp_path / "nope.gguf"), "--prompt-file", str(text_file), *SWEEP],
+        "short_text": ["-m", str(small_model), "--prompt-file", str(short), *SWEEP],
+        "bad_number": ["-m", str(small_model), "--prompt-file", str(text_file), "--gen-tokens", "x"],
+        "bad_mul": ["-m", str(small_model), "--prompt-file", str(text_file), "--step-mul", "0.5"],
+        "start_above_max": ["-m", str(small_model), "--prompt-file", str(text_file),
+                            "--ctx-start", "300", "--ctx-max", "100"],
+        "missing_text": ["-m", str(small_model), "--prompt-file", str(tmp_path / "none.txt"), *SWEEP],
+    }[case]
+    rc, out, err = _run(capsys, argv)
+    assert rc == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
