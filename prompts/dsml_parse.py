@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .jsonspan import json_escape, minify  # ds4's json_escape / json_minify_raw_value
+
 __all__ = [
     "DSML", "Syntax", "SYNTAX_FULL", "SYNTAX_SHORT", "SYNTAX_PLAIN", "SYNTAXES",
     "ParsedCall", "Parsed", "parse_output", "thinking_enabled",
@@ -122,26 +124,6 @@ def dsml_attr(tag: str, name: str) -> str | None:
     if j < 0:
         return None
     return unescape_entities(tag[i:j])
-
-
-def json_escape(s: str) -> str:
-    """ds4 json_escape (§5.0): `"` `\\` LF CR TAB escaped, other controls as \\u00xx, the rest raw
-    (no \\b or \\f short forms, non-ASCII kept)."""
-    out = []
-    for ch in s:
-        if ch == '"' or ch == "\\":
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch < " ":
-            out.append("\\u%04x" % ord(ch))
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
 
 
 def _skip_ws(s: str, p: int) -> int:
@@ -297,33 +279,6 @@ def _json_skip_value(s: str, p: int, depth: int = 0) -> int:
     return m.end()
 
 
-def _json_minify(raw: str) -> str:
-    """json_minify_raw_value: the FIRST JSON value of raw with whitespace outside strings removed
-    (anything after that value is dropped); raw unchanged when no value parses."""
-    p = _skip_ws(raw, 0)
-    try:
-        end = _json_skip_value(raw, p)
-    except _Fail:
-        return raw
-    out = []
-    in_str = esc = False
-    for ch in raw[p:end]:
-        if in_str:
-            out.append(ch)
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-            out.append(ch)
-        elif ch not in WS:
-            out.append(ch)
-    return "".join(out)
-
-
 def _json_object_or_empty(internal: str) -> str:
     """append_json_object_or_empty (json_args_parse + re-emit): the API form of a call's
     arguments: `{"k":v,...}`, keys in order, duplicates kept, "{}" when unparseable."""
@@ -345,7 +300,7 @@ def _json_object_or_empty(internal: str) -> str:
                 members.append(json_escape(key) + ":" + json_escape(val))
             else:
                 end = _json_skip_value(s, p)
-                members.append(json_escape(key) + ":" + _json_minify(s[p:end]))
+                members.append(json_escape(key) + ":" + minify(s[p:end]))
                 p = end
             p = _skip_ws(s, p)
             if s.startswith(",", p):         # ds4: the comma is optional
@@ -381,7 +336,7 @@ def _args_member(name: str, value: str, is_string: str) -> str:
     """tool_call_json_args_add: one member of ds4's internal arguments text."""
     if is_string == "true":
         return json_escape(name) + ": " + json_escape(value)
-    mini = _json_minify(value)
+    mini = minify(value)
     return json_escape(name) + ": " + (mini if mini else "null")
 
 
