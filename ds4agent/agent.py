@@ -101,6 +101,7 @@ class Agent:
         self.pending_eos = False   # the last assistant turn ended; its EOS goes in with the next append
         self.modified = False
         self.last_finish = E.TurnFinished()
+        self.gen_tps = 0.0         # of the last generation, for the status bar
         self._system = system      # fixed system text (tests); None: gathered from the project
 
     # -- thread-safe controls (called from the UI thread) ---------------------------------------
@@ -204,8 +205,8 @@ class Agent:
         for _ in range(MAX_TOOL_ROUNDS):
             parsed, interrupted = self._generate()
             msg = Message("assistant", parsed.content or "", parsed.reasoning,
-                          [ToolCall(tools_call_id(i), c.name, c.arguments_json, parsed.dsml)
-                           for i, c in enumerate(parsed.tool_calls)])
+                          [ToolCall(prompts.new_tool_id("openai"), c.name, c.arguments_json, parsed.dsml)
+                           for c in parsed.tool_calls])
             self.transcript.append(msg)
             answer = parsed.content or ""
             if interrupted:
@@ -282,7 +283,8 @@ class Agent:
             self._forward_events(evs)
         self.pending_eos = True   # the assistant turn is over: EOS opens the next append
         dt = time.perf_counter() - t0
-        self.gen_tps = n / dt if dt > 0 and n else getattr(self, "gen_tps", 0.0)
+        if dt > 0 and n:
+            self.gen_tps = n / dt
         return stream.result, interrupted
 
     def _forward_events(self, evs):
@@ -474,14 +476,10 @@ class Agent:
         warn = f"context {100 * used // ctx}% full: compaction at {int(COMPACT_AT * 100)}%" if used >= WARN_AT * ctx else ""
         self.emit(E.Status(self.model_name, self.engine.backend, used, ctx,
                            st["prefill_tokens"] / st["prefill_s"] if st["prefill_s"] else 0.0,
-                           getattr(self, "gen_tps", 0.0), self.session_name, self.cfg.think_mode, busy, warn))
+                           self.gen_tps, self.session_name, self.cfg.think_mode, busy, warn))
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def tools_call_id(i: int) -> str:
-    return prompts.new_tool_id("openai")
-
-
 def approval_summary(name: str, args: dict) -> str:
     if name == "bash":
         return f"run: {args.get('command', '')}"

@@ -40,6 +40,8 @@ from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Collapsible, Markdown, Static, TextArea
 
+from engine.atomic import atomic_write
+
 from . import events as E
 from .worker import AgentWorker
 
@@ -970,11 +972,8 @@ class AgentApp(App):
         try:
             self.history_path.parent.mkdir(parents=True, exist_ok=True)
             entries = self.input.past[-HISTORY_MAX:]
-            tmp = self.history_path.with_name(self.history_path.name + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
-            os.replace(tmp, self.history_path)
+            atomic_write(self.history_path,   # a private 0600 file, replaced whole
+                         ["".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode("utf-8")])
         except OSError:
             pass
 

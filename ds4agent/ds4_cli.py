@@ -153,23 +153,8 @@ def _tok_json(tok, t: int) -> dict:
 
 
 def _write_json(path: str, obj):
-    _write_atomic(path, lambda f: f.write(json.dumps(obj, ensure_ascii=False, indent=1).encode("utf-8")))
-
-
-def _write_atomic(path: str, write):
-    """Write through a temp file in the same folder, then rename: a reader never sees half a file."""
-    import os
-    import tempfile
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".ds4-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from engine.atomic import atomic_write
+    atomic_write(path, [json.dumps(obj, ensure_ascii=False, indent=1).encode("utf-8")])
 
 
 if __name__ == "__main__":

@@ -231,18 +231,9 @@ class LogitsDump:
         self.rows.append(session.logits.copy())
 
     def save(self, path):
-        import os
-        import tempfile
-        d = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".ds4-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, np.array(self.rows, np.float32).reshape(len(self.rows), -1))
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        from .atomic import atomic_path
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.save(f, np.array(self.rows, np.float32).reshape(len(self.rows), -1))
 
 
 __all__ = ["Engine", "Session", "LogitsDump", "ContextFull", "ModelFileError", "SamplingParams", "Rng"]

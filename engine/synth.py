@@ -16,7 +16,6 @@ size tests.
 from __future__ import annotations
 
 import os
-import tempfile
 import zlib
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ from gguf import GGUFValueType, GGUFWriter
 from gguf.constants import GGMLQuantizationType
 
 from . import quants as Q
+from .atomic import atomic_path
 from .config import ARCH, FLASH, ModelConfig, flash_schedule
 from .layout import (ATTN, COMPRESSOR, EMBED, HASH, HC, INDEXER, NORM, OUTPUT, ROUTED, ROUTER, SHARED,
                      TensorSpec, expected_tensors)
@@ -186,10 +186,7 @@ def write_synthetic(path, cfg: ModelConfig, *, recipe: str = "q2", vocab: int | 
     tokens, ttypes, merges = deepseek_vocab(vocab)
 
     path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".synth-", suffix=".gguf.tmp", dir=d)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         w = GGUFWriter(tmp, ARCH)
         _add_metadata(w, cfg, name, tokens, ttypes, merges)
         total = 0
@@ -216,11 +213,6 @@ def write_synthetic(path, cfg: ModelConfig, *, recipe: str = "q2", vocab: int | 
                     n += len(chunk)
                 f.write(b"\0" * (-n % ALIGNMENT))
         w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return SynthResult(path, cfg, recipe, len(plan), os.path.getsize(path), [s for s, _ in plan])
 
 
@@ -256,11 +248,7 @@ def _add_metadata(w: GGUFWriter, c: ModelConfig, name, tokens, ttypes, merges):
     w.add_bool(f"{ARCH}.expert_weights_norm", c.expert_weights_norm)
     w.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", c.rms_eps)
     w.add_float32(f"{ARCH}.hyper_connection.epsilon", c.hc_eps)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "joyai-llm")
-    w.add_key_value("tokenizer.ggml.tokens", tokens, GGUFValueType.ARRAY, GGUFValueType.STRING)
-    w.add_key_value("tokenizer.ggml.token_type", ttypes, GGUFValueType.ARRAY, GGUFValueType.INT32)
-    w.add_key_value("tokenizer.ggml.merges", merges, GGUFValueType.ARRAY, GGUFValueType.STRING)
+    _add_tokenizer(w, tokens, ttypes, merges)
     w.add_uint32("tokenizer.ggml.bos_token_id", 0)
     w.add_uint32("tokenizer.ggml.eos_token_id", 1)
     w.add_uint32("tokenizer.ggml.padding_token_id", 1)
@@ -268,28 +256,25 @@ def _add_metadata(w: GGUFWriter, c: ModelConfig, name, tokens, ttypes, merges):
     w.add_bool("tokenizer.ggml.add_eos_token", False)
 
 
+def _add_tokenizer(w: GGUFWriter, tokens, ttypes, merges):
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "joyai-llm")
+    w.add_key_value("tokenizer.ggml.tokens", tokens, GGUFValueType.ARRAY, GGUFValueType.STRING)
+    w.add_key_value("tokenizer.ggml.token_type", ttypes, GGUFValueType.ARRAY, GGUFValueType.INT32)
+    w.add_key_value("tokenizer.ggml.merges", merges, GGUFValueType.ARRAY, GGUFValueType.STRING)
+
+
 def write_vocab_only(path, vocab: int | str = FULL, name: str = "ds4-agent-vocab") -> str:
     """A GGUF with only the tokenizer metadata (no tensors): what `Tokenizer.from_gguf` needs."""
     tokens, ttypes, merges = deepseek_vocab(vocab)
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=".vocab-", suffix=".gguf.tmp", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         w = GGUFWriter(tmp, ARCH)
         w.add_string("general.name", name)
         w.add_uint32(f"{ARCH}.vocab_size", len(tokens))
-        w.add_string("tokenizer.ggml.model", "gpt2")
-        w.add_string("tokenizer.ggml.pre", "joyai-llm")
-        w.add_key_value("tokenizer.ggml.tokens", tokens, GGUFValueType.ARRAY, GGUFValueType.STRING)
-        w.add_key_value("tokenizer.ggml.token_type", ttypes, GGUFValueType.ARRAY, GGUFValueType.INT32)
-        w.add_key_value("tokenizer.ggml.merges", merges, GGUFValueType.ARRAY, GGUFValueType.STRING)
+        _add_tokenizer(w, tokens, ttypes, merges)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return path

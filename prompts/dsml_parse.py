@@ -408,13 +408,7 @@ def _parse_block(text: str, p: int, syn: Syntax) -> tuple[list[tuple[str, str]],
                 if text.startswith(syn.param_end, p):
                     p += len(syn.param_end)
                 continue
-            vend = text.find(syn.param_end, vstart)
-            if vend < 0:
-                raise _Fail
-            raw = text[vstart:vend]
-            typ = is_string if is_string is not None else "true"
-            members.append(_args_member(pname, unescape_entities(raw) if typ == "true" else raw, typ))
-            p = vend + len(syn.param_end)
+            p = _leaf_param(text, p, syn, members)
         calls.append((name, "{" + ", ".join(members) + "}"))
 
 

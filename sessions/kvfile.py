@@ -13,11 +13,11 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 from engine import Session, SnapshotError
+from engine.atomic import atomic_write as _atomic_write
 
 MAGIC = b"KVC"
 VERSION = 1
@@ -149,30 +149,7 @@ def pack_header(h: KVHeader) -> bytes:
 
 def atomic_write(path, chunks):
     """Write chunks to a temp file beside `path`, fsync it, rename it over `path`, fsync the folder."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".tmp.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    _atomic_write(path, chunks, durable=True)
 
 
 # -- reading -------------------------------------------------------------------------------------

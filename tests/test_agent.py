@@ -338,7 +338,6 @@ def test_compaction_before_a_tool_continuation_adds_results_once(make, engine, p
     agent, rec = make(ctx=16384)
     agent.force("a")
     agent.submit("q")
-    agent.compact_reserve  # property exists
     real = agent.maybe_compact
     seen = {}
 
