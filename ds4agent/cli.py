@@ -2,6 +2,7 @@
 
   ds4-agent [--model PATH] [--ctx N] [--nothink|--think-max] [--yolo] [--resume]
   ds4-agent -p "task"          headless: run one task, print the answer and a tool summary
+  ds4-agent --serve [--port 8000] [--kv-disk-dir DIR] ...   the HTTP shim for other agents
 
 The model is --model, else $DS4_MODEL, else ./ds4flash.gguf, else `model` in
 ~/.ds4-agent/config.toml (or $DS4_AGENT_HOME/config.toml).
@@ -73,15 +74,15 @@ def _parser():
     p.add_argument("--backend", default="auto")
     p.add_argument("--temp", type=float, help="sampling temperature (default 1.0)")
     p.add_argument("--seed", type=int)
-    p.add_argument("--serve", action="store_true", help="the HTTP shim (not built yet)")
+    p.add_argument("--serve", action="store_true",
+                   help="serve the model over HTTP for Claude Code, Codex, opencode, Pi and the SDKs")
+    from .serve.cli import add_flags
+    add_flags(p)
     return p
 
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
-    if a.serve:
-        print("ds4-agent: --serve (the HTTP shim) is not built yet", file=sys.stderr)
-        return 2
     cfg = load_config()
     model, tried = find_model(a.model, cfg)
     if model is None:
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
     except ModelFileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if a.serve:
+        from .serve.cli import serve_main
+        return serve_main(a, model, a.ctx or int(cfg.get("ctx", 65536)))
     from sessions import SessionStore, SessionStoreError
 
     from .agent import Agent, AgentConfig

@@ -135,6 +135,22 @@ class Session:
                 return False
         return np.concatenate(kept) if keep_logits else True
 
+    def reusable(self, tokens) -> int:
+        """How many leading tokens of `tokens` a sync would keep without recomputing them: the
+        common prefix with the timeline when the state can be cut back to it in place, else 0
+        (a cut the rings cannot make means a rebuild from scratch)."""
+        tokens = [int(t) for t in tokens]
+        k, n = 0, min(len(tokens), len(self._tokens))
+        while k < n and tokens[k] == self._tokens[k]:
+            k += 1
+        if k == len(self._tokens):
+            return k
+        if k == len(tokens):
+            k -= 1          # sync re-evaluates the last token to get its logits
+        if k > 0 and self.state.can_truncate(len(self._tokens), k):
+            return k
+        return 0
+
     def eval(self, token: int) -> np.ndarray:
         """Append one token (a decode step); returns the logits for the token after it."""
         token = int(token)

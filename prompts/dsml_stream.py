@@ -216,6 +216,7 @@ class DsmlStream:
         self._stop_hold = max((len(s) for s in self._stops), default=0) - 1
         self._stop_scan = 0
         self.stopped = False
+        self.stop_hit: str | None = None      # the stop sequence that ended the text
         # projection
         self._mode = _THINKING if self.thinking else _TEXT
         self._emit = 0
@@ -292,6 +293,7 @@ class DsmlStream:
                 p = self._raw.find(s, self._stop_scan)
                 if p >= 0 and (hit < 0 or p < hit):
                     hit = p
+                    self.stop_hit = _dec(s)
             if hit >= 0:
                 stream_len = hit
             elif self._stop_hold > 0:

@@ -85,6 +85,9 @@ class Conversation:
     reasoning_summary: bool = False
     params: dict[str, Any] = field(default_factory=dict)
     prompt: str | None = None          # openai_completions only
+    # Responses tools whose prompt name is not their wire name: prompt name -> {"name", "namespace"}
+    # for a namespace's inner function, {"type": "tool_search"} for the hosted tool search.
+    tool_wire: dict[str, dict] = field(default_factory=dict)
 
     @property
     def tools_active(self) -> list[str]:
@@ -293,9 +296,10 @@ def _openai_function(raw: str) -> str | None:
 _DEFAULT_PARAMETERS = '{"type":"object","properties":{}}'
 
 
-def _namespace_tools(raw: str) -> list[str] | None:
+def _namespace_tools(raw: str, wire: dict | None = None) -> list[str] | None:
     """Responses `{"type":"namespace","name":NS,"tools":[...]}` -> one schema line per inner
-    function tool, named NS+name. None when it is not such a namespace or yields no line."""
+    function tool, named NS+name. None when it is not such a namespace or yields no line.
+    `wire` collects prompt name -> {"name", "namespace"} so output items can split it again."""
     top = _scan_object(raw, {"type": "string", "name": "string", "tools": "raw"})
     if not top or top.get("type") != "namespace" or "name" not in top or "tools" not in top:
         return None
@@ -315,6 +319,8 @@ def _namespace_tools(raw: str) -> list[str] | None:
             params = inner.get("parameters")
             if inner.get("type", "function") != "function" or not inner.get("name"):
                 continue
+            if wire is not None:
+                wire[ns + inner["name"]] = {"name": inner["name"], "namespace": ns}
             lines.append('{"name":' + json_escape(ns + inner["name"])
                          + ',"description":' + json_escape(inner.get("description", ""))
                          + ',"parameters":' + (params if params is not None else _DEFAULT_PARAMETERS)
@@ -334,10 +340,11 @@ def _tool_search(raw: str) -> str | None:
             + ',"parameters":' + top.get("parameters", _DEFAULT_PARAMETERS) + "}")
 
 
-def parse_tools(cur: Cursor) -> list[str]:
+def parse_tools(cur: Cursor, wire: dict | None = None) -> list[str]:
     """A `tools` value -> schema lines: an OpenAI tool gives the raw text of its `function`,
     a Responses namespace its inner functions, a tool_search its schema, anything else its own
-    raw text. null -> no tools; anything but an array -> JSONBad."""
+    raw text. null -> no tools; anything but an array -> JSONBad. `wire` (optional) collects the
+    Responses names that differ on the wire (Conversation.tool_wire)."""
     cur.ws()
     if cur.lit("null"):
         return []
@@ -350,11 +357,13 @@ def parse_tools(cur: Cursor) -> list[str]:
         if fn is not None:
             lines.append(fn)
             continue
-        ns = _namespace_tools(raw)
+        ns = _namespace_tools(raw, wire)
         if ns is not None:
             lines.extend(ns)
             continue
         special = _tool_search(raw)
+        if special is not None and wire is not None:
+            wire["tool_search"] = {"type": "tool_search"}
         lines.append(special if special is not None else raw)
     return [line for line in lines if line]
 
@@ -768,7 +777,7 @@ _HOSTED_OUTPUTS = ("local_shell_call_output", "web_search_call_output", "tool_se
                    "tool_search_call_output", "image_generation_call_output")
 
 
-def _responses_input(cur: Cursor, loaded_tools: list[str]) -> list[Message]:
+def _responses_input(cur: Cursor, loaded_tools: list[str], wire: dict | None = None) -> list[Message]:
     cur.ws()
     if cur.peek() != "[":
         raise JSONBad("input is not a string or an array")
@@ -845,7 +854,7 @@ def _responses_input(cur: Cursor, loaded_tools: list[str]) -> list[Message]:
             add_call(ToolCall(call_id if call_id is not None else "", _HOSTED_CALLS[kind], args))
         elif kind in _HOSTED_OUTPUTS:
             if kind == "tool_search_output" and "tools" in f:
-                loaded_tools.extend(parse_tools(Cursor(f["tools"])))
+                loaded_tools.extend(parse_tools(Cursor(f["tools"]), wire))
             body = f.get("output", f.get("result", f.get("tools", "")))
             m = Message(role="tool", content=body)
             m.add_tool_call_id(call_id)
@@ -874,13 +883,13 @@ def from_responses(body: Any) -> Conversation:
             if cur.peek() == '"':
                 conv.messages = [Message(role="user", content=cur.string())]
             else:
-                conv.messages = _responses_input(cur, loaded_tools)
+                conv.messages = _responses_input(cur, loaded_tools, conv.tool_wire)
             got_input = True
         elif key == "instructions":
             cur.ws()
             instructions = "" if cur.lit("null") else cur.string()
         elif key == "tools":
-            conv.tools_raw = parse_tools(cur)
+            conv.tools_raw = parse_tools(cur, conv.tool_wire)
         elif key == "tool_choice":
             cur.ws()
             if cur.peek() == '"':

@@ -1,0 +1,245 @@
+"""The HTTP side of the shim: Starlette routes on uvicorn (protocol.md §5).
+
+Each POST is parsed, rendered and tokenized on the thread pool (`Shim.prepare`), queued to the one
+inference worker, and answered from the worker's events: as one JSON body, or as SSE in the API's
+own event shapes. A streaming response waits for the worker's first event so a refusal decided
+there (409: the live tool state is gone) still gets a real HTTP status; once headers are out,
+`: prefill` comments keep the connection alive while the prompt is prefilled. A client that
+disconnects cancels its job (queued: skipped; running: stopped between chunks or tokens).
+Malformed input is always a 4xx in the API's error shape; nothing a client sends reaches a 500.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from prompts import ContextLengthError, RequestError
+
+from . import events as E
+from .config import MAX_BODY_BYTES
+from .shim import Shim
+from .wire import error_body, make_wire
+
+log = logging.getLogger("ds4agent.serve")
+
+_API_OF = {"/v1/chat/completions": "openai_chat", "/v1/completions": "openai_completions",
+           "/v1/responses": "responses", "/v1/messages": "anthropic"}
+# a body parsed once into any of these problems is the client's fault (4xx), whatever the cause
+_CLIENT_ERRORS = (RequestError, ClientDisconnect)
+
+
+def create_app(shim: Shim) -> Starlette:
+    cfg = shim.cfg
+
+    def headers() -> dict:
+        h = {}
+        if cfg.cors:
+            h.update({"Access-Control-Allow-Origin": "*",
+                      "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                      "Access-Control-Allow-Headers": "*"})
+        return h
+
+    def json_response(body: str, status: int = 200) -> Response:
+        return Response(body.encode("utf-8", "replace"), status_code=status,
+                        media_type="application/json", headers=headers())
+
+    def fail(api: str | None, status: int, message: str) -> Response:
+        return json_response(error_body(api or "openai_chat", message, status), status)
+
+    def authorized(request: Request) -> bool:
+        if not cfg.api_key:
+            return True
+        auth = request.headers.get("authorization", "")
+        key = request.headers.get("x-api-key", "")
+        return auth == f"Bearer {cfg.api_key}" or key == cfg.api_key
+
+    async def models(request: Request) -> Response:
+        import json
+        data = shim.models()
+        mid = request.path_params.get("model")
+        if mid is None:
+            return json_response(json.dumps({"object": "list", "data": data}) + "\n")
+        for m in data:
+            if m["id"] == mid:
+                return json_response(json.dumps(m) + "\n")
+        return fail(None, 404, f"unknown model {mid}")
+
+    async def completion(request: Request) -> Response:
+        api = _API_OF[request.url.path]
+        if not authorized(request):
+            return fail(api, 401, "invalid API key")
+        t0 = time.time()
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def emit(ev):          # called on the worker thread
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        try:
+            body = await _read_body(request)
+            job = await anyio.to_thread.run_sync(shim.prepare, api, body, emit)
+        except ContextLengthError as e:
+            return json_response(e.body(api), e.status)
+        except _BodyTooLarge:
+            return fail(api, 413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        except RequestError as e:
+            return fail(api, e.status, e.message)
+        except ClientDisconnect:
+            return fail(api, 400, "bad HTTP request")
+        conv = job.rendered.conversation
+        stream = bool(conv.params.get("stream"))
+        wire = make_wire(api, conv, model=shim.model_for(conv), seq=shim.next_seq(), created=int(t0),
+                         stream=stream)
+        record = job.trace
+
+        def done(status: int, ev=None):
+            record.update(status=status, secs=round(time.time() - t0, 3))
+            if isinstance(ev, E.Finish):
+                record.update(finish=ev.finish, calls=[c.name for c in ev.calls])
+            elif isinstance(ev, E.Failure):
+                record.update(error=ev.message)
+            shim.trace(record)
+
+        shim.worker.submit(job)
+        try:
+            first = await _first_event(q, request, job, cfg.keepalive_s)
+        except _Gone:
+            done(499)
+            return Response(status_code=499)
+        if isinstance(first, E.Failure):
+            done(first.status, first)
+            return fail(api, first.status, first.message)
+        if not stream:
+            ev = first
+            try:
+                while not isinstance(ev, (E.Finish, E.Failure)):
+                    ev = await _next_event(q, request, job, cfg.keepalive_s)
+            except _Gone:
+                done(499)
+                return Response(status_code=499)
+            if isinstance(ev, E.Failure):
+                done(ev.status, ev)
+                return fail(api, ev.status, ev.message)
+            done(200, ev)
+            return json_response(wire.body(ev))
+
+        async def sse():
+            ev = first
+            last_ev = None
+            sent = 0.0
+            try:
+                while True:
+                    if ev is None or (isinstance(ev, E.Prefill) and time.monotonic() - sent >= cfg.keepalive_s):
+                        sent = time.monotonic()
+                        yield b": prefill\n\n"
+                    elif isinstance(ev, E.Failure):
+                        for f in wire.error_frames(ev.message):
+                            yield f.encode("utf-8", "replace")
+                        last_ev = ev
+                        return
+                    else:
+                        for f in wire.frames(ev):
+                            yield f.encode("utf-8", "replace")
+                        if isinstance(ev, E.Finish):
+                            last_ev = ev
+                            return
+                    try:
+                        ev = await asyncio.wait_for(q.get(), cfg.keepalive_s)
+                    except asyncio.TimeoutError:
+                        ev = None
+            finally:
+                # normal end, or the client went away (the response task is cancelled)
+                if last_ev is None:
+                    job.cancel.set()
+                done(200 if isinstance(last_ev, E.Finish) else 499 if last_ev is None else last_ev.status,
+                     last_ev)
+
+        h = headers()
+        h["Cache-Control"] = "no-cache"
+        h["X-Accel-Buffering"] = "no"
+        return StreamingResponse(sse(), media_type="text/event-stream", headers=h)
+
+    async def options(request: Request) -> Response:
+        return Response(status_code=204, headers=headers())
+
+    async def unknown(request: Request) -> Response:
+        if request.method == "OPTIONS":
+            return await options(request)
+        return fail(None, 404, "unknown endpoint")
+
+    async def wrong_method(request: Request) -> Response:
+        if request.method == "OPTIONS":
+            return await options(request)
+        return fail(_API_OF.get(request.url.path), 405, f"use POST for {request.url.path}")
+
+    routes = [Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model:path}", models, methods=["GET"])]
+    for path in _API_OF:
+        routes.append(Route(path, completion, methods=["POST"]))
+        routes.append(Route(path, wrong_method, methods=["GET", "PUT", "DELETE", "PATCH", "OPTIONS"]))
+    routes.append(Route("/{rest:path}", unknown,
+                        methods=["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]))
+    app = Starlette(routes=routes, exception_handlers={Exception: _internal_error})
+    app.state.shim = shim
+    return app
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("internal error on %s %s: %r", request.method, request.url.path, exc)
+    return Response(b'{"error":{"message":"internal error","type":"server_error"}}\n', status_code=500,
+                    media_type="application/json")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Gone(Exception):
+    pass
+
+
+async def _read_body(request: Request) -> bytes:
+    n = request.headers.get("content-length")
+    if n is not None and n.isdigit() and int(n) > MAX_BODY_BYTES:
+        raise _BodyTooLarge()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _next_event(q: asyncio.Queue, request: Request, job, poll_s: float):
+    """The worker's next event; a client that disconnected meanwhile cancels the job."""
+    while True:
+        try:
+            return await asyncio.wait_for(q.get(), min(poll_s, 1.0))
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel.set()
+                raise _Gone() from None
+
+
+async def _first_event(q: asyncio.Queue, request: Request, job, wait_s: float):
+    """For a streaming request: the first event if it comes within wait_s (so a refusal can still
+    be an HTTP status), else None (headers go out and keep-alives start)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            return await asyncio.wait_for(q.get(), min(left, 1.0))
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel.set()
+                raise _Gone() from None

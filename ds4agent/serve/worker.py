@@ -1,0 +1,502 @@
+"""The shim's inference worker: one thread owns the one live Session and runs requests in arrival
+order (protocol.md §5.0, §7). For each job it picks how much of the prompt is already in the KV
+(§7.2, plus in-place cut-back, which ds4 cannot do), prefills the rest, samples with DSML syntax
+greedy (§3.7), streams events to the request's sink, and remembers what the next request of a
+stateless client will need: exact DSML blocks by tool id (§6.2), live bindings (§7.3) and disk
+checkpoints (kvcache.md §4).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import prompts
+from engine import ContextFull, Engine, Rng, SamplingParams, Session
+from prompts import DsmlStream, Rendered, ToolMemory, new_tool_id
+from sessions.prefix_cache import PrefixCache, token_text
+
+from . import events as E
+from .config import ServeConfig
+
+log = logging.getLogger("ds4agent.serve")
+
+GREEDY = SamplingParams(temperature=0.0)
+# Thinking mode samples with DeepSeek's hosted defaults whatever the request asks (§4.4).
+THINKING_SAMPLING = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.05)
+
+
+class Cancelled(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    """One request, parsed and rendered on the client's side; the worker does the rest."""
+    api: str
+    rendered: Rendered
+    tokens: list[int]                 # the canonical tokenization of rendered.text
+    sampling: SamplingParams
+    max_tokens: int
+    stop: list[str]
+    emit: Callable[[E.Event], None]
+    seed: int = 0
+    cancel: threading.Event = field(default_factory=threading.Event)
+    forced: str | None = None         # test hook: this text instead of sampling
+    server_capped: bool = False       # max_tokens is the server's --max-tokens, below the client's ask
+    trace: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.rendered.text
+
+    @property
+    def prompt_bytes(self) -> bytes:
+        return self.rendered.encode()
+
+
+@dataclass
+class Binding:
+    """A live continuation the next request may take (§7.3): valid while the session is still at
+    `frontier`. visible: the transcript a client will resend (its bytes are a prefix of that
+    request's prompt); ids: the tool calls of the turn."""
+    kind: str                          # "responses" | "anthropic" | "thinking"
+    frontier: int
+    visible: bytes | None = None
+    ids: frozenset = frozenset()
+
+
+class Worker:
+    def __init__(self, engine: Engine, cfg: ServeConfig, *, memory: ToolMemory | None = None,
+                 cache: PrefixCache | None = None):
+        self.engine = engine
+        self.tok = engine.tokenizer
+        self.cfg = cfg
+        self.session = Session(engine, cfg.ctx, chunk=cfg.chunk)
+        self.memory = memory
+        self.cache = cache
+        self.bindings: dict[str, Binding] = {}
+        self.lock = threading.Lock()           # guards bindings and memory against the app's reads
+        self._q: queue.Queue = queue.Queue()
+        self._forced: list[str] = []
+        self._thread: threading.Thread | None = None
+        self.busy = False
+        self.closing = False
+        self.stats = {"requests": 0, "prefilled": 0, "reused": 0, "generated": 0}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self):
+        self._thread = threading.Thread(target=self._loop, name="ds4-inference", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job):
+        if self.closing:
+            job.emit(E.Failure("server shutting down", 503))
+            return
+        self._q.put(job)
+
+    def queued(self) -> int:
+        return self._q.qsize()
+
+    def stop(self, timeout: float | None = None):
+        """Finish the running and queued jobs, then save the live session (the shutdown moment)."""
+        self.closing = True
+        self._q.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._store_live("shutdown")
+
+    def force(self, *texts: str):
+        """Test hook: the next generations emit these texts instead of sampling (one per job);
+        every forced token is still evaluated, so the KV state stays real."""
+        with self.lock:
+            self._forced.extend(texts)
+
+    def _loop(self):
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if job.cancel.is_set():
+                continue             # the client left while queued
+            self.busy = True
+            try:
+                self._run(job)
+            except Cancelled:
+                log.info("request cancelled by the client")
+            except Exception as e:       # never let one request kill the worker
+                log.exception("request failed")
+                job.emit(E.Failure(f"inference failed: {e}", 500))
+            finally:
+                self.busy = False
+
+    # -- live state the app asks about ---------------------------------------------------------
+    def live_call_ids(self, api: str) -> frozenset:
+        with self.lock:
+            b = self.bindings.get(api)
+            return b.ids if b is not None and b.frontier == self.session.pos else frozenset()
+
+    def disk_tool_maps(self) -> dict[str, str]:
+        """Every tool id -> block pair the disk checkpoints' trailers hold (kvcache.md §2.4)."""
+        from sessions.kvfile import KVFileError, read_info
+        found: dict[str, str] = {}
+        if self.cache is None:
+            return found
+        for e in self.cache.entries():
+            if not e.header.flags & 1:
+                continue
+            try:
+                found.update(read_info(e.path).tool_map or {})
+            except (KVFileError, OSError):
+                continue
+        return found
+
+    # -- one job -------------------------------------------------------------------------------
+    def _run(self, job: Job):
+        self.stats["requests"] += 1
+        t0 = time.perf_counter()
+        try:
+            source, cached = self._prepare(job)
+        except ContextFull as e:
+            job.emit(E.Failure(f"prompt exceeds context: {e}", 400))
+            return
+        except _LostLiveState as e:
+            job.emit(E.Failure(str(e), 409))
+            return
+        prompt_n = self.session.pos
+        job.trace.update(source=source, cached=cached, prompt_tokens=prompt_n,
+                         prefill_s=round(time.perf_counter() - t0, 3))
+        self.stats["prefilled"] += prompt_n - cached
+        self.stats["reused"] += cached
+        log.info("request %s: %d prompt tokens, %d reused (%s)", job.api, prompt_n, cached, source)
+        job.emit(E.Begin(E.Usage(prompt_n, cached), source))
+        self._generate(job, E.Usage(prompt_n, cached))
+
+    # -- reuse decision (§7.2) -----------------------------------------------------------------
+    def _prepare(self, job: Job) -> tuple[str, int]:
+        s = self.session
+        L = s.pos
+        prompt = job.prompt_bytes
+        r = job.rendered
+        with self.lock:
+            b_resp = self._valid("responses")
+            b_anth = self._valid("anthropic")
+            b_think = self._valid("thinking")
+        live_text = token_text(s) if L else b""
+
+        def extend(tail: str, source: str, keep: tuple = ()) -> tuple[str, int]:
+            self._keep_bindings(keep)
+            target = s.tokens + self.tok.encode(tail)
+            self._prefill(job, target, cached=L)
+            return source, L
+
+        # 1-3: continuations that only a live session can serve
+        if L and job.api == "responses" and b_resp is not None:
+            if b_resp.visible and len(prompt) > len(b_resp.visible) and prompt.startswith(b_resp.visible):
+                tail = _decode_tail(prompt[len(b_resp.visible):])
+                if tail is not None:
+                    return extend(tail, "responses-visible", ("responses",))
+            if r.live_tail and b_resp.ids and set(r.live_call_ids) == set(b_resp.ids):
+                return extend(r.live_tail, "responses-tool-output", ("responses",))
+        if L and job.api == "anthropic" and b_anth is not None and r.live_tail and b_anth.ids \
+                and set(r.live_call_ids) == set(b_anth.ids):
+            return extend(r.live_tail, "anthropic-tool-output", ("anthropic",))
+        if r.requires_live_tool_state:
+            what = "input" if job.api == "responses" else "messages"
+            name = "Responses" if job.api == "responses" else "Anthropic"
+            raise _LostLiveState(f"{name} continuation state is not available; retry by replaying "
+                                 f"the full {what} history")
+        # 5: the live timeline is a token prefix of the prompt
+        if L and len(job.tokens) >= L and job.tokens[:L] == s.tokens:
+            self._keep_bindings(())
+            self._prefill(job, job.tokens, cached=L)
+            return "memory-token", L
+        # 6: a thinking turn whose hidden reasoning the client will not resend
+        if L and job.api in ("openai_chat", "anthropic") and b_think is not None and b_think.visible \
+                and len(prompt) > len(b_think.visible) and prompt.startswith(b_think.visible):
+            tail = _decode_tail(prompt[len(b_think.visible):])
+            if tail is not None:
+                return extend(tail, "thinking-visible")
+        # 7: same bytes, tokenized differently at some boundary
+        if L and prompt.startswith(live_text):
+            tail = _decode_tail(prompt[len(live_text):])
+            if tail is not None:
+                return extend(tail, "memory-text")
+        # 8: part of the live timeline, cut back in place, or a disk checkpoint: the longer wins
+        keep = s.reusable(job.tokens) if L else 0
+        cand = self.cache.find(prompt, s) if self.cache is not None else None
+        if cand is not None and cand.tokens <= keep:
+            cand = None
+        self._keep_bindings(())
+        if self.cache is not None and L > keep:
+            # what the live timeline holds beyond the reused part is saved before it is lost
+            # (ds4's evict moment: alternating conversations come back from disk)
+            self.cache.reset_continued()
+            self._store_live("evict")
+        if cand is not None:
+            got = self.cache.restore(s, prompt)
+            if got is not None:
+                info, suffix = got
+                self._merge_tool_map(info.tool_map)
+                n = s.pos
+                tail = _decode_tail(suffix)
+                # a checkpoint ending inside a character: resync from the canonical tokens
+                target = s.tokens + self.tok.encode(tail) if tail is not None else job.tokens
+                reused = s.reusable(target)
+                self._prefill(job, target, cached=reused)
+                return "disk-text", min(n, reused)
+            keep = s.reusable(job.tokens) if s.pos else 0
+        if keep:
+            self._prefill(job, job.tokens, cached=keep)
+            return "memory-prefix", keep
+        # 9: cold
+        self._prefill(job, job.tokens, cached=0, cold=True)
+        return "cold", 0
+
+    def _valid(self, kind: str) -> Binding | None:
+        b = self.bindings.get(kind)
+        return b if b is not None and b.frontier == self.session.pos else None
+
+    def _keep_bindings(self, keep: tuple):
+        """After a request chooses its path, only the binding it continued from survives (§7.2)."""
+        with self.lock:
+            self.bindings = {k: v for k, v in self.bindings.items() if k in keep}
+
+    def _merge_tool_map(self, tool_map: dict | None):
+        if self.memory is None or not tool_map:
+            return
+        with self.lock:
+            for i, block in tool_map.items():
+                if self.memory.source(i) != "ram":
+                    self.memory.remember(i, block, "disk")
+
+    # -- prefill -------------------------------------------------------------------------------
+    def _prefill(self, job: Job, target: list[int], *, cached: int, cold: bool = False):
+        """Bring the session to `target`, stopping at the disk cache's save frontiers on the way
+        (cold anchor, continued multiples) so those checkpoints are exact prefixes."""
+        s = self.session
+        if len(target) >= s.ctx:
+            raise ContextFull(f"{len(target)} tokens do not fit the context of {s.ctx}")
+        stops: list[tuple[int, str]] = []
+        c = self.cache
+        if c is not None:
+            if cold and c.cold_max_tokens and c.min_tokens <= len(target) <= c.cold_max_tokens:
+                n = c.cold_store_target(target, self.tok.special(prompts.USER),
+                                        self.tok.special(prompts.ASSISTANT))
+                if n:
+                    stops.append((n, "cold"))
+            step = c.continued_step()
+            if step:
+                f = (max(cached, 1) // step + 1) * step
+                while f <= len(target):
+                    if f >= c.min_tokens:
+                        stops.append((f, "continued"))
+                    f += step
+        frontiers = sorted({n for n, _ in stops} | {len(target)})
+        total = max(1, len(target) - cached)
+        for n in frontiers:
+            if n <= cached and n != len(target):
+                continue
+            base = min(s.pos, cached)
+
+            def progress(done, _total, base=base):
+                if job.cancel.is_set():
+                    return False
+                job.emit(E.Prefill(min(total, max(0, base - cached) + done), total))
+                return True
+
+            if s.sync(target[:n], progress) is False or job.cancel.is_set():
+                raise Cancelled()
+            for m, reason in stops:
+                if m == n and c is not None and (reason == "cold" or c.should_store_continued(n)):
+                    if self._store_live(reason) and reason == "cold":
+                        c.note_store(n)
+
+    def _store_live(self, reason: str) -> bool:
+        """Save the whole live timeline to the disk cache, keyed by a valid visible transcript
+        when there is one (so a client that resends only what it saw still finds it)."""
+        c = self.cache
+        s = self.session
+        if c is None or s.pos < max(1, c.min_tokens):
+            return False
+        key, kind = None, "token-text"
+        with self.lock:
+            b = self._valid("responses")
+            if b is not None and b.visible:
+                key, kind = b.visible, "responses-visible"
+            else:
+                b = self._valid("thinking")
+                if b is not None and b.visible:
+                    key, kind = b.visible, "thinking-visible"
+        text = key if key is not None else token_text(s)
+        tool_map = None
+        if self.memory is not None:
+            with self.lock:
+                tool_map = dict(self.memory.items_for_text(text.decode("utf-8", "replace"))) or None
+        try:
+            return c.store(s, text if kind != "token-text" else None, reason, tool_map=tool_map,
+                           key_kind=kind)
+        except (OSError, ValueError) as e:
+            log.warning("kv cache: could not store (%s): %s", reason, e)
+            return False
+
+    # -- generation ----------------------------------------------------------------------------
+    def _generate(self, job: Job, usage: E.Usage):
+        s, tok = self.session, self.tok
+        r = job.rendered
+        mode = r.think_mode
+        thinking = mode in ("high", "max")
+        stream = DsmlStream(mode, has_tools=r.has_tools, stop=job.stop)
+        params = THINKING_SAMPLING if thinking else job.sampling
+        rng = Rng(job.seed or None)
+        with self.lock:
+            forced_text = job.forced if job.forced is not None else (
+                self._forced.pop(0) if self._forced else None)
+        forced = tok.encode(forced_text) if forced_text is not None else None
+        room = s.ctx - s.pos - 1
+        # a forced reply (test hook) is written whole, like a sampled one that fits the context
+        limit = max(0, room if forced is not None else min(job.max_tokens, room))
+        ids: dict[int, str] = {}
+        taken: set[str] = set()
+        kind = "anthropic" if job.api == "anthropic" else "openai"
+        n = 0
+        finish = "length"
+        cancelled = False
+        t0 = time.perf_counter()
+
+        def forward(evs):
+            for ev in evs:
+                if isinstance(ev, prompts.ReasoningDelta):
+                    job.emit(E.Reasoning(ev.text))
+                elif isinstance(ev, prompts.TextDelta):
+                    job.emit(E.Text(ev.text))
+                elif isinstance(ev, prompts.ToolCallStart):
+                    tid = self._new_id(kind, taken)
+                    ids[ev.index] = tid
+                    job.emit(E.ToolStart(ev.index, tid, ev.name))
+                elif isinstance(ev, prompts.ToolArgsDelta):
+                    job.emit(E.ToolArgs(ev.index, ev.text))
+                elif isinstance(ev, prompts.ToolCallEnd):
+                    tid = ids.get(ev.index) or self._new_id(kind, taken)
+                    ids[ev.index] = tid
+                    c = ev.call
+                    job.emit(E.ToolEnd(E.CallOut(ev.index, tid, c.name, c.arguments_json, dict(c.arguments))))
+
+        for _ in range(limit):
+            if job.cancel.is_set():
+                cancelled = True
+                break
+            if self.cache is not None and not (r.has_tools and (stream.saw_tool_start or stream.in_dsml_syntax)) \
+                    and self.cache.should_store_continued(s.pos):
+                self._store_live("continued")
+            if forced is not None:
+                if not forced:
+                    finish = "stop"          # a forced text ends as if EOS had been sampled
+                    break
+                t = forced.pop(0)
+            else:
+                t = s.sample(GREEDY if stream.in_dsml_syntax else params, rng)
+            if t == tok.eos_id:
+                finish = "stop"
+                break
+            try:
+                s.eval(t)
+            except ContextFull:
+                finish = "length"
+                break
+            n += 1
+            forward(stream.feed(tok.token_bytes(t)))
+            if stream.done:
+                finish = "stop"
+                break
+        forward(stream.finish("length" if finish == "length" else None))
+        res = stream.result
+        self.stats["generated"] += n
+        job.trace.update(gen_tokens=n, gen_s=round(time.perf_counter() - t0, 3), output=stream.text)
+        if cancelled:
+            self._keep_bindings(())
+            raise Cancelled()
+        calls = []
+        for i, c in enumerate(res.tool_calls):
+            tid = ids.get(i) or self._new_id(kind, taken)
+            calls.append(E.CallOut(i, tid, c.name, c.arguments_json, dict(c.arguments)))
+        fin = res.finish_reason
+        if fin == "length" and n >= job.max_tokens and job.server_capped:
+            # --max-tokens is the operator's runaway guard, not a limit the client asked for: the
+            # turn ends as if the model had stopped, so agents carry on (Codex fails a turn on
+            # "incomplete"); the trace and the log say it was capped
+            fin = "stop"
+            job.trace["capped"] = True
+            log.info("generation stopped at the server's --max-tokens cap (%d tokens)", n)
+        elif fin == "error" and finish == "length":
+            # the token cap cut a tool block: ds4 says "error"; the truth for the client is that
+            # it ran out of tokens (clients such as Pi treat "error" as a provider failure)
+            fin = "length"
+        self._remember(job, res, calls, fin)
+        content, reasoning = res.content, res.reasoning if thinking else None
+        if job.api == "openai_completions":      # raw text, reasoning and </think> included (§2.6)
+            content, reasoning = stream.text, None
+        job.emit(E.Finish(fin, content, reasoning, tuple(calls),
+                          E.Usage(usage.prompt_tokens, usage.cached_tokens, n),
+                          reasoning_closed=not thinking or "</think>" in stream.text,
+                          stop_sequence=stream.stop_hit))
+
+    def _new_id(self, kind: str, taken: set) -> str:
+        with self.lock:
+            mem = self.memory
+
+            class _Taken:
+                def __contains__(_, x):
+                    return x in taken or (mem is not None and x in mem)
+
+            tid = new_tool_id(kind, _Taken())
+        taken.add(tid)
+        return tid
+
+    def _remember(self, job: Job, res, calls: list[E.CallOut], finish: str):
+        """Tool memory (§6.2) and the live bindings for the next request (§7.3)."""
+        s = self.session
+        r = job.rendered
+        new: dict[str, Binding] = {}
+        if finish == "tool_calls" and calls and self.memory is not None and res.dsml:
+            with self.lock:
+                for c in calls:
+                    try:
+                        self.memory.remember(c.id, res.dsml)
+                    except ValueError as e:
+                        log.warning("tool memory: %s", e)
+        ok = finish not in ("error", "length")
+        thinking = r.think_mode in ("high", "max")
+        block = res.dsml or ""
+        if ok and job.api == "responses":
+            vis = r.text
+            if thinking:
+                summary = r.conversation is not None and r.conversation.reasoning_summary
+                vis += ((res.reasoning or "") if summary and calls else "") + prompts.render.THINK_CLOSE
+            vis += res.content + block + prompts.EOS
+            new["responses"] = Binding("responses", s.pos, prompts.to_bytes(vis),
+                                       frozenset(c.id for c in calls))
+        if ok and job.api == "anthropic" and calls:
+            new["anthropic"] = Binding("anthropic", s.pos, None, frozenset(c.id for c in calls))
+        if ok and thinking and not r.has_tools and not r.preserves_reasoning and not calls \
+                and job.api in ("openai_chat", "anthropic") and r.text.endswith(prompts.render.THINK_OPEN):
+            vis = r.text[:-len(prompts.render.THINK_OPEN)] + prompts.render.THINK_CLOSE + res.content + prompts.EOS
+            new["thinking"] = Binding("thinking", s.pos, prompts.to_bytes(vis))
+        with self.lock:
+            self.bindings = new
+
+
+class _LostLiveState(Exception):
+    pass
+
+
+def _decode_tail(b: bytes) -> str | None:
+    """A byte suffix of rendered text as text to tokenize, or None when the cut falls inside a
+    UTF-8 character (then the boundary cannot be reused as text)."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
