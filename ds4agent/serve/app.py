@@ -62,6 +62,8 @@ def create_app(shim: Shim) -> Starlette:
 
     async def models(request: Request) -> Response:
         import json
+        if not authorized(request):
+            return fail(None, 401, "invalid API key")
         data = shim.models()
         mid = request.path_params.get("model")
         if mid is None:
@@ -80,7 +82,10 @@ def create_app(shim: Shim) -> Starlette:
         q: asyncio.Queue = asyncio.Queue()
 
         def emit(ev):          # called on the worker thread
-            loop.call_soon_threadsafe(q.put_nowait, ev)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, ev)
+            except RuntimeError:   # the event loop is closed (server stopped): nobody will read
+                job.cancel.set()   # (raising here would kill the inference thread)
 
         try:
             body = await _read_body(request)
@@ -118,9 +123,17 @@ def create_app(shim: Shim) -> Starlette:
             return fail(api, first.status, first.message)
         if not stream:
             ev = first
+            checked = time.monotonic()
             try:
                 while not isinstance(ev, (E.Finish, E.Failure)):
                     ev = await _next_event(q, request, job, cfg.keepalive_s)
+                    # events come every token while generating, so _next_event's own check (on a
+                    # quiet queue) never runs then: look for a client that hung up on the clock too
+                    if time.monotonic() - checked >= min(cfg.keepalive_s, 1.0):
+                        checked = time.monotonic()
+                        if await request.is_disconnected():
+                            job.cancel.set()
+                            raise _Gone()
             except _Gone:
                 done(499)
                 return Response(status_code=499)
@@ -193,8 +206,14 @@ def create_app(shim: Shim) -> Starlette:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("internal error on %s %s: %r", request.method, request.url.path, exc)
-    return Response(b'{"error":{"message":"internal error","type":"server_error"}}\n', status_code=500,
-                    media_type="application/json")
+    api = _API_OF.get(request.url.path, "openai_chat")
+    shim = request.app.state.shim
+    h = {}
+    if shim.cfg.cors:
+        h = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+             "Access-Control-Allow-Headers": "*"}
+    return Response(error_body(api, "internal error", 500).encode(), status_code=500,
+                    media_type="application/json", headers=h)
 
 
 class _BodyTooLarge(Exception):
@@ -219,27 +238,36 @@ async def _read_body(request: Request) -> bytes:
 
 
 async def _next_event(q: asyncio.Queue, request: Request, job, poll_s: float):
-    """The worker's next event; a client that disconnected meanwhile cancels the job."""
-    while True:
-        try:
-            return await asyncio.wait_for(q.get(), min(poll_s, 1.0))
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel.set()
-                raise _Gone() from None
+    """The worker's next event; a client that disconnected meanwhile cancels the job, and so does
+    the handler's own cancellation (uvicorn cancels it when a shutdown's grace period ends)."""
+    try:
+        while True:
+            try:
+                return await asyncio.wait_for(q.get(), min(poll_s, 1.0))
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    raise _Gone() from None
+    except asyncio.CancelledError:
+        job.cancel.set()
+        raise
 
 
 async def _first_event(q: asyncio.Queue, request: Request, job, wait_s: float):
     """For a streaming request: the first event if it comes within wait_s (so a refusal can still
     be an HTTP status), else None (headers go out and keep-alives start)."""
     deadline = time.monotonic() + wait_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        try:
-            return await asyncio.wait_for(q.get(), min(left, 1.0))
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel.set()
-                raise _Gone() from None
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                return await asyncio.wait_for(q.get(), min(left, 1.0))
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    raise _Gone() from None
+    except asyncio.CancelledError:
+        job.cancel.set()
+        raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from .config import ServeConfig
@@ -49,8 +50,9 @@ def config_from(a, ctx: int) -> ServeConfig:
         raise ValueError("--tool-memory-max-ids must be at least 1")
     return ServeConfig(
         host=a.host, port=a.port, ctx=ctx, max_tokens=a.max_tokens, api_key=a.api_key, cors=a.cors,
-        trace=a.trace, exact_replay=not a.disable_exact_dsml_tool_replay,
-        tool_memory_max_ids=a.tool_memory_max_ids, kv_disk_dir=a.kv_disk_dir,
+        trace=os.path.expanduser(a.trace) if a.trace else None, exact_replay=not a.disable_exact_dsml_tool_replay,
+        tool_memory_max_ids=a.tool_memory_max_ids,
+        kv_disk_dir=os.path.expanduser(a.kv_disk_dir) if a.kv_disk_dir else None,
         kv_disk_space_mb=a.kv_disk_space_mb, kv_cache_min_tokens=a.kv_cache_min_tokens,
         kv_cache_cold_max_tokens=a.kv_cache_cold_max_tokens,
         kv_cache_continued_interval_tokens=a.kv_cache_continued_interval_tokens,

@@ -63,9 +63,13 @@ class Shim:
         r = render_request(api, body, self.cfg.ctx, live_call_ids=w.live_call_ids(api), replay=replay)
         conv = r.conversation
         try:
-            tokens = self.engine.tokenizer.encode(r.text)
-        except Exception as e:         # text the tokenizer cannot take (e.g. lone surrogates)
-            raise RequestError(f"{prompts.errors.INVALID_JSON}: {e}") from None
+            r.text.encode("utf-8")
+        except UnicodeEncodeError:
+            # invalid UTF-8 or lone \uD800 escapes in the request: ds4 takes such bytes as they
+            # are; the tokenizer only takes valid text, so they become U+FFFD (prompt bytes, cache
+            # keys and tokens all follow the cleaned text)
+            r.text = prompts.to_bytes(r.text).decode("utf-8", "replace")
+        tokens = self.engine.tokenizer.encode(r.text)
         if len(tokens) >= self.cfg.ctx:
             raise ContextLengthError(len(tokens), self.cfg.ctx)
         p = conv.params

@@ -231,9 +231,10 @@ class Worker:
         if cand is not None and cand.tokens <= keep:
             cand = None
         self._keep_bindings(())
-        if self.cache is not None and L > keep:
-            # what the live timeline holds beyond the reused part is saved before it is lost
-            # (ds4's evict moment: alternating conversations come back from disk)
+        if self.cache is not None and L - keep >= max(1, self.cache.min_tokens):
+            # a real branch of the live timeline is about to be lost: save it first (ds4's evict
+            # moment; alternating conversations then come back from disk). Dropping a few tokens
+            # of a conversation's own tail is not worth a checkpoint write.
             self.cache.reset_continued()
             self._store_live("evict")
         if cand is not None:
@@ -249,8 +250,13 @@ class Worker:
                 self._prefill(job, target, cached=reused)
                 return "disk-text", min(n, reused)
             keep = s.reusable(job.tokens) if s.pos else 0
-        if keep:
+        if keep and (self.cache is None or keep >= self.cache.min_tokens):
             self._prefill(job, job.tokens, cached=keep)
+            return "memory-prefix", keep
+        if keep:
+            # a sliver of the live timeline (BOS, a few tokens) is still reused, but the request
+            # is new as far as the disk cache goes: its system+tools prefix gets the cold save
+            self._prefill(job, job.tokens, cached=keep, cold=True)
             return "memory-prefix", keep
         # 9: cold
         self._prefill(job, job.tokens, cached=0, cold=True)
@@ -436,6 +442,8 @@ class Worker:
             # it ran out of tokens (clients such as Pi treat "error" as a provider failure)
             fin = "length"
         self._remember(job, res, calls, fin)
+        if fin == "tool_calls" and calls and self.memory is None and job.api in ("openai_chat", "anthropic"):
+            self._canonicalize(job, res, calls, usage.prompt_tokens)
         content, reasoning = res.content, res.reasoning if thinking else None
         if job.api == "openai_completions":      # raw text, reasoning and </think> included (§2.6)
             content, reasoning = stream.text, None
@@ -443,6 +451,23 @@ class Worker:
                           E.Usage(usage.prompt_tokens, usage.cached_tokens, n),
                           reasoning_closed=not thinking or "</think>" in stream.text,
                           stop_sequence=stream.stop_hit))
+
+    def _canonicalize(self, job: Job, res, calls: list[E.CallOut], prompt_n: int):
+        """Without exact replay the next request renders this turn's calls as canonical DSML, not
+        the sampled bytes: bring the live timeline to that rendering now (cutting back to where
+        they differ), so the next request continues it instead of missing (§6.3)."""
+        from prompts import ToolCall, render_tool_calls
+        think = job.rendered.think_mode in ("high", "max")
+        suffix = ((res.reasoning or "") + prompts.render.THINK_CLOSE if think else "") + res.content \
+            + render_tool_calls([ToolCall(c.id, c.name, c.arguments_json) for c in calls]) + prompts.EOS
+        s = self.session
+        target = s.tokens[:prompt_n] + self.tok.encode(suffix)
+        if target == s.tokens or len(target) >= s.ctx:
+            return
+        s.sync(target)
+        # the timeline now ends with the EOS a live tool-output tail would add again
+        self._keep_bindings(())
+        job.trace["canonicalized"] = True
 
     def _new_id(self, kind: str, taken: set) -> str:
         with self.lock:
