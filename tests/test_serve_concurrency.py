@@ -474,7 +474,8 @@ def _keepalive_checks(c: Client, wait_s: float):
 def test_keepalive_while_queued_behind_another(srv):
     url, shim = srv
     wait_idle(shim)
-    a = Client(url, "/v1/chat/completions", _long_chat(60, "Describe the sea at length."))
+    # long enough that B queues for well over a second on any machine this runs on
+    a = Client(url, "/v1/chat/completions", _long_chat(240, "Describe the sea at length."))
     ta = threading.Thread(target=a.run)
     ta.start()
     t0 = time.monotonic()
