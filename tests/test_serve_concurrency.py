@@ -471,35 +471,57 @@ def _keepalive_checks(c: Client, wait_s: float):
     c.summary()
 
 
+def _hold_worker(shim, seconds: float) -> threading.Event:
+    """Occupy the inference thread for `seconds` of wall time, whatever the machine's speed: a
+    tiny job whose first event blocks. Returns an event set once the hold began."""
+    began = threading.Event()
+    state = {"held": False}
+
+    def emit(ev):
+        if not state["held"]:
+            state["held"] = True
+            began.set()
+            time.sleep(seconds)
+
+    body = json.dumps({"messages": [{"role": "user", "content": "hold"}], "max_tokens": 1, **NO_THINK})
+    shim.worker.submit(shim.prepare("openai_chat", body.encode(), emit))
+    return began
+
+
 def test_keepalive_while_queued_behind_another(srv):
     url, shim = srv
     wait_idle(shim)
-    # long enough that B queues for well over a second on any machine this runs on
-    a = Client(url, "/v1/chat/completions", _long_chat(240, "Describe the sea at length."))
-    ta = threading.Thread(target=a.run)
-    ta.start()
-    t0 = time.monotonic()
-    while not shim.worker.busy:
-        assert time.monotonic() - t0 < 5
-        time.sleep(0.002)
+    hold = 1.5
+    began = _hold_worker(shim, hold)
+    assert began.wait(10)
     b = Client(url, "/v1/messages", {"messages": [{"role": "user", "content": "And the mountains?"}],
                                      "max_tokens": 3, "temperature": 0, **NO_THINK})
-    tb = threading.Thread(target=b.run)
-    tb.start()
-    ta.join(TIMEOUT)
-    tb.join(TIMEOUT)
-    if a.error:
-        raise a.error
-    waited = a.t_done - b.t_sent              # B waited at least until A was done
-    assert waited > 0.8, waited
+    b.run()
+    if b.error:
+        raise b.error
+    first = next(t for t, f in b.frames if not f.startswith(":"))
+    waited = first - b.t_sent                   # B waited for the held worker
+    assert waited > 0.8 * hold, waited
     _keepalive_checks(b, waited)
     assert b.summary().finish == "max_tokens"
 
 
-def test_keepalive_during_long_prefill(srv):
+def test_keepalive_during_long_prefill(srv, monkeypatch):
     url, shim = srv
     wait_idle(shim)
-    words = " ".join(f"w{i}" for i in range(900))       # ~1,800 tokens: a few seconds of prefill
+    sess = shim.worker.session
+    # small chunks, each held 50 ms: the prefill lasts >= 1.4 s and reports progress all along,
+    # whatever the machine's speed
+    monkeypatch.setattr(sess, "chunk", 64)
+    real_forward = sess._forward
+
+    def slow_forward(part, all_logits):
+        if len(part) > 1:
+            time.sleep(0.05)
+        return real_forward(part, all_logits)
+
+    monkeypatch.setattr(sess, "_forward", slow_forward)
+    words = " ".join(f"w{i}" for i in range(900))       # ~1,800 tokens: ~28 chunks of 64
     c = Client(url, "/v1/completions", {"prompt": words, "max_tokens": 2, "temperature": 0, **NO_THINK})
     c.run()
     if c.error:
