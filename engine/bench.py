@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=_positive_int, default=None, help="session context (default ctx-max + gen-tokens + 1)")
     p.add_argument("--numerics", choices=["ds4", "exact"], default="ds4")
     p.add_argument("--threads", type=_positive_int, default=None)
+    p.add_argument("--backend", default="auto", help="numpy (the reference) or cpu (the C kernels)")
     p.add_argument("--chunk", type=_positive_int, default=None, help="prefill chunk size")
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write an SVG chart here")
@@ -288,7 +289,10 @@ def _main(argv) -> int:
     from .inspect import report
     from .session import DEFAULT_CHUNK, Engine, Session
 
-    eng = Engine.open(a.model, numerics=a.numerics, threads=a.threads)
+    try:
+        eng = Engine.open(a.model, numerics=a.numerics, threads=a.threads, backend=a.backend)
+    except ValueError as e:          # an unknown or unbuilt backend
+        raise BenchError(str(e)) from None
     try:
         tokens = eng.tokenizer.encode(text)
         ctx_max = min(a.ctx_max, len(tokens), ctx - a.gen_tokens - 1)

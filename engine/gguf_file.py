@@ -130,6 +130,9 @@ def _check_path(path) -> int:
     return st.st_size
 
 
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux value; older Pythons lack the name
+
+
 class GGUFFile:
     """A GGUF file mapped read-only. `fields` and `tensors` are parsed at open; data stays in the map."""
 
@@ -146,6 +149,30 @@ class GGUFFile:
         except BaseException:
             self.close()
             raise
+
+    # -- paging ---------------------------------------------------------------------------------
+    def advise(self, mode: str) -> str:
+        """How the kernel should page the map in; returns what was done.
+
+        "prefault": populate every page now (MADV_POPULATE_READ, Linux 5.14+; else WILLNEED,
+        which reads ahead asynchronously). Decode touches a different handful of experts every
+        token; a first touch of an unmapped page costs a fault each, which made decode many
+        times slower until every expert had been used once.
+        "lowmem": the file is larger than the memory it may use: no prefault and no readahead
+        around each fault (MADV_RANDOM), so the page cache holds the pages tokens actually use
+        and RSS stays bounded by what the kernel lets the cache keep.
+        """
+        if mode == "prefault":
+            try:
+                self._mm.madvise(_MADV_POPULATE_READ)
+                return "prefault"
+            except (OSError, ValueError):
+                self._mm.madvise(mmap.MADV_WILLNEED)
+                return "willneed"
+        if mode == "lowmem":
+            self._mm.madvise(mmap.MADV_RANDOM)
+            return "lowmem"
+        raise ValueError(f"paging mode must be 'prefault' or 'lowmem', not {mode!r}")
 
     # -- parsing -------------------------------------------------------------------------------
     def _parse(self):

@@ -7,6 +7,7 @@ in chunks, reporting progress after each chunk and stopping between chunks when 
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -22,7 +23,7 @@ from .sampling import Rng, SamplingParams, logprob_of, sample, top_logprobs
 from .tokenizer import Tokenizer
 from .weights import bind
 
-BACKENDS = ("numpy",)
+BACKENDS = ("numpy", "cpu")
 DEFAULT_CHUNK = 2048
 
 
@@ -40,19 +41,41 @@ class Engine:
         self.numerics = numerics
         self.threads = threads
         self.tokenizer = Tokenizer.from_metadata(model_file.tokenizer)
-        self.model = Model(self.config, bind(model_file), NumpyOps(numerics))
+        if backend == "cpu":
+            from .ops_cpu import CpuOps
+            ops = CpuOps(numerics)
+        else:
+            ops = NumpyOps(numerics)
+        self.model = Model(self.config, bind(model_file), ops)
 
     @classmethod
-    def open(cls, path, *, backend: str = "auto", numerics: str = DS4, threads: int | None = None) -> "Engine":
+    def open(cls, path, *, backend: str = "auto", numerics: str = DS4, threads: int | None = None,
+             paging: str = "auto") -> "Engine":
+        """paging: "auto" (prefault when the file fits in 80 % of the available memory, else
+        lowmem), "prefault", "lowmem" or "none" (leave the kernel's defaults)."""
         if backend == "auto":
-            backend = "numpy"
+            # DS4_BACKEND picks one for every caller (benchmarks, the agent, the shim); else the
+            # C kernels when they were built, else the NumPy reference
+            backend = os.environ.get("DS4_BACKEND") or ""
+            if not backend:
+                from . import kernels
+                backend = "cpu" if kernels.available() else "numpy"
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not available (built: {', '.join(BACKENDS)})")
+        if backend == "cpu":
+            from . import kernels
+            if not kernels.available():
+                raise ValueError("backend 'cpu' needs the C kernels (engine._kernels), which were not "
+                                 "built at install time (no C compiler?); use --backend numpy")
         if threads:
             _limit_threads(threads)
+        if paging not in PAGING:
+            raise ValueError(f"paging must be one of {', '.join(PAGING)}, not {paging!r}")
         m = ModelFile.open(path)
         try:
-            return cls(m, backend, numerics, threads)
+            eng = cls(m, backend, numerics, threads)
+            eng.paging = _advise(m, paging)
+            return eng
         except BaseException:
             m.close()
             raise
@@ -67,7 +90,41 @@ class Engine:
         self.close()
 
 
+PAGING = ("auto", "prefault", "lowmem", "none")
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _advise(m: ModelFile, paging: str) -> str:
+    if paging == "none":
+        return "none"
+    if paging == "auto":
+        paging = os.environ.get("DS4_PAGING") or "auto"
+        if paging not in PAGING:
+            paging = "auto"
+    if paging == "none":
+        return "none"
+    if paging == "auto":
+        avail = _mem_available()
+        paging = "prefault" if avail is not None and m.gguf.size <= 0.8 * avail else "lowmem"
+    try:
+        return m.gguf.advise(paging)
+    except OSError:
+        return "none"          # a platform without madvise: the kernel's defaults
+
+
 def _limit_threads(n: int):
+    from . import kernels
+    kernels.set_threads(n)
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:

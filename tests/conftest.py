@@ -1,9 +1,17 @@
 """Shared fixtures: synthetic models are generated once per test session, never downloaded."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# The suite's referee is the NumPy reference: Engine.open(backend="auto") would pick the C kernels
+# when they are built. The kernels have their own tests (test_kernels.py, test_ops_cpu.py); a run
+# may still choose them for everything with DS4_BACKEND=cpu.
+os.environ.setdefault("DS4_BACKEND", "numpy")
+# and the memory tests measure what a forward pass itself maps in: no prefault at open
+os.environ.setdefault("DS4_PAGING", "none")
 
 from engine.synth import config_for, write_synthetic
 

@@ -1,0 +1,146 @@
+/* ds4 CPU kernels: shared declarations.
+ *
+ * Block layouts and dequantization formulas are those of engine/quants.py (gguf-py 0.19.0,
+ * model.md section 5); the dequantizers here reproduce its float32 roundings exactly, so this
+ * code must be compiled with -ffp-contract=off (no silent a*b+c fusion).  The matmul kernels use
+ * explicit FMA intrinsics where they want fused products.
+ *
+ * Three builds of the same kernels exist: generic C (any machine), AVX2+FMA+F16C and AVX-512
+ * (F/BW/VL + F16C + FMA); kern_select() picks one at run time with __builtin_cpu_supports.
+ */
+#ifndef DS4_KERN_H
+#define DS4_KERN_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ggml type ids (engine/quants.py) */
+enum {
+    KT_F32 = 0,
+    KT_F16 = 1,
+    KT_Q8_0 = 8,
+    KT_Q2_K = 10,
+    KT_Q4_K = 12,
+    KT_IQ2_XXS = 16,
+    KT_BF16 = 30,
+    KT_MXFP4 = 39,
+    KT_MAX = 40
+};
+
+/* values and bytes per block; 0 = unsupported type */
+int kern_block_elems(int type_id);
+int kern_block_bytes(int type_id);
+
+/* ---- tables (kern_tables.c, built by kern_tables_init from the quants.py definitions) ---- */
+
+/* iq2xxs_grid as floats: [256][8], 64-byte aligned */
+extern float kern_iq2xxs_gridf[256 * 8];
+/* iq2xxs_grid bytes: [256][8] (each 8, 25 or 43) */
+extern uint8_t kern_iq2xxs_grid[256 * 8];
+/* ksigns_iq2xs: i with bit 7 set so the byte has even parity */
+extern uint8_t kern_ksigns[128];
+/* E8M0 byte -> 2^(e-128) as float (kern_e8m0_half), by byte */
+extern float kern_e8m0_tab[256];
+/* MXFP4 E2M1 values doubled, by nibble */
+extern const int8_t kern_mxfp4_kvalues[16];
+void kern_tables_init(void);
+
+/* ---- scalar helpers (exact) ---- */
+
+static inline uint16_t kern_rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline uint32_t kern_rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline float kern_bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE half -> float, exact (subnormals, inf; NaN keeps its payload and quiet bit, as numpy) */
+static inline float kern_f16_soft(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu;
+    uint32_t man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        /* subnormal: value man * 2^-24, normalize */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400u));
+        man &= 0x3FFu;
+        bits = sign | ((uint32_t)(112 - e) << 23) | (man << 13);
+    }
+    return kern_bits_f32(bits);
+}
+
+/* E8M0 byte -> float 2^(e-128) (ggml_e8m0_to_fp32_half), exact incl. e < 2 */
+static inline float kern_e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
+    return kern_bits_f32(bits);
+}
+
+/* ---- kernel tables per instruction set ---- */
+
+/* decode one row of n_elems values (whole blocks) from src into dst (float32) */
+typedef void (*kern_dq_fn)(const uint8_t *src, float *dst, int64_t n_elems);
+
+/* y[r] = W[r] . x for rows r0..r1-1 (T = 1); aux = per-call data derived from x (x sums) */
+typedef void (*kern_mv1_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,
+                            const float *x, const float *aux, float *y);
+
+/* y[t*ldy + r] = W[r] . x[t] for rows r0..r1-1 and all T tokens, decoding the rows with dq
+ * into wbuf (kern_panel_rows() * n_in floats, 64-byte aligned) a panel at a time */
+typedef void (*kern_panel_fn)(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0,
+                              int64_t r1, const float *x, int64_t T, float *y, int64_t ldy, float *wbuf);
+
+/* y[t*ldy + r] = W[r] . x[t] for rows r0..r1-1 and all T tokens, decoding in registers (small T) */
+typedef void (*kern_mvt_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,
+                            const float *x, int64_t T, float *y, int64_t ldy);
+
+typedef struct {
+    const char *name;
+    int panel_rows; /* the row unit of the panel kernel's register tile */
+    kern_dq_fn dq[KT_MAX];
+    kern_mv1_fn mv1[KT_MAX]; /* NULL: use the panel path for T = 1 too */
+    kern_mvt_fn mvt[KT_MAX]; /* small T; NULL: panel path */
+    int mvt_max[KT_MAX];     /* mvt for 2 <= T <= mvt_max (run-time adjustable: set_mvt_max) */
+    kern_panel_fn panel;
+} kern_isa;
+
+/* rows decoded per panel (a multiple of unit): about 256 KiB of floats, so the panel stays in L2
+ * while every token tile runs over it; the scratch buffer holds this many rows of ldw floats */
+static inline int64_t kern_ldw(int64_t n_in) { return (n_in + 15) & ~(int64_t)15; }
+static inline int64_t kern_panel_rows(int unit, int64_t n_in) {
+    int64_t pr = (int64_t)(256 * 1024 / 4) / kern_ldw(n_in > 0 ? n_in : 1);
+    if (pr > 64) pr = 64;
+    pr -= pr % unit;
+    return pr < unit ? unit : pr;
+}
+
+void kern_fill_generic(kern_isa *k);
+void kern_fill_avx2(kern_isa *k);
+void kern_fill_avx512(kern_isa *k);
+
+/* x sums needed by the T = 1 kernels: Q2_K sums of 16 values, Q4_K sums of 32 (NULL: none) */
+int64_t kern_aux_len(int type_id, int64_t n_in);
+void kern_aux_fill(int type_id, const float *x, int64_t n_in, float *aux);
+
+#endif

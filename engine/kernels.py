@@ -1,0 +1,199 @@
+"""Fast CPU kernels for matmuls with GGUF block-format weights (the C extension engine._kernels).
+
+    matmul(type_id, w, x)       -> float32 [T, n_rows] = x @ W.T
+    dequantize_rows(type_id, w) -> float32 [n_rows, n_in], bit-exact with quants.dequantize
+
+``w`` is the packed weight as stored in the GGUF: uint8 [n_rows, row_bytes] whose rows are
+contiguous (an np.memmap slice is read in place, never copied); ``x`` is float32 [T, n_in],
+C-contiguous.  Formats: F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS, MXFP4 (engine/quants.py).
+
+Paths (``method``):
+
+* "fused" (the C kernels; "auto" picks it): by the token count T,
+  - T = 1: every weight row is decoded in registers a block at a time; block and sub-block scales
+    multiply partial sums, the K-quant minimums use per-call sums of x;
+  - 2 <= T <= 3 ("regs"): rows decoded in registers to their exact weights, applied to up to 4
+    tokens per pass (the row stays in L1 between passes);
+  - larger T ("panel"): a panel of rows is decoded (exact dequantizer) into a float buffer that
+    stays in L2, and register tiles of 4 rows x 4 tokens run over it.
+  Each weight is read from memory once per call whatever T.  Rows are split statically over
+  OpenMP threads (set_threads; default: the CPUs this process may run on).  Float32 accumulation:
+  results differ from quants.matvec(..., accumulate=np.float64) by rounding only; with
+  set_batch_invariant(True) a token's result does not depend on T, path or threads.
+* "blas": the C dequantizer decodes a chunk of rows (one call, one thread: OpenMP and OpenBLAS
+  threads fighting over the same cores is much slower), then np.matmul multiplies it in float32.
+  On the development machine (2-core Zen 4) the fused kernels beat it at every T measured (1 to
+  512; scripts/bench_kernels.py), so "auto" uses it only from BLAS_MIN_T tokens (None: never).
+* "regs" / "panel" force one fused sub-path (tests, benchmarks).
+
+Without the extension (no C compiler at install time) available() is False and both functions
+still work, through quants.dequantize + np.matmul.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import quants as Q
+
+try:  # built by setup.py (optional extension)
+    from . import _kernels as _K
+except ImportError:  # pragma: no cover - depends on the install
+    _K = None
+
+__all__ = ["available", "isa", "set_threads", "get_threads", "set_batch_invariant", "matmul", "dequantize_rows",
+           "BLAS_MIN_T"]
+
+#: the token count from which method="auto" uses dequantize + BLAS instead of the fused kernels;
+#: None: never (scripts/bench_kernels.py measures both and prints the crossover, if any)
+BLAS_MIN_T: int | None = None
+
+_PATHS = {"fused": 0, "regs": 1, "panel": 2}
+
+# decoded floats per chunk of the BLAS path (4 MiB: stays in L3 between decode and matmul)
+_BLAS_CHUNK_ELEMS = 1 << 20
+
+_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
+
+
+def available() -> bool:
+    """True when the compiled kernels are importable (else the NumPy fallback is used)."""
+    return _K is not None
+
+
+def isa() -> str | None:
+    """The kernel build in use ("avx512", "avx2", "generic"), None without the extension."""
+    return _K.isa() if _K is not None else None
+
+
+def set_threads(n: int) -> None:
+    """Threads used by the C kernels (matmul's fused path, dequantize_rows)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= int(n) <= 1024:
+        raise ValueError(f"thread count must be an integer in 1..1024, got {n!r}")
+    if _K is not None:
+        _K.set_threads(int(n))
+
+
+def get_threads() -> int:
+    return _K.get_threads() if _K is not None else 1
+
+
+def set_batch_invariant(on: bool) -> bool:
+    """Batch invariance of the fused kernels (default off); returns the previous setting.
+
+    On: T = 1 uses the exact-weight in-register kernel instead of the faster factored one, and
+    every fused path then sums each (row, token) in the same order, so a token's float32 result
+    is bit-identical whatever T, path ("regs" / "panel") or thread count (the "blas" path is
+    not).  Off: results of different T differ by rounding."""
+    return bool(_K.set_batch_invariant(bool(on))) if _K is not None else False
+
+
+def _default_threads() -> int:
+    env = os.environ.get("DS4_KERNEL_THREADS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            pass
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+if _K is not None:
+    _K.set_threads(_default_threads())
+
+
+def _format(type_id) -> Q.BlockFormat:
+    if isinstance(type_id, bool) or not isinstance(type_id, (int, np.integer)):
+        raise ValueError(f"type_id must be an integer ggml type id, got {type_id!r}")
+    if int(type_id) not in _TYPES:
+        raise ValueError(f"unsupported weight type {Q.type_name(int(type_id))}")
+    return Q.FORMATS[int(type_id)]
+
+
+def _check_w(f: Q.BlockFormat, w) -> tuple[np.ndarray, int]:
+    if not isinstance(w, np.ndarray):
+        raise ValueError(f"w must be a numpy uint8 array (or np.memmap), got {type(w).__name__}")
+    if w.dtype != np.uint8:
+        raise ValueError(f"w must have dtype uint8 (packed {f.name} rows), got {w.dtype}")
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D [n_rows, row_bytes], got shape {w.shape}")
+    if w.shape[1] > 1 and w.strides[1] != 1:
+        raise ValueError("w rows must be contiguous (stride 1 along the last axis)")
+    if w.shape[1] % f.block_bytes:
+        raise ValueError(f"{f.name}: rows of {w.shape[1]} bytes are not a multiple of the block size {f.block_bytes}")
+    return w, w.shape[1] // f.block_bytes * f.block_elems
+
+
+def _check_x(x, n_in: int) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise ValueError(f"x must be a numpy float32 array, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise ValueError(f"x must have dtype float32, got {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D [T, n_in], got shape {x.shape}")
+    if x.shape[1] != n_in:
+        raise ValueError(f"x has {x.shape[1]} columns, the weight rows have {n_in} values")
+    if not x.flags.c_contiguous:
+        raise ValueError("x must be C-contiguous")
+    return x
+
+
+def _dequantize_into(type_id: int, w: np.ndarray, out: np.ndarray, threads: int = 0) -> None:
+    if _K is not None:
+        _K.dequantize(type_id, w, out, threads)
+    else:
+        out[...] = Q.dequantize(type_id, w)
+
+
+def dequantize_rows(type_id: int, w: np.ndarray) -> np.ndarray:
+    """Decode every row of a packed 2-D weight: uint8 [n_rows, row_bytes] -> float32 [n_rows, n_in]
+    (multi-threaded; bit-exact with quants.dequantize)."""
+    f = _format(type_id)
+    w, n_in = _check_w(f, w)
+    out = np.empty((w.shape[0], n_in), dtype=np.float32)
+    if out.size:
+        _dequantize_into(f.type_id, w, out)
+    return out
+
+
+def _matmul_blas(type_id: int, w: np.ndarray, x: np.ndarray, n_in: int) -> np.ndarray:
+    n_rows, T = w.shape[0], x.shape[0]
+    yT = np.empty((n_rows, T), dtype=np.float32)
+    if n_rows == 0 or T == 0:
+        return np.ascontiguousarray(yT.T)
+    if n_in == 0:
+        return np.zeros((T, n_rows), dtype=np.float32)
+    chunk = max(1, min(n_rows, _BLAS_CHUNK_ELEMS // n_in))
+    buf = np.empty((chunk, n_in), dtype=np.float32)
+    xT = x.T
+    for r0 in range(0, n_rows, chunk):
+        r1 = min(n_rows, r0 + chunk)
+        b = buf[:r1 - r0]
+        _dequantize_into(type_id, w[r0:r1], b, 1)
+        np.matmul(b, xT, out=yT[r0:r1])
+    return np.ascontiguousarray(yT.T)
+
+
+def matmul(type_id: int, w: np.ndarray, x: np.ndarray, *, method: str = "auto") -> np.ndarray:
+    """y = x @ W.T: w uint8 [n_rows, row_bytes] (packed rows of ``type_id``), x float32 [T, n_in]
+    C-contiguous -> float32 [T, n_rows] (C-contiguous).
+    method: "auto" (default), "fused", "regs", "panel" or "blas" (module docstring)."""
+    f = _format(type_id)
+    w, n_in = _check_w(f, w)
+    x = _check_x(x, n_in)
+    T = x.shape[0]
+    if method == "auto":
+        method = "fused" if _K is not None and (BLAS_MIN_T is None or T < BLAS_MIN_T) else "blas"
+    if method in _PATHS:
+        if _K is None:
+            raise RuntimeError("engine._kernels is not built (no C compiler at install time?)")
+        y = np.empty((T, w.shape[0]), dtype=np.float32)
+        _K.matmul(f.type_id, w, x, y, 0, _PATHS[method])
+        return y
+    if method == "blas":
+        return _matmul_blas(f.type_id, w, x, n_in)
+    raise ValueError(f"method must be 'auto', 'fused', 'regs', 'panel' or 'blas', got {method!r}")

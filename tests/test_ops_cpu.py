@@ -1,0 +1,75 @@
+"""The `cpu` backend (C kernels for every weight matmul) against the NumPy reference and against
+ds4 itself. The kernels accumulate in float32 (the reference in float64), so in exact numerics the
+two agree to float32 rounding; in ds4 numerics a rounding difference can move an activation across
+a Q8 step and routing near-ties amplify it, so there the referee is ds4's own logits, judged by the
+same distribution thresholds as the reference (tests/test_engine_oracle.py)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine import Engine, Session, kernels
+
+from conftest import ORACLE, need_shared
+from test_engine_oracle import stats
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="engine._kernels is not built (no C compiler at install)")
+
+
+def _logits(path, backend, numerics, toks, *, decode=False):
+    with Engine.open(path, backend=backend, numerics=numerics) as e:
+        s = Session(e, len(toks) + 8)
+        if decode:
+            return np.array([s.eval(t).copy() for t in toks])
+        return s.sync(toks, keep_logits=True)
+
+
+@needs_kernels
+def test_exact_mode_equals_reference_to_rounding(small_model):
+    toks = list(range(5, 205))
+    ref = _logits(small_model, "numpy", "exact", toks)
+    got = _logits(small_model, "cpu", "exact", toks)
+    err = np.abs(got - ref).max()
+    rel = err / np.abs(ref).max()
+    print(f"cpu vs numpy, exact numerics, 200-token prefill: max-abs {err:.3g}, relative {rel:.3g}")
+    assert rel < 2e-5, (err, rel)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+@needs_kernels
+def test_exact_mode_decode_equals_prefill(small_model):
+    toks = list(range(7, 71))
+    pre = _logits(small_model, "cpu", "exact", toks)
+    dec = _logits(small_model, "cpu", "exact", toks, decode=True)
+    rel = np.abs(pre - dec).max() / np.abs(pre).max()
+    assert rel < 2e-5, rel
+
+
+@needs_kernels
+def test_ds4_mode_matches_ds4_as_well_as_the_reference():
+    d = ORACLE
+    need_shared(d / "ds4_logits.npz")
+    toks = json.loads((d / "tokens.json").read_text())["token_ids"]
+    ds4 = np.load(d / "ds4_logits.npz")
+    path = next(iter(sorted(d.glob("*.gguf"))))
+    ours = _logits(path, "cpu", "ds4", toks, decode=True)
+    st = stats(ours, ds4["decode_logits_all"])
+    print("cpu backend, ds4 mode, token-by-token decode vs ds4:", st)
+    assert st["median"] <= 0.2 and st["p90"] <= 0.5 and st["top1"] >= 0.85 and st["kl"] <= 0.02, st
+
+
+def test_cpu_backend_without_kernels_is_a_clear_error(small_model, monkeypatch):
+    monkeypatch.setattr(kernels, "_K", None)
+    with pytest.raises(ValueError, match="C kernels"):
+        Engine.open(small_model, backend="cpu")
+
+
+def test_paging_modes(small_model):
+    for mode in ("prefault", "lowmem", "none"):
+        with Engine.open(small_model, paging=mode) as e:
+            assert e.paging in ({mode} if mode != "prefault" else {"prefault", "willneed"})
+            assert Session(e, 64).sync([1, 2, 3])
+    with pytest.raises(ValueError, match="paging"):
+        Engine.open(small_model, paging="sometimes")
