@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numerics", choices=["ds4", "exact"], default="ds4")
     p.add_argument("--threads", type=_positive_int, default=None)
     p.add_argument("--backend", default="auto", help="numpy (the reference) or cpu (the C kernels)")
+    p.add_argument("--paging", default="auto", choices=["auto", "prefault", "lowmem", "none"],
+                   help="prefault the map at open, or lowmem for files larger than the memory (default: by size)")
     p.add_argument("--chunk", type=_positive_int, default=None, help="prefill chunk size")
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write an SVG chart here")
@@ -290,9 +292,12 @@ def _main(argv) -> int:
     from .session import DEFAULT_CHUNK, Engine, Session
 
     try:
-        eng = Engine.open(a.model, numerics=a.numerics, threads=a.threads, backend=a.backend)
+        t_open = time.perf_counter()
+        eng = Engine.open(a.model, numerics=a.numerics, threads=a.threads, backend=a.backend,
+                          paging=a.paging)
     except ValueError as e:          # an unknown or unbuilt backend
         raise BenchError(str(e)) from None
+    open_s = time.perf_counter() - t_open
     try:
         tokens = eng.tokenizer.encode(text)
         ctx_max = min(a.ctx_max, len(tokens), ctx - a.gen_tokens - 1)
@@ -315,7 +320,14 @@ def _main(argv) -> int:
               f"weights read per token {bpt['short']} B (short) / {bpt['long']} B (long, from {long_from}); "
               f"prefill FLOPs per token {flops}", file=sys.stderr)
 
+        print(f"open: {open_s:.2f} s, paging {eng.paging}, backend {eng.backend}", file=sys.stderr)
+        first = []
+
         def on_row(r):
+            if not first:       # open + the first frontier's prefill + one decoded token
+                first.append(open_s + r["prefill_tokens"] / max(r["prefill_tps"], 1e-9)
+                             + 1 / max(r["gen_tps"], 1e-9))
+                print(f"first-token latency {first[0]:.2f} s", file=sys.stderr)
             b = bpt["long" if r["ctx_tokens"] >= long_from else "short"]
             dec = (b / bw) * r["gen_tps"]
             pre = flops * r["prefill_tps"] / gemm

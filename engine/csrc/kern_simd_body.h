@@ -25,10 +25,14 @@
 #ifndef KERN_PF_PLAIN
 #define KERN_PF_PLAIN 4096 /* F32 / F16 / BF16 stream faster: prefetch further ahead */
 #endif
+#ifndef KERN_PF_L2
+#define KERN_PF_L2 16384    /* and a second, further prefetch into L2 */
+#endif
 #if KERN_PF > 0
-#define PF1(p) _mm_prefetch((const char *)(p) + KERN_PF, _MM_HINT_T0)
+#define PFL(p, d, h) _mm_prefetch((const char *)(p) + (d), h)
+#define PF1(p) (PFL(p, KERN_PF, _MM_HINT_T0), PFL(p, KERN_PF_L2, _MM_HINT_T1))
 #define PF2(p) (PF1(p), PF1((const char *)(p) + 64))
-#define PFP1(p) _mm_prefetch((const char *)(p) + KERN_PF_PLAIN, _MM_HINT_T0)
+#define PFP1(p) (PFL(p, KERN_PF_PLAIN, _MM_HINT_T0), PFL(p, KERN_PF_PLAIN + KERN_PF_L2, _MM_HINT_T1))
 #define PFP2(p) (PFP1(p), PFP1((const char *)(p) + 64))
 #else
 #define PF1(p) ((void)0)
