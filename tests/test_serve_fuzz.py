@@ -32,6 +32,7 @@ import logging
 import socket
 import sys
 import time
+import weakref
 from collections import Counter
 
 import httpx
@@ -68,12 +69,14 @@ class _BadRecords(logging.Handler):
     def __init__(self):
         super().__init__(level=logging.DEBUG)
         self.bad: list[str] = []
-        self._seen: set[int] = set()
+        # records reach us through several watched loggers: each is judged once. A WeakSet, not
+        # ids: a freed record's id can be reused by the next one
+        self._seen: weakref.WeakSet = weakref.WeakSet()
 
     def emit(self, record):
-        if id(record) in self._seen:
+        if record in self._seen:
             return
-        self._seen.add(id(record))
+        self._seen.add(record)
         msg = record.getMessage()
         if record.exc_info or record.stack_info or record.levelno >= logging.ERROR or "Traceback" in msg:
             try:
