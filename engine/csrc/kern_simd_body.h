@@ -26,7 +26,7 @@
 #define KERN_PF_PLAIN 4096 /* F32 / F16 / BF16 stream faster: prefetch further ahead */
 #endif
 #ifndef KERN_PF_L2
-#define KERN_PF_L2 16384    /* and a second, further prefetch into L2 */
+#define KERN_PF_L2 8192     /* and a second, further prefetch into L2 */
 #endif
 #if KERN_PF > 0
 #define PFL(p, d, h) _mm_prefetch((const char *)(p) + (d), h)
