@@ -31,6 +31,8 @@ log = logging.getLogger("ds4agent.serve")
 
 _API_OF = {"/v1/chat/completions": "openai_chat", "/v1/completions": "openai_completions",
            "/v1/responses": "responses", "/v1/messages": "anthropic"}
+_CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+         "Access-Control-Allow-Headers": "*"}
 # a body parsed once into any of these problems is the client's fault (4xx), whatever the cause
 _CLIENT_ERRORS = (RequestError, ClientDisconnect)
 
@@ -39,12 +41,7 @@ def create_app(shim: Shim) -> Starlette:
     cfg = shim.cfg
 
     def headers() -> dict:
-        h = {}
-        if cfg.cors:
-            h.update({"Access-Control-Allow-Origin": "*",
-                      "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                      "Access-Control-Allow-Headers": "*"})
-        return h
+        return dict(_CORS) if cfg.cors else {}
 
     def json_response(body: str, status: int = 200) -> Response:
         return Response(body.encode("utf-8", "replace"), status_code=status,
@@ -114,7 +111,7 @@ def create_app(shim: Shim) -> Starlette:
 
         shim.worker.submit(job)
         try:
-            first = await _first_event(q, request, job, cfg.keepalive_s)
+            first = await _next_event(q, request, job, cfg.keepalive_s)
         except _Gone:
             done(499)
             return Response(status_code=499)
@@ -126,7 +123,7 @@ def create_app(shim: Shim) -> Starlette:
             checked = time.monotonic()
             try:
                 while not isinstance(ev, (E.Finish, E.Failure)):
-                    ev = await _next_event(q, request, job, cfg.keepalive_s)
+                    ev = await _next_event(q, request, job)
                     # events come every token while generating, so _next_event's own check (on a
                     # quiet queue) never runs then: look for a client that hung up on the clock too
                     if time.monotonic() - checked >= min(cfg.keepalive_s, 1.0):
@@ -208,10 +205,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("internal error on %s %s: %r", request.method, request.url.path, exc)
     api = _API_OF.get(request.url.path, "openai_chat")
     shim = request.app.state.shim
-    h = {}
-    if shim.cfg.cors:
-        h = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-             "Access-Control-Allow-Headers": "*"}
+    h = dict(_CORS) if shim.cfg.cors else {}
     return Response(error_body(api, "internal error", 500).encode(), status_code=500,
                     media_type="application/json", headers=h)
 
@@ -237,33 +231,22 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _next_event(q: asyncio.Queue, request: Request, job, poll_s: float):
-    """The worker's next event; a client that disconnected meanwhile cancels the job, and so does
-    the handler's own cancellation (uvicorn cancels it when a shutdown's grace period ends)."""
+async def _next_event(q: asyncio.Queue, request: Request, job, wait_s: float | None = None):
+    """The worker's next event, or None once `wait_s` passed without one (None: wait as long as
+    it takes; a streaming request uses the deadline so a refusal can still be an HTTP status,
+    else headers go out and keep-alives start). A client that disconnected meanwhile cancels the
+    job, and so does the handler's own cancellation (uvicorn cancels it when a shutdown's grace
+    period ends)."""
+    deadline = None if wait_s is None else time.monotonic() + wait_s
     try:
         while True:
+            step = 1.0
+            if deadline is not None:
+                step = deadline - time.monotonic()
+                if step <= 0:
+                    return None
             try:
-                return await asyncio.wait_for(q.get(), min(poll_s, 1.0))
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel.set()
-                    raise _Gone() from None
-    except asyncio.CancelledError:
-        job.cancel.set()
-        raise
-
-
-async def _first_event(q: asyncio.Queue, request: Request, job, wait_s: float):
-    """For a streaming request: the first event if it comes within wait_s (so a refusal can still
-    be an HTTP status), else None (headers go out and keep-alives start)."""
-    deadline = time.monotonic() + wait_s
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            try:
-                return await asyncio.wait_for(q.get(), min(left, 1.0))
+                return await asyncio.wait_for(q.get(), min(step, 1.0))
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     job.cancel.set()

@@ -8,17 +8,15 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import threading
 import time
 
 import prompts
 from engine import Engine, SamplingParams
-from prompts import ContextLengthError, RequestError, ToolCall, ToolMemory, render_request, render_tool_calls
+from prompts import ContextLengthError, ToolCall, ToolMemory, render_request, render_tool_calls
 from sessions.prefix_cache import PrefixCache
 
-from . import events as E
-from .config import DEFAULT_MODEL_ID, ServeConfig
+from .config import DEFAULT_MODEL_ID, MODEL_ALIASES, ServeConfig
 from .worker import Job, Worker
 
 log = logging.getLogger("ds4agent.serve")
@@ -138,8 +136,7 @@ class Shim:
         ctx = self.cfg.ctx
         max_out = min(self.cfg.max_tokens or ctx, ctx)
         out = []
-        for mid in (self.model_name,) + tuple(a for a in ("deepseek-chat", "deepseek-reasoner")
-                                              if a != self.model_name):
+        for mid in (self.model_name,) + tuple(a for a in MODEL_ALIASES if a != self.model_name):
             out.append({"id": mid, "object": "model", "created": 1767225600, "owned_by": "ds4-agent",
                         "name": "DeepSeek V4 Flash", "context_length": ctx,
                         "top_provider": {"context_length": ctx, "max_completion_tokens": max_out,
