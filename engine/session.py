@@ -43,6 +43,11 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(model_file.tokenizer)
         if backend == "cpu":
             from .ops_cpu import CpuOps
+            # The kernels' OpenMP threads own the cores. OpenBLAS threads left spinning after a
+            # NumPy call (an einsum between two kernel calls) take the second core from the
+            # kernel's worker, so every kernel barrier waits a scheduler tick: decode of the
+            # real-width file went from 378 to 107 ms per token with BLAS on one thread.
+            _blas_threads(1)
             ops = CpuOps(numerics)
         else:
             ops = NumpyOps(numerics)
@@ -68,7 +73,7 @@ class Engine:
                 raise ValueError("backend 'cpu' needs the C kernels (engine._kernels), which were not "
                                  "built at install time (no C compiler?); use --backend numpy")
         if threads:
-            _limit_threads(threads)
+            _limit_threads(threads, backend)
         if paging not in PAGING:
             raise ValueError(f"paging must be one of {', '.join(PAGING)}, not {paging!r}")
         m = ModelFile.open(path)
@@ -122,14 +127,16 @@ def _advise(m: ModelFile, paging: str) -> str:
         return "none"          # a platform without madvise: the kernel's defaults
 
 
-def _limit_threads(n: int):
+def _blas_threads(n: int):
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(n, user_api="blas")
+
+
+def _limit_threads(n: int, backend: str):
     from . import kernels
     kernels.set_threads(n)
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return
-    threadpool_limits(n)
+    if backend != "cpu":        # the cpu backend keeps BLAS on one thread (Engine.__init__)
+        _blas_threads(n)
 
 
 class Session:
