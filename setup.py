@@ -18,6 +18,7 @@ SOURCES = [
     "engine/csrc/kern_generic.c",
     "engine/csrc/kern_avx2.c",
     "engine/csrc/kern_avx512.c",
+    "engine/csrc/kern_q8.c",
 ]
 CFLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"]
 OPENMP = ["-fopenmp"]
@@ -46,7 +47,8 @@ class BuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("engine._kernels", SOURCES, depends=[
-        "engine/csrc/kern.h", "engine/csrc/kern_dequant_body.h", "engine/csrc/kern_simd_body.h"],
+        "engine/csrc/kern.h", "engine/csrc/kern_dequant_body.h", "engine/csrc/kern_simd_body.h",
+    "engine/csrc/kern_q8_body.h"],
         optional=True)],
     cmdclass={"build_ext": BuildExt},
 )

@@ -5,6 +5,9 @@
  *                                 buffer of packed rows (any row stride, contiguous rows), x / y
  *                                 float32 C-contiguous; threads: thread count of this call (0:
  *                                 set_threads); path: 0 by T, 1 in registers, 2 decoded panel
+ *   matmul_q8(type_id, w, x, y[, threads])  the same product with x quantized per token to Q8_0 /
+ *                                 Q8_K blocks first (ds4 numerics; integer dot products)
+ *   quantize_q8(block, x) / has_q8(type_id)  the activation quantizer (tests) / kernel presence
  *   dequantize(type_id, w, out[, threads])  out[n_rows, n_in] = the decoded rows (bit-exact with
  *                                 quants.py)
  *   set_threads(n) / get_threads() / isa() / set_isa(name) / isas() / mvt_max(type[, n])
@@ -134,6 +137,129 @@ static int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t s
     return failed ? -1 : 0;
 }
 
+/* Integer activations (ds4 numerics): every token of x is quantized (Q8_0 or Q8_K blocks, by the
+ * weight type), then the rows are split over threads as in run_matmul; the token loop runs inside
+ * each row.  -1: out of memory. */
+static int run_matmul_q8(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, int64_t n_rows,
+                         int64_t n_in, const float *x, int64_t T, float *y, int max_threads) {
+    const int bs = kern_q8_block(type);
+    const int64_t nbx = n_in / bs;
+    int8_t *xq = (int8_t *)malloc((size_t)(T * n_in));
+    float *xd = (float *)malloc((size_t)(T * nbx) * sizeof(float) + 1);
+    int16_t *xs = bs == 256 ? (int16_t *)malloc((size_t)(T * (n_in / 16)) * sizeof(int16_t) + 1) : NULL;
+    if (!xq || !xd || (bs == 256 && !xs)) {
+        free(xq);
+        free(xd);
+        free(xs);
+        return -1;
+    }
+    const int ntq = thread_count(T, T * n_in, 256 * 1024, max_threads);
+#pragma omp parallel for num_threads(ntq) schedule(static) if (ntq > 1)
+    for (int64_t t = 0; t < T; t++) {
+        if (bs == 32)
+            kern_quant_q8_0(x + t * n_in, n_in, xq + t * n_in, xd + t * nbx);
+        else
+            kern_quant_q8_k(x + t * n_in, n_in, xq + t * n_in, xd + t * nbx, xs + t * (n_in / 16));
+    }
+    const int64_t rb = n_in / kern_block_elems(type) * kern_block_bytes(type);
+    const kern_q8_fn f = K->q8[type];
+    const int nt = thread_count((n_rows + 15) / 16, n_rows * rb * (T < 4 ? T : 4), 64 * 1024, max_threads);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t a, b;
+        split_rows(n_rows, 16, OMP_TID(), OMP_NTH(), &a, &b);
+        if (a < b) f(W, stride, n_in, a, b, xq, xd, xs, T, y, n_rows);
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+    return 0;
+}
+
+/* Several integer-activation products in one parallel region (the routed experts of a layer: one
+ * fork/join instead of one per matrix, and the threads share the rows of all matrices) */
+typedef struct {
+    const uint8_t *W;
+    ptrdiff_t stride;
+    int64_t n_rows, n_in, T;
+    const float *x;
+    float *y;
+    int8_t *xq; /* quantized x, filled here */
+    float *xd;
+    int16_t *xs;
+} q8_job;
+
+static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_t n_jobs, int max_threads) {
+    const int bs = kern_q8_block(type);
+    int64_t nq = 0, nd = 0, ns = 0, units = 0, work = 0;
+    for (int64_t i = 0; i < n_jobs; i++) {
+        nq += jobs[i].T * jobs[i].n_in;
+        nd += jobs[i].T * (jobs[i].n_in / bs);
+        ns += bs == 256 ? jobs[i].T * (jobs[i].n_in / 16) : 0;
+        units += (jobs[i].n_rows + 15) / 16;
+        work += jobs[i].n_rows * (jobs[i].n_in / kern_block_elems(type) * kern_block_bytes(type)) *
+                (jobs[i].T < 4 ? jobs[i].T : 4);
+    }
+    int8_t *xq = (int8_t *)malloc((size_t)nq + 1);
+    float *xd = (float *)malloc((size_t)nd * sizeof(float) + 1);
+    int16_t *xs = (int16_t *)malloc((size_t)ns * sizeof(int16_t) + 1);
+    int64_t *unit_job = (int64_t *)malloc((size_t)units * sizeof(int64_t) + 1);
+    if (!xq || !xd || !xs || !unit_job) {
+        free(xq);
+        free(xd);
+        free(xs);
+        free(unit_job);
+        return -1;
+    }
+    nq = nd = ns = 0;
+    for (int64_t i = 0, u = 0; i < n_jobs; i++) {
+        jobs[i].xq = xq + nq;
+        jobs[i].xd = xd + nd;
+        jobs[i].xs = bs == 256 ? xs + ns : NULL;
+        nq += jobs[i].T * jobs[i].n_in;
+        nd += jobs[i].T * (jobs[i].n_in / bs);
+        ns += bs == 256 ? jobs[i].T * (jobs[i].n_in / 16) : 0;
+        for (int64_t r = 0; r < jobs[i].n_rows; r += 16) unit_job[u++] = i;
+    }
+    const kern_q8_fn f = K->q8[type];
+    const int nt = thread_count(units, work, 64 * 1024, max_threads);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int tid = OMP_TID(), nth = OMP_NTH();
+        /* quantize: jobs split over threads (each job's tokens are few) */
+        for (int64_t i = tid; i < n_jobs; i += nth) {
+            const q8_job *j = &jobs[i];
+            for (int64_t t = 0; t < j->T; t++) {
+                if (bs == 32)
+                    kern_quant_q8_0(j->x + t * j->n_in, j->n_in, j->xq + t * j->n_in, j->xd + t * (j->n_in / 32));
+                else
+                    kern_quant_q8_k(j->x + t * j->n_in, j->n_in, j->xq + t * j->n_in, j->xd + t * (j->n_in / 256),
+                                    j->xs + t * (j->n_in / 16));
+            }
+        }
+#pragma omp barrier
+        /* a contiguous run of 16-row units of all jobs per thread */
+        const int64_t u0 = units * tid / nth, u1 = units * (tid + 1) / nth;
+        int64_t u = u0;
+        while (u < u1) {
+            const int64_t i = unit_job[u];
+            int64_t first = u; /* the first unit of job i */
+            while (first > 0 && unit_job[first - 1] == i) first--;
+            int64_t last = u;
+            while (last + 1 < u1 && unit_job[last + 1] == i) last++;
+            const q8_job *j = &jobs[i];
+            const int64_t a = (u - first) * 16, b = (last + 1 - first) * 16 < j->n_rows ? (last + 1 - first) * 16 : j->n_rows;
+            f(j->W, j->stride, j->n_in, a, b, j->xq, j->xd, j->xs, j->T, j->y, j->n_rows);
+            u = last + 1;
+        }
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+    free(unit_job);
+    return 0;
+}
+
 static void run_dequant(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, int64_t n_rows,
                         int64_t n_in, float *out, int max_threads) {
     const kern_dq_fn dq = K->dq[type];
@@ -255,6 +381,171 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
+    int type, threads = 0;
+    PyObject *wo, *xo, *yo;
+    if (!PyArg_ParseTuple(args, "iOOO|i", &type, &wo, &xo, &yo, &threads)) return NULL;
+    if (check_type(type) < 0) return NULL;
+    const kern_isa *K = &g_isa[g_cur];
+    if (!K->q8[type]) {
+        PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", type);
+        return NULL;
+    }
+    Py_buffer wb, xb, yb;
+    int64_t n_rows, n_in;
+    ptrdiff_t stride;
+    if (get_weight(wo, type, &wb, &n_rows, &n_in, &stride) < 0) return NULL;
+    if (get_f32(xo, &xb, 0, "x", -1, n_in) < 0) {
+        PyBuffer_Release(&wb);
+        return NULL;
+    }
+    const int64_t T = xb.shape[0];
+    if (get_f32(yo, &yb, 1, "y", T, n_rows) < 0) {
+        PyBuffer_Release(&wb);
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    int rc = 0;
+    if (T > 0 && n_rows > 0) {
+        if (n_in == 0) {
+            memset(yb.buf, 0, (size_t)(T * n_rows) * sizeof(float));
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            rc = run_matmul_q8(K, type, (const uint8_t *)wb.buf, stride, n_rows, n_in, (const float *)xb.buf, T,
+                               (float *)yb.buf, threads);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&yb);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* matmul_q8_batch(type_id, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T for every i, in one
+ * parallel region (all weights of one type) */
+static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
+    int type, threads = 0;
+    PyObject *wl, *xl, *yl;
+    if (!PyArg_ParseTuple(args, "iOOO|i", &type, &wl, &xl, &yl, &threads)) return NULL;
+    if (check_type(type) < 0) return NULL;
+    const kern_isa *K = &g_isa[g_cur];
+    if (!K->q8[type]) {
+        PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", type);
+        return NULL;
+    }
+    PyObject *wf = PySequence_Fast(wl, "ws must be a sequence"), *xf = NULL, *yf = NULL;
+    if (!wf) return NULL;
+    xf = PySequence_Fast(xl, "xs must be a sequence");
+    yf = xf ? PySequence_Fast(yl, "ys must be a sequence") : NULL;
+    if (!xf || !yf) {
+        Py_XDECREF(xf);
+        Py_DECREF(wf);
+        return NULL;
+    }
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(wf);
+    PyObject *ret = NULL;
+    Py_buffer *bufs = NULL;
+    q8_job *jobs = NULL;
+    Py_ssize_t got = 0; /* jobs whose three buffers are held */
+    if (PySequence_Fast_GET_SIZE(xf) != n || PySequence_Fast_GET_SIZE(yf) != n) {
+        PyErr_SetString(PyExc_ValueError, "ws, xs and ys must have the same length");
+        goto done;
+    }
+    bufs = (Py_buffer *)calloc((size_t)(3 * n + 1), sizeof(Py_buffer));
+    jobs = (q8_job *)calloc((size_t)(n + 1), sizeof(q8_job));
+    if (!bufs || !jobs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        Py_buffer *b = bufs + 3 * got;
+        q8_job *j = jobs + got;
+        if (get_weight(PySequence_Fast_GET_ITEM(wf, got), type, &b[0], &j->n_rows, &j->n_in, &j->stride) < 0) goto done;
+        if (get_f32(PySequence_Fast_GET_ITEM(xf, got), &b[1], 0, "x", -1, j->n_in) < 0) {
+            PyBuffer_Release(&b[0]);
+            goto done;
+        }
+        j->T = b[1].shape[0];
+        if (get_f32(PySequence_Fast_GET_ITEM(yf, got), &b[2], 1, "y", j->T, j->n_rows) < 0) {
+            PyBuffer_Release(&b[0]);
+            PyBuffer_Release(&b[1]);
+            goto done;
+        }
+        j->W = (const uint8_t *)b[0].buf;
+        j->x = (const float *)b[1].buf;
+        j->y = (float *)b[2].buf;
+        if (j->n_in == 0 || j->T == 0) { /* nothing to multiply: zeros, and no rows to schedule */
+            memset(j->y, 0, (size_t)(j->T * j->n_rows) * sizeof(float));
+            j->n_rows = 0;
+        }
+    }
+    {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_matmul_q8_batch(K, type, jobs, n, threads);
+        Py_END_ALLOW_THREADS
+        if (rc < 0) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        for (int k = 0; k < 3; k++) PyBuffer_Release(&bufs[3 * i + k]);
+    free(bufs);
+    free(jobs);
+    Py_DECREF(wf);
+    Py_DECREF(xf);
+    Py_DECREF(yf);
+    return ret;
+}
+
+/* quantize_q8(block, x) -> (codes bytes, scales bytes, sums bytes): one row of float32 x as Q8_0
+ * (block 32) or Q8_K (block 256, with the int16 sums of 16) activations (tests) */
+static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
+    int bs;
+    PyObject *xo;
+    if (!PyArg_ParseTuple(args, "iO", &bs, &xo)) return NULL;
+    if (bs != 32 && bs != 256) {
+        PyErr_SetString(PyExc_ValueError, "block must be 32 (Q8_0) or 256 (Q8_K)");
+        return NULL;
+    }
+    Py_buffer xb;
+    if (PyObject_GetBuffer(xo, &xb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (xb.itemsize != 4 || !fmt_is(&xb, 'f') || (xb.len / 4) % bs) {
+        PyBuffer_Release(&xb);
+        PyErr_SetString(PyExc_ValueError, "x must be float32 with a length that is a multiple of the block");
+        return NULL;
+    }
+    const int64_t n = xb.len / 4;
+    PyObject *q = PyBytes_FromStringAndSize(NULL, n), *d = PyBytes_FromStringAndSize(NULL, n / bs * 4);
+    PyObject *s = PyBytes_FromStringAndSize(NULL, bs == 256 ? n / 16 * 2 : 0);
+    if (!q || !d || !s) {
+        Py_XDECREF(q);
+        Py_XDECREF(d);
+        Py_XDECREF(s);
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    if (bs == 32)
+        kern_quant_q8_0((const float *)xb.buf, n, (int8_t *)PyBytes_AS_STRING(q), (float *)PyBytes_AS_STRING(d));
+    else
+        kern_quant_q8_k((const float *)xb.buf, n, (int8_t *)PyBytes_AS_STRING(q), (float *)PyBytes_AS_STRING(d),
+                        (int16_t *)PyBytes_AS_STRING(s));
+    PyBuffer_Release(&xb);
+    return Py_BuildValue("(NNN)", q, d, s);
+}
+
+static PyObject *py_has_q8(PyObject *self, PyObject *arg) {
+    long type = PyLong_AsLong(arg);
+    if (type == -1 && PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(type >= 0 && type < KT_MAX && g_isa[g_cur].q8[type] != NULL);
+}
+
 static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     int type, threads = 0;
     PyObject *wo, *oo;
@@ -365,6 +656,12 @@ static PyObject *py_tables(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(type_id, w, x, y[, threads[, path]]): y = x @ W.T (float32)"},
+    {"matmul_q8", py_matmul_q8, METH_VARARGS,
+     "matmul_q8(type_id, w, x, y[, threads]): y = q8(x) @ W.T with x quantized per token (ds4 numerics)"},
+    {"matmul_q8_batch", py_matmul_q8_batch, METH_VARARGS,
+     "matmul_q8_batch(type_id, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T, one parallel region"},
+    {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(block, x) -> (codes, scales, sums) as bytes"},
+    {"has_q8", py_has_q8, METH_O, "has_q8(type_id) -> whether an integer-activation kernel exists"},
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(type_id, w, out[, threads]): out = decoded rows of w"},
     {"read_sum", py_read_sum, METH_O, "read_sum(buf): sum of the buffer's uint64 words (bandwidth probe)"},
     {"set_threads", py_set_threads, METH_O, "set_threads(n): OpenMP threads used by the kernels"},
@@ -395,7 +692,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         g_have[ISA_AVX2] = 1;
         g_cur = ISA_AVX2;
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl")) {
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
             kern_fill_avx512(&g_isa[ISA_AVX512]);
             g_have[ISA_AVX512] = 1;
             g_cur = ISA_AVX512;

@@ -42,14 +42,21 @@ try:  # built by setup.py (optional extension)
 except ImportError:  # pragma: no cover - depends on the install
     _K = None
 
-__all__ = ["available", "isa", "set_threads", "get_threads", "set_batch_invariant", "matmul", "dequantize_rows",
-           "BLAS_MIN_T"]
+__all__ = ["available", "isa", "set_threads", "get_threads", "set_batch_invariant", "matmul", "matmul_q8",
+           "matmul_q8_batch", "has_q8", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T"]
 
 #: the token count from which method="auto" uses dequantize + BLAS instead of the fused kernels;
 #: None: never (scripts/bench_kernels.py measures both and prints the crossover, if any)
 BLAS_MIN_T: int | None = None
 
 _PATHS = {"fused": 0, "regs": 1, "panel": 2}
+
+#: integer-activation kernels (ds4 numerics): the weight types that have one, with the activation
+#: block they quantize x to (Q8_0: 32 values, Q8_K: 256), and the largest T they are used for
+#: by CpuOps (beyond it the float panel kernels over the rounded activations are faster:
+#: scripts/bench_kernels.py prints the crossover; 4 to 8 tokens on a 2-core Zen 4)
+Q8_ACT_BLOCK = {Q.Q8_0: 32, Q.IQ2_XXS: 256, Q.Q2_K: 256}
+Q8_MAX_T = 4
 
 # decoded floats per chunk of the BLAS path (4 MiB: stays in L3 between decode and matmul)
 _BLAS_CHUNK_ELEMS = 1 << 20
@@ -176,6 +183,55 @@ def _matmul_blas(type_id: int, w: np.ndarray, x: np.ndarray, n_in: int) -> np.nd
         _dequantize_into(type_id, w[r0:r1], b, 1)
         np.matmul(b, xT, out=yT[r0:r1])
     return np.ascontiguousarray(yT.T)
+
+
+def has_q8(type_id: int) -> bool:
+    """True when matmul_q8 has a compiled integer kernel for this weight type."""
+    return _K is not None and int(type_id) in Q8_ACT_BLOCK and bool(_K.has_q8(int(type_id)))
+
+
+def _round_act(type_id: int, x: np.ndarray) -> np.ndarray:
+    from . import numerics as N
+    return N.q8_0_round(x) if Q8_ACT_BLOCK[type_id] == 32 else N.q8_k_round(x)
+
+
+def matmul_q8(type_id: int, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y = q8(x) @ W.T, ds4's quantized dot product: each token of x is quantized to Q8_0 blocks
+    (Q8_0 weights) or Q8_K blocks (Q2_K, IQ2_XXS weights) exactly as numerics.q8_0_quantize /
+    q8_k_quantize do, and the integer codes are multiplied with the weight codes (exact int32
+    sums, one float multiply-add per block).  Equal to matmul(type_id, w, numerics.q8_*_round(x))
+    up to float32 rounding.  Without a kernel for the type (or the extension), that is what runs."""
+    f = _format(type_id)
+    if f.type_id not in Q8_ACT_BLOCK:
+        raise ValueError(f"{f.name} weights have no quantized-activation product (Q8_0, Q2_K, IQ2_XXS do)")
+    w, n_in = _check_w(f, w)
+    x = _check_x(x, n_in)
+    if not has_q8(f.type_id):
+        return matmul(f.type_id, w, _round_act(f.type_id, x))
+    y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    _K.matmul_q8(f.type_id, w, x, y)
+    return y
+
+
+def matmul_q8_batch(type_id: int, ws, xs) -> list[np.ndarray]:
+    """[matmul_q8(type_id, w, x) for w, x in zip(ws, xs)] in one call: one parallel region whose
+    threads share the rows of every matrix (a layer's routed experts: a handful of small
+    matrices, for which a fork/join per matrix costs as much as the arithmetic)."""
+    f = _format(type_id)
+    if f.type_id not in Q8_ACT_BLOCK:
+        raise ValueError(f"{f.name} weights have no quantized-activation product (Q8_0, Q2_K, IQ2_XXS do)")
+    ws, xs = list(ws), list(xs)
+    if len(ws) != len(xs):
+        raise ValueError(f"{len(ws)} weights but {len(xs)} inputs")
+    checked = []
+    for w, x in zip(ws, xs):
+        w, n_in = _check_w(f, w)
+        checked.append((w, _check_x(x, n_in)))
+    if not has_q8(f.type_id):
+        return [matmul_q8(f.type_id, w, x) for w, x in checked]
+    ys = [np.empty((x.shape[0], w.shape[0]), dtype=np.float32) for w, x in checked]
+    _K.matmul_q8_batch(f.type_id, [w for w, _ in checked], [x for _, x in checked], ys)
+    return ys
 
 
 def matmul(type_id: int, w: np.ndarray, x: np.ndarray, *, method: str = "auto") -> np.ndarray:

@@ -9,7 +9,10 @@ Prints, per weight format:
   NumPy's single-threaded sum and copy, for reference;
 * batched T (default 2 .. 512): GFLOP/s (2 * T * rows * cols per call) of the fused kernels and of
   the "blas" path (C dequantizer + np.matmul), next to np.matmul on the already-decoded float32
-  matrix (the BLAS ceiling), and which path is faster at each T.
+  matrix (the BLAS ceiling), and which path is faster at each T;
+* for the formats with integer-activation kernels (ds4 numerics: Q8_0, Q2_K, IQ2_XXS), the same
+  figures for matmul_q8 (x quantized inside the call) and the largest T at which it beats the
+  float kernels (kernels.Q8_MAX_T is set from it).
 
 Timings are the best of several samples, counting only samples during which other processes
 were (nearly) idle: the machine may be shared (medians are printed too).
@@ -128,13 +131,20 @@ def decode(t: int, shape, rng, floor: float):
         K.matmul(t, pool[i[0] % n_copies], x)
         i[0] += 1
 
-    best_c, med_c = timeit(cold, sample_time=0.1)
-    best_h, med_h = timeit(lambda: K.matmul(t, w, x))
-    gbs = w.nbytes / best_c / 1e9
-    print(f"  {f.name:8s} {rows:5d}x{cols:<5d} {w.nbytes / 2**20:6.1f} MiB  cold {gbs:6.2f} GB/s "
-          f"(median {w.nbytes / med_c / 1e9:6.2f})  hot {w.nbytes / best_h / 1e9:6.2f} GB/s  "
-          f"{gbs / floor:5.0%} of floor  {best_c * 1e3:6.2f} ms/call", flush=True)
-    return gbs
+    def cold_q8():
+        K.matmul_q8(t, pool[i[0] % n_copies], x)
+        i[0] += 1
+
+    for label, fn, hot in (("float", cold, lambda: K.matmul(t, w, x)),
+                           ("q8", cold_q8, lambda: K.matmul_q8(t, w, x))):
+        if label == "q8" and not K.has_q8(t):
+            break
+        best_c, med_c = timeit(fn, sample_time=0.1)
+        best_h, med_h = timeit(hot)
+        gbs = w.nbytes / best_c / 1e9
+        print(f"  {f.name:8s} {label:5s} {rows:5d}x{cols:<5d} {w.nbytes / 2**20:6.1f} MiB  cold {gbs:6.2f} GB/s "
+              f"(median {w.nbytes / med_c / 1e9:6.2f})  hot {w.nbytes / best_h / 1e9:6.2f} GB/s  "
+              f"{gbs / floor:5.0%} of floor  {best_c * 1e3:6.2f} ms/call", flush=True)
 
 
 def batched(names, types, rng, Ts):
@@ -149,9 +159,11 @@ def batched(names, types, rng, Ts):
         w = Q.random_blocks(t, rng, rows * cols // f.block_elems, 0.02).reshape(rows, -1)
         for T in Ts:
             cases.append((name, t, w, T, rng.standard_normal((T, cols), dtype=np.float32)))
-    fused = {}
+    fused, q8 = {}, {}
     for name, t, w, T, x in cases:
         fused[name, T], _ = timeit(lambda: K.matmul(t, w, x, method="fused"))
+        if K.has_q8(t):
+            q8[name, T], _ = timeit(lambda: K.matmul_q8(t, w, x))
     time.sleep(1.0)
     blas, npf = {}, {}
     for name, t, w, T, x in cases:
@@ -163,9 +175,11 @@ def batched(names, types, rng, Ts):
         rows, cols = SHAPES[name][0]
         flop = 2.0 * T * rows * cols
         fu, bl, nf = (flop / d[name, T] / 1e9 for d in (fused, blas, npf))
-        res.setdefault(name, []).append((T, fu, bl, nf))
+        qq = flop / q8[name, T] / 1e9 if (name, T) in q8 else None
+        res.setdefault(name, []).append((T, fu, bl, nf, qq))
         print(f"  {name:8s} {rows}x{cols} T={T:4d}: fused {fu:7.1f}  blas {bl:7.1f}  np.matmul f32 {nf:7.1f} GFLOP/s"
-              f"   fused/np.matmul {fu / nf:5.2f}x  faster: {'fused' if fu >= bl else 'blas'}", flush=True)
+              f"   fused/np.matmul {fu / nf:5.2f}x  faster: {'fused' if fu >= bl else 'blas'}"
+              + (f"   q8 {qq:7.1f} ({'q8' if qq >= fu else 'fused'} faster)" if qq else ""), flush=True)
     return res
 
 
@@ -201,12 +215,18 @@ def main(argv=None) -> int:
         return 0
     print(f"\nbatched, {threads} threads (np.matmul: the float32 weights already decoded; "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}):")
-    crossover = {}
+    crossover, q8_last = {}, {}
     for name, res in batched(names, types, rng, Ts).items():
-        blas_wins = [T for T, fu, bl, _ in res if bl > fu]
+        blas_wins = [T for T, fu, bl, _, _ in res if bl > fu]
         crossover[name] = min(blas_wins) if blas_wins else None
+        if res[0][4] is not None:
+            q8_wins = [T for T, fu, _, _, qq in res if qq >= fu]
+            q8_last[name] = max(q8_wins) if q8_wins else None
     print("\nfirst T where dequantize + BLAS beat the fused kernel: " +
           ", ".join(f"{k} {v if v is not None else 'never'}" for k, v in crossover.items()))
+    if q8_last:
+        print(f"largest T where the integer kernels beat the float ones (kernels.Q8_MAX_T = {K.Q8_MAX_T}): " +
+              ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in q8_last.items()))
     print(f"\nmeasurements from quiet samples: {_stats['quiet']}, from noisy ones only: {_stats['noisy']}")
     return 0
 

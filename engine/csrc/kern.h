@@ -115,6 +115,13 @@ typedef void (*kern_panel_fn)(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride,
 typedef void (*kern_mvt_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,
                             const float *x, int64_t T, float *y, int64_t ldy);
 
+/* integer activations (ds4 numerics, kern_q8.c): y[t*ldy + r] = W[r] . x_t for rows r0..r1-1 and
+ * all T tokens, x_t given as int8 codes xq[t*n ..] with one float scale per activation block
+ * (xd[t*(n/bs) ..], bs = kern_q8_block(type)) and, for K-quant weights, int16 sums of every 16
+ * codes (xs[t*(n/16) ..]) */
+typedef void (*kern_q8_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,
+                           const int8_t *xq, const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy);
+
 typedef struct {
     const char *name;
     int panel_rows; /* the row unit of the panel kernel's register tile */
@@ -123,6 +130,7 @@ typedef struct {
     kern_mvt_fn mvt[KT_MAX]; /* small T; NULL: panel path */
     int mvt_max[KT_MAX];     /* mvt for 2 <= T <= mvt_max (run-time adjustable: set_mvt_max) */
     kern_panel_fn panel;
+    kern_q8_fn q8[KT_MAX];   /* NULL: no integer-activation kernel for this weight type */
 } kern_isa;
 
 /* rows decoded per panel (a multiple of unit): about 256 KiB of floats, so the panel stays in L2
@@ -134,6 +142,16 @@ static inline int64_t kern_panel_rows(int unit, int64_t n_in) {
     pr -= pr % unit;
     return pr < unit ? unit : pr;
 }
+
+/* kern_q8.c: activation block size of a weight type's integer kernel (Q8_0: 32, Q8_K: 256; 0 =
+ * none), the exact quantizers, tables, and the portable kernels */
+int kern_q8_block(int type_id);
+void kern_quant_q8_0(const float *x, int64_t n, int8_t *q, float *d);
+void kern_quant_q8_k(const float *x, int64_t n, int8_t *q, float *d, int16_t *bsums);
+extern uint64_t kern_iq2xxs_grid64[256]; /* grid rows as 8 bytes */
+extern uint64_t kern_ksigns64[128];      /* sign index -> 8 bytes of +1 / -1 (for sign_epi8) */
+void kern_q8_tables_init(void);
+void kern_fill_q8_generic(kern_isa *k);
 
 void kern_fill_generic(kern_isa *k);
 void kern_fill_avx2(kern_isa *k);

@@ -1,9 +1,9 @@
-/* AVX-512 build (F, BW, VL + F16C + FMA): V16 is one __m512. */
+/* AVX-512 build (F, BW, VL, VNNI + F16C + FMA): V16 is one __m512. */
 #include "kern.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #include <immintrin.h>
 
 #define KSUF(name) name##_avx512
@@ -98,11 +98,17 @@ KI V16 v_flip16(V16 g, const uint8_t *m) {
 
 #include "kern_simd_body.h"
 
+/* u8 x s8 products summed by 4 into int32 lanes: one VNNI vpdpbusd on 256 bits */
+#define Q8_DOT_U8S8(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define Q8_HAVE_512 1
+#include "kern_q8_body.h"
+
 void kern_fill_avx512(kern_isa *k) {
     memset(k, 0, sizeof(*k));
     k->name = "avx512";
     fill_dq_avx512(k);
     fill_simd_avx512(k);
+    fill_q8_avx512(k);
 }
 
 #else

@@ -34,4 +34,5 @@ void kern_fill_generic(kern_isa *k) {
     k->panel_rows = 1;
     fill_dq_generic(k);
     k->panel = panel_generic;
+    kern_fill_q8_generic(k);
 }

@@ -53,6 +53,7 @@ void kern_tables_init(void) {
         for (int b = 0; b < 7; b++) parity ^= (i >> b) & 1;
         kern_ksigns[i] = (uint8_t)(i | (parity << 7));
     }
+    kern_q8_tables_init();
 }
 
 int kern_block_elems(int t) {

@@ -1,0 +1,171 @@
+/* Integer-activation matmuls (ds4 numerics): the activation quantizers and the portable kernels.
+ *
+ * In ds4 mode the input of a Q8_0-weight matmul is rounded to Q8_0 blocks (32 int8 + a float
+ * scale) and the routed experts' input to Q8_K blocks (256 int8 + a float scale), as ds4's quantized
+ * dot products do.  Instead of forming those rounded floats and running a float kernel, these
+ * kernels keep the activations as integers: per weight block the dot product of the weight codes
+ * with the activation codes is exact in int32, and one float multiply-add applies the two scales.
+ * The quantizers reproduce engine/numerics.py's q8_0_quantize / q8_k_quantize bit for bit (this
+ * file is compiled with -ffp-contract=off; nearbyintf rounds half to even, as np.rint). */
+#include <math.h>
+
+#include "kern.h"
+
+uint64_t kern_iq2xxs_grid64[256];
+uint64_t kern_ksigns64[128];
+
+void kern_q8_tables_init(void) {
+    for (int i = 0; i < 256; i++) memcpy(&kern_iq2xxs_grid64[i], kern_iq2xxs_grid + 8 * i, 8);
+    for (int i = 0; i < 128; i++) {
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)((kern_ksigns[i] >> j) & 1 ? 0xFF : 0x01) << (8 * j);
+        kern_ksigns64[i] = v;
+    }
+}
+
+int kern_q8_block(int type_id) {
+    switch (type_id) {
+    case KT_Q8_0: return 32;
+    case KT_Q2_K: case KT_IQ2_XXS: return 256;
+    default: return 0;
+    }
+}
+
+static inline int8_t clamp_q(float v) {
+    v = nearbyintf(v);
+    return (int8_t)(v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v);
+}
+
+/* numerics.q8_0_quantize: d = amax * fl(1/127); id = 127 / amax; q = rint(x * id) */
+void kern_quant_q8_0(const float *x, int64_t n, int8_t *q, float *d) {
+    const float inv127 = 1.0f / 127.0f;
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        d[b] = amax * inv127;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        for (int i = 0; i < 32; i++) q[32 * b + i] = clamp_q(xb[i] * id);
+    }
+}
+
+/* numerics.q8_k_quantize: m = the first element of largest |x|; iscale = -127 / m;
+ * q = rint(iscale * x); d = m * fl(-1/127); plus the int16 sums of each 16 codes (K-quant minimums) */
+void kern_quant_q8_k(const float *x, int64_t n, int8_t *q, float *d, int16_t *bsums) {
+    const float minv127 = -1.0f / 127.0f;
+    for (int64_t b = 0; b < n / 256; b++) {
+        const float *xb = x + 256 * b;
+        float amax = 0.0f, m = 0.0f;
+        for (int i = 0; i < 256; i++) {
+            const float a = fabsf(xb[i]);
+            if (a > amax) {
+                amax = a;
+                m = xb[i];
+            }
+        }
+        int8_t *qb = q + 256 * b;
+        if (m == 0.0f) {
+            d[b] = 0.0f;
+            memset(qb, 0, 256);
+        } else {
+            const float iscale = -127.0f / m;
+            d[b] = m * minv127;
+            for (int i = 0; i < 256; i++) qb[i] = clamp_q(iscale * xb[i]);
+        }
+        for (int s = 0; s < 16; s++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += qb[16 * s + i];
+            bsums[16 * b + s] = (int16_t)sum;
+        }
+    }
+}
+
+/* ---- portable kernels: y[t*ldy + r] = W[r] . x_t for rows r0..r1-1 ---- */
+
+static void q8_q8_0_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
+                            const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy) {
+    (void)xs;
+    const int64_t nb = n / 32;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = W + r * stride;
+        for (int64_t t = 0; t < T; t++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const int8_t *w = (const int8_t *)(row + 34 * b + 2), *xb = xq + t * n + 32 * b;
+                int32_t s = 0;
+                for (int i = 0; i < 32; i++) s += (int32_t)w[i] * xb[i];
+                acc += (float)s * (kern_f16_soft(kern_rd16(row + 34 * b)) * xd[t * nb + b]);
+            }
+            y[t * ldy + r] = acc;
+        }
+    }
+}
+
+static void q8_iq2_xxs_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,
+                               const int8_t *xq, const float *xd, const int16_t *xs, int64_t T, float *y,
+                               int64_t ldy) {
+    (void)xs;
+    const int64_t nb = n / 256;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = W + r * stride;
+        for (int64_t t = 0; t < T; t++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = row + 66 * b;
+                const int8_t *xb = xq + t * n + 256 * b;
+                int32_t isum = 0;
+                for (int g = 0; g < 8; g++) {
+                    const uint32_t a0 = kern_rd32(blk + 2 + 8 * g), a1 = kern_rd32(blk + 6 + 8 * g);
+                    int32_t s = 0;
+                    for (int l = 0; l < 4; l++) {
+                        const uint8_t *gr = kern_iq2xxs_grid + 8 * ((a0 >> (8 * l)) & 255);
+                        const uint8_t sg = kern_ksigns[(a1 >> (7 * l)) & 127];
+                        for (int j = 0; j < 8; j++) {
+                            const int32_t v = (int32_t)gr[j] * xb[32 * g + 8 * l + j];
+                            s += (sg >> j) & 1 ? -v : v;
+                        }
+                    }
+                    isum += (int32_t)(2 * (a1 >> 28) + 1) * s;
+                }
+                acc += (float)isum * (kern_f16_soft(kern_rd16(blk)) * xd[t * nb + b]);
+            }
+            y[t * ldy + r] = 0.125f * acc;
+        }
+    }
+}
+
+static void q8_q2_k_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
+                            const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy) {
+    const int64_t nb = n / 256;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = W + r * stride;
+        for (int64_t t = 0; t < T; t++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = row + 84 * b, *qs = blk + 16;
+                const int8_t *xb = xq + t * n + 256 * b;
+                const int16_t *bs = xs + t * (n / 16) + 16 * b;
+                int32_t isum = 0, msum = 0;
+                for (int s = 0; s < 16; s++) msum += (int32_t)(blk[s] >> 4) * bs[s];
+                for (int e = 0; e < 256; e++) {
+                    const int h = e >> 7, j = (e >> 5) & 3, l = e & 31;
+                    const int q = (qs[32 * h + l] >> (2 * j)) & 3;
+                    isum += (int32_t)(blk[e >> 4] & 15) * q * xb[e];
+                }
+                const float dx = xd[t * nb + b];
+                acc += (float)isum * (kern_f16_soft(kern_rd16(blk + 80)) * dx) -
+                       (float)msum * (kern_f16_soft(kern_rd16(blk + 82)) * dx);
+            }
+            y[t * ldy + r] = acc;
+        }
+    }
+}
+
+void kern_fill_q8_generic(kern_isa *k) {
+    k->q8[KT_Q8_0] = q8_q8_0_generic;
+    k->q8[KT_IQ2_XXS] = q8_iq2_xxs_generic;
+    k->q8[KT_Q2_K] = q8_q2_k_generic;
+}

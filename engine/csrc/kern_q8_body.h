@@ -1,0 +1,329 @@
+/* Integer-activation kernels (ds4 numerics; kern_q8.c has the quantizers and the portable
+ * versions), 256-bit integer SIMD shared by the AVX2 and AVX-512 builds.  The including file
+ * defines KSUF and Q8_DOT_U8S8(acc, u, s): acc (8 x int32) += the sums of 4 products of unsigned
+ * bytes u with signed bytes s (AVX-512 VNNI: one vpdpbusd; AVX2: maddubs + madd).
+ *
+ * A weight block is decoded to bytes in registers once and multiplied into up to Q8_NT tokens'
+ * int8 codes; the integer sums are exact, and one float multiply-add per block applies the weight
+ * scale times the activation scale.  Signed weights (Q8_0) use |w| as the unsigned operand and
+ * move the sign onto the activation (sign_epi8); activation codes are never -128 (the quantizers
+ * scale the block maximum to 127), so the sign move cannot overflow.  Every weight byte is read
+ * once per call whatever T: the token loop runs inside the row, which stays in L1. */
+
+#define Q8_NT 4
+#define Q8_IQ2_LOADS 1
+
+KI float q8_hsum8(__m256 h) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+
+/* maddubs + madd with per-lane int16 multipliers (the sub-block scales) */
+KI __m256i q8_dot_scaled(__m256i acc, __m256i u, __m256i s, __m256i sc16) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc16));
+}
+
+/* ---- Q8_0 weights x Q8_0 activations: y = sum_b (dw_b * dx_b) * (qw_b . qx_b) ---- */
+KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd, float *out,
+                       const int nt) {
+    __m256 acc[Q8_NT], acc2[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = acc2[t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *q = row + 34 * b;
+        PF2(q);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 2));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + 36));
+        const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+        const float d0 = KERN_F16(kern_rd16(q)), d1 = KERN_F16(kern_rd16(q + 34));
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xb = xq + t * n + 32 * b;
+            const float *dt = xd + t * (n / 32) + b;
+            const __m256i s0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb), w0);
+            const __m256i s1 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 32)), w1);
+            const __m256i p0 = Q8_DOT_U8S8(_mm256_setzero_si256(), u0, s0);
+            const __m256i p1 = Q8_DOT_U8S8(_mm256_setzero_si256(), u1, s1);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * dt[0]), acc[t]);
+            acc2[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * dt[1]), acc2[t]);
+        }
+    }
+    for (; b < nb; b++) {
+        const uint8_t *q = row + 34 * b;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 2));
+        const __m256i u0 = _mm256_sign_epi8(w0, w0);
+        const float d0 = KERN_F16(kern_rd16(q));
+        for (int t = 0; t < nt; t++) {
+            const __m256i s0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + t * n + 32 * b)), w0);
+            const __m256i p0 = Q8_DOT_U8S8(_mm256_setzero_si256(), u0, s0);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * xd[t * (n / 32) + b]), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = q8_hsum8(_mm256_add_ps(acc[t], acc2[t]));
+}
+
+/* ---- IQ2_XXS weights x Q8_K activations: y = 1/8 sum_b (d_b dx_b) sum_g (2 s_g + 1) (grid.sign . qx) ----
+ * Decode cost dominates here (8 bytes carry 32 weights), so per block the 32 sign bytes (byte k:
+ * the signs of values 8k..8k+7, i.e. the 7-bit index plus its parity bit) are computed for all
+ * 8 groups at once in vector registers, and each group expands its 4 bytes to a byte mask with
+ * one broadcast + shuffle + compare; the 4 grid rows of a group are one 4-lane gather (or 4
+ * loads: Q8_IQ2_LOADS). */
+KI __m256i KSUF(iq2_signs_a1)(const uint8_t *qs, __m256i *a1_out) {
+    const __m256i q0 = _mm256_loadu_si256((const __m256i *)qs);
+    const __m256i q1 = _mm256_loadu_si256((const __m256i *)(qs + 32));
+    /* the a1 words (odd dwords) of the 8 groups, in group order */
+    const __m256i perm = _mm256_setr_epi32(1, 3, 5, 7, 0, 2, 4, 6);
+    const __m256i a1 = _mm256_permute2x128_si256(_mm256_permutevar8x32_epi32(q0, perm),
+                                                 _mm256_permutevar8x32_epi32(q1, perm), 0x20);
+    *a1_out = a1;
+    __m256i s = _mm256_and_si256(a1, _mm256_set1_epi32(0x7F));
+    s = _mm256_or_si256(s, _mm256_and_si256(_mm256_slli_epi32(a1, 1), _mm256_set1_epi32(0x7F00)));
+    s = _mm256_or_si256(s, _mm256_and_si256(_mm256_slli_epi32(a1, 2), _mm256_set1_epi32(0x7F0000)));
+    s = _mm256_or_si256(s, _mm256_and_si256(_mm256_slli_epi32(a1, 3), _mm256_set1_epi32(0x7F000000)));
+    __m256i p = _mm256_xor_si256(s, _mm256_srli_epi32(s, 4));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
+    return _mm256_or_si256(s, _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi8(1)), 7));
+}
+
+#ifdef Q8_HAVE_512
+/* AVX-512 form: two groups (64 weights) per zmm; the sign bits become a mask register and the
+ * negation one masked subtract; each group pair keeps its own int32 accumulator (VNNI dot), and
+ * the group scales (2 s + 1) multiply the four pair sums once per block */
+KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
+                             float *out, const int nt) {
+    __m256 acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    /* byte 8k + j of a group pair <- sign byte k (4 per group), tested against bit j */
+    const __m512i spread = _mm512_set_epi64(0x0707070707070707LL, 0x0606060606060606LL, 0x0505050505050505LL,
+                                            0x0404040404040404LL, 0x0303030303030303LL, 0x0202020202020202LL,
+                                            0x0101010101010101LL, 0x0000000000000000LL);
+    const __m512i bits = _mm512_set1_epi64((long long)0x8040201008040201ULL);
+    const __m512i zero = _mm512_setzero_si512();
+    /* int32 lanes 0-7 <- scale of group 2p, lanes 8-15 <- group 2p + 1 */
+    const __m512i sidx[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                             _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
+                             _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4),
+                             _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 66 * b;
+        PF2(blk);
+        const float d = KERN_F16(kern_rd16(blk));
+        __m256i a1;
+        const __m256i sg = KSUF(iq2_signs_a1)(blk + 2, &a1);
+        const __m512i ls8 = _mm512_castsi256_si512(
+            _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a1, 28), 1), _mm256_set1_epi32(1)));
+        __m512i is[4][Q8_NT];
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *q = blk + 2 + 16 * p;
+            const __m512i gv = _mm512_set_epi64(
+                (long long)kern_iq2xxs_grid64[q[11]], (long long)kern_iq2xxs_grid64[q[10]],
+                (long long)kern_iq2xxs_grid64[q[9]], (long long)kern_iq2xxs_grid64[q[8]],
+                (long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
+                (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
+            /* the 8 sign bytes of groups 2p, 2p+1 (bytes 8p..8p+7 of sg) spread to 8 bytes each */
+            const __m512i sb = _mm512_broadcastq_epi64(_mm_cvtsi64_si128(_mm256_extract_epi64(sg, p)));
+            const __mmask64 neg = _mm512_test_epi8_mask(_mm512_shuffle_epi8(sb, spread), bits);
+            for (int t = 0; t < nt; t++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(xq + t * n + 256 * b + 64 * p));
+                is[p][t] = _mm512_dpbusd_epi32(zero, gv, _mm512_mask_sub_epi8(xv, neg, zero, xv));
+            }
+        }
+        const __m512i l0 = _mm512_permutexvar_epi32(sidx[0], ls8), l1 = _mm512_permutexvar_epi32(sidx[1], ls8);
+        const __m512i l2 = _mm512_permutexvar_epi32(sidx[2], ls8), l3 = _mm512_permutexvar_epi32(sidx[3], ls8);
+        for (int t = 0; t < nt; t++) {
+            const __m512i s = _mm512_add_epi32(
+                _mm512_add_epi32(_mm512_mullo_epi32(is[0][t], l0), _mm512_mullo_epi32(is[1][t], l1)),
+                _mm512_add_epi32(_mm512_mullo_epi32(is[2][t], l2), _mm512_mullo_epi32(is[3][t], l3)));
+            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s8), _mm256_set1_ps(d * xd[t * (n / 256) + b]), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = 0.125f * q8_hsum8(acc[t]);
+}
+#else
+KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
+                             float *out, const int nt) {
+    __m256 acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                            3, 3, 3, 3, 3, 3, 3);
+    const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 66 * b;
+        PF2(blk);
+        const float d = KERN_F16(kern_rd16(blk));
+        __m256i a1_unused;
+        const __m256i sg = KSUF(iq2_signs_a1)(blk + 2, &a1_unused);
+        __m256i is[Q8_NT];
+        for (int t = 0; t < nt; t++) is[t] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *q = blk + 2 + 8 * g;
+#ifdef Q8_IQ2_LOADS
+            const __m256i gv = _mm256_set_epi64x((long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
+                                                 (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
+#else
+            const __m256i gv = _mm256_i32gather_epi64((const long long *)kern_iq2xxs_grid64,
+                                                      _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)kern_rd32(q))), 8);
+#endif
+            /* 0xFF in the bytes of negative values */
+            const __m256i m = _mm256_cmpeq_epi8(
+                _mm256_and_si256(_mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sg, _mm256_set1_epi32(g)), spread), bits),
+                bits);
+            const __m256i ls = _mm256_set1_epi16((short)(2 * (q[7] >> 4) + 1));
+            for (int t = 0; t < nt; t++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + t * n + 256 * b + 32 * g));
+                is[t] = q8_dot_scaled(is[t], gv, _mm256_sub_epi8(_mm256_xor_si256(xv, m), m), ls);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[t]), _mm256_set1_ps(d * xd[t * (n / 256) + b]), acc[t]);
+    }
+    for (int t = 0; t < nt; t++) out[t] = 0.125f * q8_hsum8(acc[t]);
+}
+
+#endif
+
+/* ---- Q2_K weights x Q8_K activations:
+ * y = sum_b dx_b [ d_b sum_s (sc_s & 15) (q_s . qx_s) - dmin_b sum_s (sc_s >> 4) bsum_s ] ---- */
+#ifdef Q8_HAVE_512
+/* AVX-512 form: the 64 code bytes are one zmm; shift j yields elements 32j.. (low half) and
+ * 128 + 32j.. (high half) together, with the matching halves of x and four sub-block scales */
+KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
+                          const int16_t *xs, float *out, const int nt) {
+    __m256 acc[Q8_NT];
+    float mins[Q8_NT];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        mins[t] = 0.0f;
+    }
+    const __m512i m3 = _mm512_set1_epi8(3);
+    /* int16 lane -> sub-block index: 128-bit quarter k of shift j holds sub-block
+     * {2j, 2j+1, 8+2j, 9+2j}[k] */
+    static const int16_t pix[4][32] __attribute__((aligned(64))) = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},
+        {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+        {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+        {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+    const __m512i pidx[4] = {_mm512_load_si512(pix[0]), _mm512_load_si512(pix[1]), _mm512_load_si512(pix[2]),
+                             _mm512_load_si512(pix[3])};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 84 * b;
+        PF2(blk);
+        const float d = KERN_F16(kern_rd16(blk + 80)), dmin = KERN_F16(kern_rd16(blk + 82));
+        const __m128i sc = _mm_loadu_si128((const __m128i *)blk);
+        const __m512i lo16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc, _mm_set1_epi8(15))));
+        const __m256i hi16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
+        const __m512i q = _mm512_loadu_si512((const void *)(blk + 16));
+        __m512i v[4], scv[4];
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm512_and_si512(_mm512_srli_epi16(q, 2 * j), m3);
+            scv[j] = _mm512_permutexvar_epi16(pidx[j], lo16);
+        }
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xb = xq + t * n + 256 * b;
+            __m512i is = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) {
+                const __m512i xv = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xb + 32 * j))),
+                    _mm256_loadu_si256((const __m256i *)(xb + 128 + 32 * j)), 1);
+                is = _mm512_add_epi32(is, _mm512_madd_epi16(_mm512_maddubs_epi16(v[j], xv), scv[j]));
+            }
+            const __m256i is8 = _mm256_add_epi32(_mm512_castsi512_si256(is), _mm512_extracti64x4_epi64(is, 1));
+            const __m256i ms = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xs + t * (n / 16) + 16 * b)));
+            const float dx = xd[t * (n / 256) + b];
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is8), _mm256_set1_ps(d * dx), acc[t]);
+            mins[t] += (dmin * dx) * q8_hsum8(_mm256_cvtepi32_ps(ms));
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = q8_hsum8(acc[t]) - mins[t];
+}
+#else
+KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
+                          const int16_t *xs, float *out, const int nt) {
+    __m256 acc[Q8_NT];
+    float mins[Q8_NT];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        mins[t] = 0.0f;
+    }
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 84 * b;
+        PF2(blk);
+        const float d = KERN_F16(kern_rd16(blk + 80)), dmin = KERN_F16(kern_rd16(blk + 82));
+        const __m128i sc = _mm_loadu_si128((const __m128i *)blk);
+        const __m128i lo = _mm_and_si128(sc, _mm_set1_epi8(15));
+        const __m256i hi16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
+        /* scale of sub-block s in the int16 lanes of its 16 values: low 128 bits = sub-block 2k,
+         * high 128 bits = 2k + 1 (maddubs pairs lanes in order within each 128-bit half) */
+        __m256i scv[8];
+        uint8_t l8[16];
+        _mm_storeu_si128((__m128i *)l8, lo);
+        for (int k = 0; k < 8; k++)
+            scv[k] = _mm256_setr_m128i(_mm_set1_epi16((short)l8[2 * k]), _mm_set1_epi16((short)l8[2 * k + 1]));
+        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        const __m256i q1 = _mm256_loadu_si256((const __m256i *)(blk + 48));
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xb = xq + t * n + 256 * b;
+            __m256i is = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i v0 = _mm256_and_si256(_mm256_srli_epi16(q0, 2 * j), m3);
+                const __m256i v1 = _mm256_and_si256(_mm256_srli_epi16(q1, 2 * j), m3);
+                is = q8_dot_scaled(is, v0, _mm256_loadu_si256((const __m256i *)(xb + 32 * j)), scv[j]);
+                is = q8_dot_scaled(is, v1, _mm256_loadu_si256((const __m256i *)(xb + 128 + 32 * j)), scv[4 + j]);
+            }
+            const __m256i ms = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xs + t * (n / 16) + 16 * b)));
+            const float dx = xd[t * (n / 256) + b];
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * dx), acc[t]);
+            mins[t] += (dmin * dx) * q8_hsum8(_mm256_cvtepi32_ps(ms));
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = q8_hsum8(acc[t]) - mins[t];
+}
+
+#endif
+
+#define Q8_KERNEL(fmt, CALL)                                                                                     \
+    static void KSUF(q8k_##fmt)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,          \
+                                const int8_t *xq, const float *xd, const int16_t *xs, int64_t T, float *y,       \
+                                int64_t ldy) {                                                                   \
+        (void)xs;                                                                                                \
+        const int64_t nb = n / kern_block_elems(KT_##fmt##_ID);                                                  \
+        float out[Q8_NT];                                                                                        \
+        for (int64_t r = r0; r < r1; r++) {                                                                      \
+            const uint8_t *row = W + r * stride;                                                                 \
+            for (int64_t t0 = 0; t0 < T; t0 += Q8_NT) {                                                          \
+                const int64_t left = T - t0;                                                                     \
+                const int8_t *xqt = xq + t0 * n;                                                                 \
+                const float *xdt = xd + t0 * (n / kern_q8_block(KT_##fmt##_ID));                                  \
+                const int16_t *xst = xs ? xs + t0 * (n / 16) : NULL;                                             \
+                (void)xst;                                                                                       \
+                switch (left >= Q8_NT ? Q8_NT : (int)left) {                                                     \
+                case 1: CALL(1); break;                                                                          \
+                case 2: CALL(2); break;                                                                          \
+                case 3: CALL(3); break;                                                                          \
+                default: CALL(Q8_NT); break;                                                                     \
+                }                                                                                                \
+                const int nt = left >= Q8_NT ? Q8_NT : (int)left;                                                \
+                for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = out[t];                                     \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+#define KT_q8_0_ID KT_Q8_0
+#define KT_iq2_xxs_ID KT_IQ2_XXS
+#define KT_q2_k_ID KT_Q2_K
+#define Q8_CALL_Q8_0(k) KSUF(q8_0_row)(row, nb, n, xqt, xdt, out, k)
+#define Q8_CALL_IQ2(k) KSUF(q8_iq2_xxs_row)(row, nb, n, xqt, xdt, out, k)
+#define Q8_CALL_Q2K(k) KSUF(q8_q2_k_row)(row, nb, n, xqt, xdt, xst, out, k)
+Q8_KERNEL(q8_0, Q8_CALL_Q8_0)
+Q8_KERNEL(iq2_xxs, Q8_CALL_IQ2)
+Q8_KERNEL(q2_k, Q8_CALL_Q2K)
+
+static void KSUF(fill_q8)(kern_isa *k) {
+    k->q8[KT_Q8_0] = KSUF(q8k_q8_0);
+    k->q8[KT_IQ2_XXS] = KSUF(q8k_iq2_xxs);
+    k->q8[KT_Q2_K] = KSUF(q8k_q2_k);
+}

@@ -1,0 +1,168 @@
+"""The integer-activation kernels (ds4 numerics): engine.kernels.matmul_q8 and its quantizers.
+
+ds4 quantizes the input of a Q8_0-weight matmul to Q8_0 blocks and the routed experts' input to
+Q8_K blocks, then takes integer dot products.  The kernels do the same, so:
+
+* the C quantizers equal engine/numerics.py's q8_0_quantize / q8_k_quantize bit for bit (codes,
+  scale bit patterns, and the Q8_K sums of 16 codes), including ties and all-zero blocks;
+* matmul_q8(t, w, x) equals quants.matvec(t, w, numerics.q8_*_round(x)) in float64 up to the
+  float32 accumulation of the per-block products (the integer sums are exact), for every kernel
+  build this machine can run and every token count of the 4-token passes;
+* the thread count does not change a result, bad arguments are ValueErrors, and without the
+  extension matmul_q8 is the rounding followed by the float matmul.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import kernels as K
+from engine import numerics as N
+from engine import quants as Q
+
+from test_kernels import U, abs_weights, isa_guard, needs_ext, weights  # noqa: F401 (fixture)
+
+Q8_TYPES = [Q.Q8_0, Q.IQ2_XXS, Q.Q2_K]
+NAMES = {t: Q.FORMATS[t].name for t in Q8_TYPES}
+
+
+def _C():
+    from engine import _kernels
+    return _kernels
+
+
+def tricky_rows(rng, n):
+    """Rows that exercise the quantizers' edge cases."""
+    rows = [rng.standard_normal(n) * 3,
+            np.zeros(n),                                              # all-zero blocks
+            np.tile([0.5, -0.5, 1.5, -1.0], n // 4) * 127 / 127,     # exact ties of x * 127 / amax
+            np.tile([-2.0, 2.0, 1.0, 0.0], n // 4),                   # |max| tie: the first one wins (negative)
+            rng.standard_normal(n) * 1e-30,                           # tiny (subnormal products)
+            rng.standard_normal(n) * 1e30,
+            np.where(rng.random(n) < 0.9, 0.0, rng.standard_normal(n))]  # sparse
+    r = rng.standard_normal(n)
+    r[::32] = 127.0 / 2                                               # x * id exactly on .5 steps
+    rows.append(r)
+    return np.array(rows, dtype=np.float32)
+
+
+@needs_ext
+@pytest.mark.parametrize("block", [32, 256])
+def test_quantizers_bit_exact(block):
+    C = _C()
+    rng = np.random.default_rng(block)
+    ref_fn = N.q8_0_quantize if block == 32 else N.q8_k_quantize
+    for row in tricky_rows(rng, 1024):
+        q, d, s = C.quantize_q8(block, row)
+        q = np.frombuffer(q, np.int8)
+        d = np.frombuffer(d, np.float32)
+        rq, rd = ref_fn(row)
+        assert np.array_equal(q, rq.reshape(-1))
+        assert np.array_equal(d.view(np.uint32), rd.reshape(-1).view(np.uint32))
+        assert q.min() >= -127        # the kernels' sign trick relies on it
+        if block == 256:
+            sums = rq.reshape(-1, 16).astype(np.int32).sum(axis=1)
+            assert np.array_equal(np.frombuffer(s, np.int16), sums)
+    with pytest.raises(ValueError):
+        C.quantize_q8(64, np.zeros(64, np.float32))
+    with pytest.raises(ValueError):
+        C.quantize_q8(256, np.zeros(100, np.float32))
+
+
+def _round(t, x):
+    return N.q8_0_round(x) if t == Q.Q8_0 else N.q8_k_round(x)
+
+
+@needs_ext
+@pytest.mark.parametrize("t", Q8_TYPES, ids=NAMES.get)
+def test_matmul_q8_matches_rounded_reference(t, isa_guard):
+    C = isa_guard
+    assert K.has_q8(t)
+    rng = np.random.default_rng(300 + t)
+    n_ins = [256, 512, 4096] + ([32, 96] if t == Q.Q8_0 else [])
+    worst = worst_rel = 0.0
+    for n_rows in (1, 7, 37):
+        for n_in in n_ins:
+            w = weights(t, rng, n_rows, n_in)
+            aw = abs_weights(t, w)
+            for T in (1, 2, 3, 4, 5, 9):
+                x = (rng.standard_normal((T, n_in)) * rng.choice([0.01, 1.0, 30.0], (T, 1))).astype(np.float32)
+                xr = _round(t, x)
+                ref = Q.matvec(t, w, xr.T, accumulate=np.float64).T
+                A = np.abs(xr.astype(np.float64)) @ aw.T
+                # exact integer sums per block; float32 accumulation of one product per block
+                # (or 16 sub-block terms for the Q2_K minimums) plus the horizontal sum
+                bound = (n_in / 16 + 64) * U * A + U * np.abs(ref) + 1e-30
+                for isa in C.isas():
+                    C.set_isa(isa)
+                    y = K.matmul_q8(t, w, x)
+                    assert y.shape == (T, n_rows) and y.dtype == np.float32
+                    diff = np.abs(y.astype(np.float64) - ref)
+                    assert not (diff > bound).any(), (isa, n_rows, n_in, T, diff.max())
+                    worst = max(worst, float(np.max(diff / bound)))
+                    worst_rel = max(worst_rel, float(diff.max() / max(np.abs(ref).max(), 1e-30)))
+    print(f"\n{NAMES[t]} x q8: max |diff|/bound = {worst:.3g}, max |diff|/max|ref| = {worst_rel:.3g}")
+    assert worst_rel < 3e-5     # a backstop to the bound; summation order differs per build
+
+
+@needs_ext
+def test_matmul_q8_threads_and_strided_rows(isa_guard):
+    C = isa_guard
+    rng = np.random.default_rng(5)
+    for t in Q8_TYPES:
+        w = weights(t, rng, 96, 1024)
+        x = rng.standard_normal((3, 1024), dtype=np.float32)
+        C.set_threads(1)
+        y1 = K.matmul_q8(t, w, x)
+        C.set_threads(2)
+        assert np.array_equal(y1, K.matmul_q8(t, w, x))
+        # a row slice of a larger matrix is read in place (rows 10..59)
+        assert np.array_equal(K.matmul_q8(t, w[10:60], x), y1[:, 10:60])
+
+
+@needs_ext
+def test_matmul_q8_bad_arguments():
+    rng = np.random.default_rng(6)
+    w = weights(Q.Q8_0, rng, 4, 64)
+    with pytest.raises(ValueError, match="no quantized-activation"):
+        K.matmul_q8(Q.Q4_K, weights(Q.Q4_K, rng, 4, 256), np.zeros((1, 256), np.float32))
+    with pytest.raises(ValueError, match="columns"):
+        K.matmul_q8(Q.Q8_0, w, np.zeros((1, 32), np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        K.matmul_q8(Q.Q8_0, w, np.zeros((1, 64), np.float64))
+    with pytest.raises(ValueError):
+        _C().matmul_q8(Q.Q4_K, weights(Q.Q4_K, rng, 4, 256), np.zeros((1, 256), np.float32),
+                       np.zeros((1, 4), np.float32))
+    assert K.matmul_q8(Q.Q8_0, w, np.zeros((0, 64), np.float32)).shape == (0, 4)
+
+
+def test_matmul_q8_fallback_without_extension(monkeypatch):
+    rng = np.random.default_rng(7)
+    w = weights(Q.IQ2_XXS, rng, 9, 512)
+    x = rng.standard_normal((2, 512), dtype=np.float32)
+    ref = Q.matvec(Q.IQ2_XXS, w, N.q8_k_round(x).T, accumulate=np.float64).T
+    monkeypatch.setattr(K, "_K", None)
+    assert not K.has_q8(Q.IQ2_XXS)
+    assert np.max(np.abs(K.matmul_q8(Q.IQ2_XXS, w, x) - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+@needs_ext
+def test_matmul_q8_batch_equals_separate_calls(isa_guard):
+    C = isa_guard
+    rng = np.random.default_rng(8)
+    for t in Q8_TYPES:
+        ws = [weights(t, rng, n, 512) for n in (16, 7, 64, 1, 33)]
+        xs = [rng.standard_normal((T, 512), dtype=np.float32) for T in (1, 3, 0, 5, 1)]
+        for isa in C.isas():
+            C.set_isa(isa)
+            for thr in (1, 2, 3):
+                C.set_threads(thr)
+                ys = K.matmul_q8_batch(t, ws, xs)
+                for w, x, y in zip(ws, xs, ys):
+                    assert y.shape == (x.shape[0], w.shape[0])
+                    assert np.array_equal(y, K.matmul_q8(t, w, x)), (isa, thr, t)
+    assert K.matmul_q8_batch(Q.Q8_0, [], []) == []
+    with pytest.raises(ValueError, match="inputs"):
+        K.matmul_q8_batch(Q.Q8_0, ws[:2], xs[:1])
+    with pytest.raises(ValueError, match="columns"):
+        K.matmul_q8_batch(Q.Q8_0, [weights(Q.Q8_0, rng, 4, 64)], [np.zeros((1, 32), np.float32)])
