@@ -48,23 +48,13 @@ class Model:
         T, n = X.shape[0], c.n_hc
         flat = ops.rmsnorm(X.reshape(T, n * c.n_embd), None, c.rms_eps)
         mix = ops.linear(hc.fn, flat)                                             # [T, hc_mix]
-        sc, base, eps = hc.scale, hc.base, np.float32(c.hc_eps)
-        pre = ops.sigmoid(mix[:, :n] * sc[0] + base[:n]) + eps
-        post = 2.0 * ops.sigmoid(mix[:, n:2 * n] * sc[1] + base[n:2 * n])
-        logits = (mix[:, 2 * n:] * sc[2] + base[2 * n:]).reshape(T, n, n)
-        C = ops.softmax(logits, axis=-1) + eps
-        C = C / (C.sum(axis=1, keepdims=True) + eps)           # columns first
-        for _ in range(c.sinkhorn_iters - 1):
-            C = C / (C.sum(axis=2, keepdims=True) + eps)       # rows
-            C = C / (C.sum(axis=1, keepdims=True) + eps)       # columns
-        x = np.einsum("ti,tid->td", pre.astype(np.float64), X).astype(np.float32)
+        pre, post, C = ops.hc_split(mix, n, hc.scale, hc.base, np.float32(c.hc_eps), c.sinkhorn_iters)
+        x = ops.hc_pre_mix(pre, X)
         return x, post.astype(np.float32), C.astype(np.float32)
 
-    @staticmethod
-    def _hc_post(y, X, post, C):
+    def _hc_post(self, y, X, post, C):
         # X_new[k] = post[k] * y + sum_j C[j, k] * X[j]   (C used transposed)
-        mixed = np.einsum("tjk,tjd->tkd", C.astype(np.float64), X)
-        return (post[:, :, None] * y[:, None, :] + mixed).astype(np.float32)
+        return self.ops.hc_post(y, X, post, C)
 
     # -- attention sublayer (§3.4) -------------------------------------------------------------
     def _thetas(self, ratio: int, pos: np.ndarray, n_rot: int):
@@ -209,34 +199,13 @@ class Model:
         y = self._routed(lw, u, sel, wsel) + self._shared(lw, u)
         return self._hc_post(y, X, post, C)
 
-    def _swiglu(self, g, v, limit):
-        g = np.minimum(g, limit)
-        v = np.clip(v, -limit, limit)
-        return self.ops.silu(g) * v
-
     def _routed(self, lw: LayerWeights, u, sel, wsel):
-        c, ops = self.c, self.ops
-        limit = np.float32(c.swiglu_clamp[lw.il])
-        out = np.zeros_like(u)
-        ua = ops.expert_act(lw.gate_exps, u)           # ds4: one Q8_K rounding shared by all experts
-        for e in np.unique(sel):
-            rows, slot = np.nonzero(sel == e)
-            xe = ua[rows]
-            g = ops.expert_linear(lw.gate_exps.expert(e), xe)
-            v = ops.expert_linear(lw.up_exps.expert(e), xe)
-            m = self._swiglu(g, v, limit)
-            we = wsel[rows, slot][:, None]
-            if ops.ds4:   # ds4 weights the SwiGLU output before the down projection (and rounds it)
-                d = ops.expert_linear(lw.down_exps.expert(e), ops.expert_act(lw.down_exps, m * we))
-            else:         # transformers weights the expert output
-                d = ops.expert_linear(lw.down_exps.expert(e), m) * we
-            out[rows] += d                              # a token picks an expert at most once
-        return out
+        return self.ops.routed(lw, u, sel, wsel, np.float32(self.c.swiglu_clamp[lw.il]))
 
     def _shared(self, lw: LayerWeights, u):
         ops = self.ops
         limit = np.float32(self.c.swiglu_clamp[lw.il])
-        m = self._swiglu(ops.linear(lw.sh_gate, u), ops.linear(lw.sh_up, u), limit)
+        m = ops.swiglu(ops.linear(lw.sh_gate, u), ops.linear(lw.sh_up, u), limit)
         return ops.linear(lw.sh_down, m)
 
     # -- output head (§3.12) -------------------------------------------------------------------
@@ -246,7 +215,7 @@ class Model:
         flat = ops.rmsnorm(X.reshape(T, c.n_hc * c.n_embd), None, c.rms_eps)
         mix = ops.linear(w.hc_head_fn, flat)                                      # [T, n_hc]
         pre = ops.sigmoid(mix * w.hc_head_scale[0] + w.hc_head_base) + np.float32(c.hc_eps)
-        x = np.einsum("ti,tid->td", pre.astype(np.float64), X).astype(np.float32)
+        x = ops.hc_pre_mix(pre, X)
         x = ops.rmsnorm(x, w.out_norm, c.rms_eps)
         return ops.linear(w.output, x)
 

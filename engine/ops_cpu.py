@@ -1,25 +1,27 @@
 """The fast CPU backend: the NumPy reference's ops with every weight matmul on the C kernels
 (engine/kernels.py: fused decode-and-multiply straight from the map, multi-threaded).
 
-Only the matmuls change. The activation rounding of ds4 mode (Q8_0 / Q8_K) is still done by the
-reference code before the kernel runs, so both numerics modes keep their meaning; the kernels
-accumulate in float32 where the reference accumulates in float64, so results differ from the
-reference by rounding only (tests/test_ops_cpu.py measures it on whole forward passes).
+Only the matmuls change. In ds4 mode the inputs ds4 quantizes (Q8_0 weights: Q8_0 blocks; the
+routed experts' Q2_K / IQ2_XXS weights: Q8_K blocks) go, for a few tokens, to the integer kernels,
+which quantize them exactly as engine/numerics.py does and take exact integer dot products (ds4's
+own arithmetic); for more tokens the reference rounding runs first and the float kernels follow.
+The kernels accumulate in float32 where the reference accumulates in float64, so results differ
+from the reference by rounding only (tests/test_ops_cpu.py measures it on whole forward passes).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import kernels as K
-from . import numerics as N
 from . import quants as Q
 from .model_file import QTensor
+from .ops_fast import FastOps
 from .ops_numpy import NumpyOps
 
 _KERNEL_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
 
 
-class CpuOps(NumpyOps):
+class CpuOps(FastOps, NumpyOps):
     name = "cpu"
 
     def _mm(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
@@ -31,13 +33,63 @@ class CpuOps(NumpyOps):
         y = K.matmul(w.type_id, data, x[None] if squeeze else x)
         return y[0] if squeeze else y
 
+    def _mm_act(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
+        """ds4 mode, a weight whose input ds4 quantizes (Q8_0 / Q8_K): few tokens take the
+        integer kernels (x quantized inside, exact integer dots); more tokens take the float
+        kernels over the rounded activations (faster per FLOP). Same function, rounding apart."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        squeeze = x.ndim == 1
+        x2 = x[None] if squeeze else x
+        if x2.shape[0] <= K.Q8_MAX_T and K.has_q8(w.type_id):
+            y = K.matmul_q8(w.type_id, w.data if rows is None else w.data[rows], x2)
+            return y[0] if squeeze else y
+        return self._mm(w, NumpyOps.expert_act(self, w, x), rows)      # Q8_0: q8_0, experts: q8_k
+
     def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         if self.ds4 and w.type_id == Q.Q8_0:
-            x = N.q8_0_round(x)
+            return self._mm_act(w, x, rows)
         return self._mm(w, x, rows)
 
-    def expert_linear(self, w: QTensor, x_rounded: np.ndarray) -> np.ndarray:
-        return self._mm(w, x_rounded)
+    def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        # the rounding of weights with an integer kernel is done by expert_linear (per expert,
+        # on its own rows: rounding is per token, so that is the same rounding)
+        return x if self.ds4 and w.type_id in K.Q8_ACT_BLOCK else super().expert_act(w, x)
+
+    def expert_linear(self, w: QTensor, x_act: np.ndarray) -> np.ndarray:
+        if self.ds4 and w.type_id in K.Q8_ACT_BLOCK:
+            return self._mm_act(w, x_act)
+        return self._mm(w, x_act)
+
+    def routed(self, lw, u, sel, wsel, limit):
+        """ds4 mode with integer kernels for the expert weights: the experts that few tokens
+        picked (every expert of a decode step) run as two batched calls, gate+up of all of them,
+        then down of all of them, each one parallel region; experts with more tokens (prefill)
+        take the per-expert path (float panel kernels)."""
+        ge, ue, de = lw.gate_exps, lw.up_exps, lw.down_exps
+        if not (self.ds4 and ge.type_id == ue.type_id and K.has_q8(ge.type_id) and K.has_q8(de.type_id)):
+            return super().routed(lw, u, sel, wsel, limit)
+        u = np.ascontiguousarray(u, dtype=np.float32)
+        out = np.zeros_like(u)
+        small = []
+        for e in np.unique(sel):
+            rows, slot = np.nonzero(sel == e)
+            if len(rows) <= K.Q8_MAX_T:
+                small.append((int(e), rows, slot))
+            else:
+                out[rows] += self.expert_out(lw, e, u[rows], wsel[rows, slot][:, None], limit)
+        if small:
+            xs = [u[rows] for _, rows, _ in small]
+            gv = K.matmul_q8_batch(ge.type_id, [w.data for e, _, _ in small for w in (ge.expert(e), ue.expert(e))],
+                                   [x for x in xs for _ in (0, 1)])
+            # SwiGLU and the routing weight for all small experts at once (rows stacked)
+            m = self.swiglu(np.concatenate(gv[0::2]), np.concatenate(gv[1::2]), limit)
+            m *= np.concatenate([wsel[rows, slot] for _, rows, slot in small])[:, None]
+            cuts = np.cumsum([len(rows) for _, rows, _ in small])[:-1]
+            ds = K.matmul_q8_batch(de.type_id, [de.expert(e).data for e, _, _ in small],
+                                   [np.ascontiguousarray(p) for p in np.split(m, cuts)])
+            for (_, rows, _), d in zip(small, ds):
+                out[rows] += d
+        return out
 
 
 def available() -> bool:

@@ -141,8 +141,61 @@ class NumpyOps:
             k0 = k1
         return (o / den[..., None]).astype(np.float32)
 
+    # -- hyper-connections (§3.2, §3.3) ----------------------------------------------------------
+    def hc_split(self, mix, n: int, scale, base, eps, iters: int):
+        """The HC mixing weights from mix [T, 2n + n*n]: pre [T, n], post [T, n] and the
+        Sinkhorn-normalised combination C [T, n, n] (columns first, then `iters - 1` row/column rounds)."""
+        T, sc = mix.shape[0], scale
+        pre = self.sigmoid(mix[:, :n] * sc[0] + base[:n]) + eps
+        post = 2.0 * self.sigmoid(mix[:, n:2 * n] * sc[1] + base[n:2 * n])
+        logits = (mix[:, 2 * n:] * sc[2] + base[2 * n:]).reshape(T, n, n)
+        C = self.softmax(logits, axis=-1) + eps
+        C = C / (C.sum(axis=1, keepdims=True) + eps)           # columns first
+        for _ in range(iters - 1):
+            C = C / (C.sum(axis=2, keepdims=True) + eps)       # rows
+            C = C / (C.sum(axis=1, keepdims=True) + eps)       # columns
+        return pre, post, C
+
+    @staticmethod
+    def hc_pre_mix(pre, X):
+        """sum_i pre[t, i] * X[t, i, :]: pre [T, n], X [T, n, E] -> [T, E] (float64 inside)."""
+        return np.einsum("ti,tid->td", pre.astype(np.float64), X).astype(np.float32)
+
+    @staticmethod
+    def hc_post(y, X, post, C):
+        """X_new[t, k] = post[t, k] * y[t] + sum_j C[t, j, k] * X[t, j]   (C used transposed);
+        y [T, E], X [T, n, E], post [T, n], C [T, n, n] -> [T, n, E]."""
+        mixed = np.einsum("tjk,tjd->tkd", C.astype(np.float64), X)
+        return (post[:, :, None] * y[:, None, :] + mixed).astype(np.float32)
+
     @staticmethod
     def topk_lowest_index(scores: np.ndarray, k: int) -> np.ndarray:
         """Indices of the k largest scores per row, ties to the lowest index (ds4's repeated argmax)."""
         order = np.argsort(-scores, axis=-1, kind="stable")
         return order[..., :k]
+
+    # -- routed experts (§3.11) ----------------------------------------------------------------
+    def swiglu(self, g, v, limit):
+        g = np.minimum(g, limit)
+        v = np.clip(v, -limit, limit)
+        return self.silu(g) * v
+
+    def routed(self, lw, u, sel, wsel, limit):
+        """sum over each token's selected experts of weight * down(swiglu(gate u, up u)).
+        u [T, E]; sel, wsel [T, k] (expert ids, weights); lw: the layer's weights. One expert at
+        a time, over the tokens that picked it."""
+        out = np.zeros_like(u)
+        ua = self.expert_act(lw.gate_exps, u)          # ds4: one Q8_K rounding shared by all experts
+        for e in np.unique(sel):
+            rows, slot = np.nonzero(sel == e)
+            out[rows] += self.expert_out(lw, e, ua[rows], wsel[rows, slot][:, None], limit)
+        return out                                      # (a token picks an expert at most once)
+
+    def expert_out(self, lw, e, xe, we, limit):
+        """Expert e's weighted output for its tokens: xe [n, E] (after expert_act), we [n, 1]."""
+        g = self.expert_linear(lw.gate_exps.expert(e), xe)
+        v = self.expert_linear(lw.up_exps.expert(e), xe)
+        m = self.swiglu(g, v, limit)
+        if self.ds4:   # ds4 weights the SwiGLU output before the down projection (and rounds it)
+            return self.expert_linear(lw.down_exps.expert(e), self.expert_act(lw.down_exps, m * we))
+        return self.expert_linear(lw.down_exps.expert(e), m) * we     # transformers: the output

@@ -1,0 +1,195 @@
+"""Float32, vectorized versions of the reference's non-matmul ops, for the fast backends.
+
+`FastOps` is a mixin placed before NumpyOps (class CpuOps(FastOps, NumpyOps)): it overrides the ops
+whose reference form accumulates in float64 or pays NumPy call overhead per tiny array (attention,
+rmsnorm, the hyper-connection mixes and Sinkhorn, RoPE). Each computes the same function as the
+NumpyOps method up to float32 rounding (tests/test_ops_fast.py measures it); NumpyOps itself is
+unchanged and stays the referee. Every op computes a token's row from that token's inputs alone, in
+an order that does not depend on T (tested), so chunking does not change these ops' results; what
+float32 gives up against the reference's float64 sums is independence of the ORDER in which the
+model hands attention its keys (see FastOps.attention).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import numerics as N
+
+_F32 = np.float32
+
+
+class FastOps:
+    # -- norms ---------------------------------------------------------------------------------
+    @staticmethod
+    def rmsnorm(x, w, eps):
+        # the sum of squares as a float32 BLAS dot per row (np.vecdot): no float64 copy of x (the
+        # reference's cost: the op is 3-10x faster at T = 256) and as accurate (~1e-7 relative on
+        # 16384 values; a float32 einsum, which sums sequentially, is ~1e-6). 1/sqrt is taken in
+        # float64 on the [T] (or [T, H]) vector, as the reference does, so only the sum differs.
+        x = np.asarray(x, dtype=_F32)
+        ms = np.vecdot(x, x).astype(np.float64) / x.shape[-1]
+        inv = (1.0 / np.sqrt(ms + eps)).astype(_F32)
+        y = x * inv[..., None]
+        if w is not None:
+            y *= w                      # rounded product by product, as the reference's (y * w)
+        return y
+
+    # -- RoPE ----------------------------------------------------------------------------------
+    @staticmethod
+    def rope(x, thetas, inverse=False):
+        """N.apply_rope with each (even, odd) pair of the tail viewed as one complex64 number and
+        rotated by one multiply with cos + i sin (the reference splits, multiplies and re-stacks the
+        lanes: ~5 passes and a copy more). Equal to the reference up to float32 rounding (the
+        complex multiply may fuse a product into its add)."""
+        x = np.asarray(x, dtype=_F32)
+        th = np.asarray(thetas, dtype=_F32)
+        npair = th.shape[-1]
+        lead_t, lead_x = th.shape[:-1], x.shape[:-1]
+        if 2 * npair > x.shape[-1] or len(lead_t) > len(lead_x) or \
+                any(a != b and a != 1 for a, b in zip(lead_t, lead_x)):
+            return N.apply_rope(x, thetas, inverse)        # raises the reference's error
+        if x.ndim == 0 or x.strides[-1] != 4:
+            x = np.ascontiguousarray(x)                    # the complex view needs unit-stride lanes
+        th = th.reshape(lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,)).astype(np.float64)
+        cs = np.empty(th.shape, dtype=np.complex64)
+        cs.real = np.cos(th)                               # float64 cos/sin rounded to float32, as the reference
+        cs.imag = np.sin(th)
+        if inverse:
+            np.conjugate(cs, out=cs)                       # the negated angle: -sin
+        r = x.shape[-1] - 2 * npair
+        out = np.empty_like(x)
+        out[..., :r] = x[..., :r]
+        np.multiply(x[..., r:].view(np.complex64), cs, out=out[..., r:].view(np.complex64))
+        return out
+
+    # -- attention -----------------------------------------------------------------------------
+    @staticmethod
+    def attention(q, segments, sinks, scale):
+        """NumpyOps.attention in float32 on BLAS GEMMs, one query at a time.
+
+        q [T, H, D]; segments: (keys, mask), keys [K, D] shared or [T, K, D] per query, mask [T, K]
+        (True = attend); the sink logit enters the denominator only; K = V.
+
+        Per query, each segment is cut to the span from its first to its last attended key (a
+        masked key adds exp(-inf) = 0 to the reference's sums, so dropping it is the same
+        function): the model's 256-query blocks see the window's raw keys as one 383-key segment
+        with a band mask, of which each query attends 128. Then one [H, D] x [D, K] GEMM for the
+        scores and one [H, K] x [K, D] for the output. Measured against 32-query GEMMs with the
+        union of their spans (single-thread BLAS, real shapes) this is as fast or faster (no
+        masked FLOPs; ~30 us of Python per query), and a query's result depends only on its own
+        query, attended keys and their order: bit-identical whatever T or the other queries. (Not
+        whatever the order: the model hands a ratio-4 layer's compressed rows over in row order
+        when all visible rows are used, in indexer-score order when the indexer picks them, and
+        float32 sums in two orders differ by rounding; the reference's float64 sums almost never
+        show it after rounding to float32.)
+        """
+        q = np.asarray(q, dtype=_F32)
+        T, H, D = q.shape
+        qs = q * _F32(scale)                        # scale folded into q: one pass over [T, H, D]
+        sinks = np.asarray(sinks, dtype=_F32)
+        spans = []
+        for keys, mask in segments:
+            keys, mask = np.asarray(keys, dtype=_F32), np.asarray(mask, dtype=bool)
+            if mask.shape[1] == 0:
+                continue                            # no rows yet (e.g. compressed rows before the first)
+            n = mask.sum(axis=1)
+            lo = mask.argmax(axis=1)                                           # first attended key
+            hi = np.where(n > 0, mask.shape[1] - mask[:, ::-1].argmax(axis=1), 0)   # one past the last
+            spans.append((keys, mask, lo.tolist(), hi.tolist(), (n == hi - lo).tolist()))
+        o = np.empty((T, H, D), dtype=_F32)
+        for t in range(T):
+            o[t] = _attend_one(qs[t], t, spans, sinks)
+        return o
+
+    # -- hyper-connections ---------------------------------------------------------------------
+    @staticmethod
+    def hc_pre_mix(pre, X):
+        # [T, 1, n] x [T, n, E]: one tiny GEMM per token, float32 (the reference: float64 einsum)
+        pre = np.asarray(pre, dtype=_F32)
+        return np.matmul(pre[:, None, :], np.asarray(X, dtype=_F32))[:, 0]
+
+    @staticmethod
+    def hc_post(y, X, post, C):
+        # post[k] * y + sum_j C[j, k] * X[j] as ONE batched matmul per token: y is appended as an
+        # extra stream and post as its column, [C^T | post] [T, n, n+1] x [X; y] [T, n+1, E]
+        # (7-9x the float64 einsum at T = 256, 2x a matmul followed by a separate post * y pass).
+        X = np.asarray(X, dtype=_F32)
+        T, n, E = X.shape
+        A = np.empty((T, n, n + 1), dtype=_F32)
+        A[:, :, :n] = np.swapaxes(C, 1, 2)
+        A[:, :, n] = post
+        B = np.empty((T, n + 1, E), dtype=_F32)
+        B[:, :n] = X
+        B[:, n] = y
+        return np.matmul(A, B)
+
+    def hc_split(self, mix, n, scale, base, eps, iters):
+        """NumpyOps.hc_split with the per-call overhead cut (the same float32 operations in the same
+        order, so bit-identical today). At decode the arrays are [1, 4, 4] and the reference's three
+        NumPy calls (sum, + eps, divide) per half-round x 39 half-rounds are most of the HC cost.
+        Here C lives transposed, [i, j, t], in an (n+1) x (n+1) x T buffer whose extra row and column
+        hold eps: a sum over a whole axis is then `sum + eps` (rows 0..n-1 added in order, then eps),
+        so a half-round is one reduce into a preallocated buffer plus one in-place divide, and with
+        t innermost every op runs over contiguous T-long lanes (a [T, 5, 5] layout is slower than
+        the reference for a 256-token chunk)."""
+        mix = np.asarray(mix, dtype=_F32)
+        T = mix.shape[0]
+        # the three scales spread over the columns: one multiply-add for pre, post and logits
+        sc = np.repeat(np.asarray(scale, dtype=_F32)[:3], (n, n, n * n))
+        z = mix * sc + base
+        g = 1.0 / (1.0 + np.exp(-z[:, :2 * n]))                 # sigmoid, float32 as the reference
+        pre = g[:, :n] + eps
+        post = 2.0 * g[:, n:]
+        logits = z[:, 2 * n:].T.reshape(n, n, T)                # [i, j, t]
+        mx = np.max(logits, axis=1, keepdims=True)              # softmax over j
+        mx = np.where(np.isfinite(mx), mx, 0.0)
+        e = np.exp(logits - mx)
+        A = np.empty((n + 1, n + 1, T), dtype=_F32)
+        A[n] = eps
+        A[:, n] = eps
+        Cv = A[:n, :n]
+        np.divide(e, np.sum(e, axis=1, keepdims=True), Cv)
+        Cv += eps
+        col, row = np.empty((n + 1, T), dtype=_F32), np.empty((n + 1, 1, T), dtype=_F32)
+        colv, rowv = col[:n], row[:n]
+        red, div = np.add.reduce, np.divide                     # positional out: cheaper calls
+        red(A, 0, None, col)
+        div(Cv, colv, Cv)                                       # columns first
+        for _ in range(iters - 1):
+            red(A, 1, None, row, True)
+            div(Cv, rowv, Cv)                                   # rows
+            red(A, 0, None, col)
+            div(Cv, colv, Cv)                                   # columns
+        return pre, post, np.ascontiguousarray(Cv.transpose(2, 0, 1))
+
+
+def _attend_one(qt, t, spans, sinks):
+    """Query t (pre-scaled, [H, D]) over its key spans; segments are never concatenated: the max
+    and the denominator are combined across segments, each segment's probabilities multiply its
+    own keys."""
+    m = sinks                                       # running max, starting from the sink logit
+    parts = []
+    for keys, mask, lo, hi, dense in spans:
+        a, b = lo[t], hi[t]
+        if a >= b:
+            continue                                # this query attends nothing in the segment
+        kt = keys[a:b] if keys.ndim == 2 else keys[t, a:b]
+        s = qt @ kt.T                                                           # [H, K]
+        if not dense[t]:
+            s[:, ~mask[t, a:b]] = -np.inf           # holes inside the span
+        m = np.maximum(m, s.max(axis=1))
+        parts.append((s, kt))
+    den = np.exp(sinks - m)                                                     # [H]
+    if not parts:                                   # only the sink: 0 (NaN where it is -inf, as the reference)
+        return np.zeros((1, qt.shape[1]), dtype=_F32) / den[:, None]
+    o = None
+    for s, kt in parts:
+        s -= m[:, None]
+        np.exp(s, out=s)                                                        # masked -> 0
+        den += s.sum(axis=1)
+        if o is None:
+            o = s @ kt
+        else:
+            o += s @ kt
+    o /= den[:, None]
+    return o

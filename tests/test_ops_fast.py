@@ -1,0 +1,217 @@
+"""engine/ops_fast.py's FastOps (float32, vectorized) against the NumPy reference's methods, op by op,
+on random inputs of small but realistic shapes; the whole-forward agreement of the cpu backend
+(which uses FastOps) with the reference is tests/test_ops_cpu.py's. Bounds are relative to the
+largest reference magnitude and sized for float32 rounding (measured errors are ~1e-7..1e-6)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.ops_fast import FastOps
+from engine.ops_numpy import NumpyOps
+
+REL = 1e-5
+
+
+class Fast(FastOps, NumpyOps):
+    pass
+
+
+REF, FAST = NumpyOps("exact"), Fast("exact")
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def f32(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def check(name, got, ref, rel=REL):
+    got, ref = np.asarray(got), np.asarray(ref)
+    assert got.shape == ref.shape and got.dtype == np.float32 == ref.dtype, (name, got.shape, ref.shape, got.dtype)
+    fin = np.isfinite(ref)
+    assert np.array_equal(got[~fin], ref[~fin], equal_nan=True), f"{name}: non-finite values differ"
+    err = float(np.abs(got[fin].astype(np.float64) - ref[fin]).max()) if fin.any() else 0.0
+    r = err / max(float(np.abs(ref[fin]).max()) if fin.any() else 0.0, 1e-30)
+    print(f"{name}: max-abs {err:.3g} rel {r:.3g}")
+    assert r <= rel, (name, err, r)
+
+
+def _unit_rows(rng, *shape):
+    # keys and queries as the model feeds them: rmsnorm'd rows (|x|^2 = D), so scores are O(sqrt(D))
+    return REF.rmsnorm(f32(rng, *shape), None, 1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_attention_shared_and_per_query_segments(T):
+    rng = _rng(T)
+    H, D = 8, 128
+    q = _unit_rows(rng, T, H, D)
+    sinks = f32(rng, H) * 2
+    raw = _unit_rows(rng, 5 + T, D)                                    # shared [K, D], sliding mask
+    kpos = np.arange(5 + T)
+    tq = np.arange(5, 5 + T)
+    mraw = (kpos[None] <= tq[:, None]) & (kpos[None] > tq[:, None] - 4)
+    comp = _unit_rows(rng, T, 6, D)                                    # per query [T, K, D]
+    mcomp = rng.random((T, 6)) < 0.6
+    mcomp[0] = False                                                   # a query with no compressed row
+    shared = _unit_rows(rng, 3, D)                                     # shared, every row visible
+    for segs in ([(raw, mraw)], [(raw, mraw), (comp, mcomp)], [(raw, mraw), (shared, np.ones((T, 3), bool))],
+                 [(raw, mraw), (comp, mcomp), (shared, np.ones((T, 3), bool))],
+                 [(raw, mraw), (raw[:0], np.zeros((T, 0), bool))]):  # an empty segment (no compressed rows yet)
+        scale = 1.0 / np.sqrt(D)
+        check(f"attention T={T} {len(segs)} segments", FAST.attention(q, segs, sinks, scale),
+              REF.attention(q, segs, sinks, scale))
+
+
+def _window_segments(rng, tq, D, W=3):
+    """Segments as the model builds them for queries at positions tq: the raw window's keys as one
+    segment with a band mask, compressed rows with a causal prefix mask (the first query sees none;
+    column 2 attended by nobody), indexer-style per-query keys with some invalid picks."""
+    T = len(tq)
+    kpos = np.arange(tq[0] - W + 1, tq[-1] + 1)
+    raw = _unit_rows(rng, len(kpos), D)
+    band = (kpos[None] <= tq[:, None]) & (kpos[None] > tq[:, None] - W)
+    comp = _unit_rows(rng, 7, D)
+    causal = np.arange(7)[None] < ((tq + 1) // 2 - 10)[:, None]
+    causal[:, 2] = False
+    per_q = _unit_rows(rng, T, 5, D)
+    valid = rng.random((T, 5)) < 0.7
+    return [(raw, band), (comp, causal), (per_q, valid)]
+
+
+def test_attention_key_spans_and_batch_invariance():
+    # each query's keys are cut to its attended span: a band, a causal prefix with a hole, per-query
+    # keys; and a query's result is bit-identical whether it is computed alone or in a batch
+    rng = _rng(5)
+    T, H, D = 9, 4, 64
+    q = _unit_rows(rng, T, H, D)
+    sinks = f32(rng, H)
+    segs = _window_segments(rng, np.arange(20, 20 + T), D)
+    got = FAST.attention(q, segs, sinks, 0.125)
+    check("attention key spans", got, REF.attention(q, segs, sinks, 0.125))
+    for t in (0, 4, 8):
+        one = [(k if k.ndim == 2 else k[t:t + 1], m[t:t + 1]) for k, m in segs]
+        assert np.array_equal(FAST.attention(q[t:t + 1], one, sinks, 0.125)[0], got[t])
+    # the decode form of query 8: only its own window rows and visible compressed rows, all attended
+    raw, band = segs[0]
+    comp, causal = segs[1]
+    dec = [(raw[band[8]], np.ones((1, 3), bool)), (comp[:4], causal[8:9, :4]), (segs[2][0][8:9], segs[2][1][8:9])]
+    assert np.array_equal(FAST.attention(q[8:9], dec, sinks, 0.125)[0], got[8])
+
+
+def test_attention_fully_masked_rows_and_infinite_sinks():
+    rng = _rng(3)
+    T, H, D = 4, 4, 64
+    q, keys = _unit_rows(rng, T, H, D), _unit_rows(rng, 9, D)
+    mask = rng.random((T, 9)) < 0.5
+    mask[1] = False                                       # row 1 sees only the sink: output exactly 0
+    sinks = np.array([0.5, -np.inf, 3.0, -2.0], np.float32)  # head 1: no sink (-inf)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ref = REF.attention(q, [(keys, mask)], sinks, 0.125)
+        got = FAST.attention(q, [(keys, mask)], sinks, 0.125)
+    # query 1, head 1: nothing to attend and no sink: 0/0 in both
+    assert np.isnan(ref[1, 1]).all() and np.isnan(got[1, 1]).all()
+    assert (got[1, [0, 2, 3]] == 0).all() and (ref[1, [0, 2, 3]] == 0).all()
+    ok = np.ones((T, H), bool)
+    ok[1, 1] = False
+    check("attention masked rows", got[ok], ref[ok])
+
+
+def test_attention_large_scores_stay_finite():
+    # scores of ~±80 (exp overflows float32 without the max subtraction)
+    rng = _rng(4)
+    T, H, D = 3, 2, 32
+    q, keys = f32(rng, T, H, D) * 8, f32(rng, 5, D) * 8
+    sinks = np.float32([100.0, -100.0])
+    m = np.ones((T, 5), bool)
+    check("attention large scores", FAST.attention(q, [(keys, m)], sinks, 1.0 / np.sqrt(D)),
+          REF.attention(q, [(keys, m)], sinks, 1.0 / np.sqrt(D)))
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (5, 1024), (3, 4, 128), (256,)])
+def test_rmsnorm(shape):
+    rng = _rng(len(shape))
+    x = f32(rng, *shape) * 3
+    w = f32(rng, shape[-1])
+    for ww in (None, w):
+        check(f"rmsnorm {shape} w={ww is not None}", FAST.rmsnorm(x, ww, 1e-6), REF.rmsnorm(x, ww, 1e-6))
+    # a zero row: eps keeps it finite (0)
+    z = np.zeros((2, 64), np.float32)
+    assert (FAST.rmsnorm(z, None, 1e-6) == 0).all()
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_hc_ops(T):
+    rng = _rng(10 + T)
+    n, E = 4, 256
+    X = f32(rng, T, n, E)
+    pre = rng.random((T, n)).astype(np.float32) + 1e-6
+    post = 2 * rng.random((T, n)).astype(np.float32)
+    C = rng.random((T, n, n)).astype(np.float32)
+    y = f32(rng, T, E)
+    check(f"hc_pre_mix T={T}", FAST.hc_pre_mix(pre, X), REF.hc_pre_mix(pre, X))
+    check(f"hc_post T={T}", FAST.hc_post(y, X, post, C), REF.hc_post(y, X, post, C))
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_hc_split(T):
+    rng = _rng(20 + T)
+    n = 4
+    mix = f32(rng, T, 2 * n + n * n) * 4
+    mix[0, 2 * n:2 * n + n] = [30, -30, 0, 1]             # a peaked softmax row
+    scale, base, eps = rng.random(3).astype(np.float32) + 0.5, f32(rng, 2 * n + n * n), np.float32(1e-6)
+    got = FAST.hc_split(mix, n, scale, base, eps, 20)
+    ref = REF.hc_split(mix, n, scale, base, eps, 20)
+    for name, g, r in zip(("pre", "post", "C"), got, ref):
+        check(f"hc_split {name} T={T}", g, r)
+    # the same float32 operations in the same order: bit-identical today (the bound above is what counts)
+    assert all(np.array_equal(g, r) for g, r in zip(got, ref))
+
+
+@pytest.mark.parametrize("xshape,tshape", [((3, 4, 128), (3, 1, 32)), ((3, 128), (3, 32)), ((2, 64), (32,))])
+def test_rope(xshape, tshape):
+    rng = _rng(30)
+    x = f32(rng, *xshape)
+    th = (rng.random(tshape) * 100).astype(np.float32)
+    for inv in (False, True):
+        got, ref = FAST.rope(x, th, inverse=inv), REF.rope(x, th, inverse=inv)
+        check(f"rope {xshape} inverse={inv}", got, ref)
+        assert np.array_equal(got[..., :xshape[-1] - 2 * tshape[-1]], x[..., :xshape[-1] - 2 * tshape[-1]])
+    y = FAST.rope(np.asfortranarray(x), th)                   # lanes not unit-stride: still right
+    check("rope strided", y, REF.rope(x, th))
+    with pytest.raises(ValueError):
+        FAST.rope(np.zeros((2, 16), np.float32), np.zeros((2, 16), np.float32))
+
+
+def test_cpu_backend_uses_fast_ops():
+    from engine.ops_cpu import CpuOps
+    assert CpuOps.attention is FastOps.attention and CpuOps.hc_post is FastOps.hc_post
+
+
+def test_a_tokens_result_does_not_depend_on_the_batch():
+    # every FastOps op computes a token's row from that token's inputs alone, in the same order
+    # whatever T (so chunked prefill and decode see the same float32 values, as far as these ops go)
+    rng = _rng(40)
+    T, n, E = 6, 4, 256
+    X, w, y = f32(rng, T, n, E), f32(rng, E), f32(rng, T, E)
+    q = f32(rng, T, 4, 128)
+    th = (rng.random((T, 32)) * 100).astype(np.float32)
+    pre, post = rng.random((T, n)).astype(np.float32), rng.random((T, n)).astype(np.float32)
+    C, mix = rng.random((T, n, n)).astype(np.float32), f32(rng, T, 2 * n + n * n)
+    sc, base, eps = rng.random(3).astype(np.float32), f32(rng, 2 * n + n * n), np.float32(1e-6)
+    ops = {
+        "rmsnorm": lambda s: FAST.rmsnorm(X[s].reshape(-1, n * E), None, 1e-6),
+        "rmsnorm w": lambda s: FAST.rmsnorm(X[s, 0], w, 1e-6),
+        "rope": lambda s: FAST.rope(q[s], th[s, None, :]),
+        "hc_pre_mix": lambda s: FAST.hc_pre_mix(pre[s], X[s]),
+        "hc_post": lambda s: FAST.hc_post(y[s], X[s], post[s], C[s]),
+        "hc_split": lambda s: np.concatenate([a.reshape(len(a), -1)
+                                              for a in FAST.hc_split(mix[s], n, sc, base, eps, 20)], 1),
+    }
+    for name, f in ops.items():
+        full = f(slice(None))
+        for t in range(T):
+            assert np.array_equal(f(slice(t, t + 1))[0], full[t]), (name, t)
