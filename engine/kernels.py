@@ -54,9 +54,9 @@ _PATHS = {"fused": 0, "regs": 1, "panel": 2}
 #: integer-activation kernels (ds4 numerics): the weight types that have one, with the activation
 #: block they quantize x to (Q8_0: 32 values, Q8_K: 256), and the largest T they are used for
 #: by CpuOps (beyond it the float panel kernels over the rounded activations are faster:
-#: scripts/bench_kernels.py prints the crossover; 4 to 8 tokens on a 2-core Zen 4)
+#: scripts/bench_kernels.py prints the crossover: about 8 tokens on a 2-core Zen 4)
 Q8_ACT_BLOCK = {Q.Q8_0: 32, Q.IQ2_XXS: 256, Q.Q2_K: 256}
-Q8_MAX_T = 4
+Q8_MAX_T = 8
 
 # decoded floats per chunk of the BLAS path (4 MiB: stays in L3 between decode and matmul)
 _BLAS_CHUNK_ELEMS = 1 << 20

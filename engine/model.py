@@ -110,9 +110,7 @@ class Model:
             o[b0:b1] = ops.attention(q[b0:b1], segments, lw.sinks, scale)
 
         o = ops.rope(o, th[:, None, :], inverse=True).reshape(T, c.n_head * c.head_dim)
-        gi, gr = c.o_group_in, c.o_lora_rank
-        z = np.concatenate([ops.linear(lw.out_a, o[:, g * gi:(g + 1) * gi], rows=slice(g * gr, (g + 1) * gr))
-                            for g in range(c.o_groups)], axis=1)
+        z = ops.grouped_linear(lw.out_a, o, c.o_groups)
         y = ops.linear(lw.out_b, z)
         return self._hc_post(y, X, post, C)
 

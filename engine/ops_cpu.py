@@ -50,6 +50,16 @@ class CpuOps(FastOps, NumpyOps):
             return self._mm_act(w, x, rows)
         return self._mm(w, x, rows)
 
+    def grouped_linear(self, w: QTensor, x: np.ndarray, groups: int) -> np.ndarray:
+        # ds4 mode, few tokens: all groups in one batched integer-kernel call (one parallel region
+        # instead of one per group)
+        if not (self.ds4 and x.shape[0] <= K.Q8_MAX_T and K.has_q8(w.type_id) and w.type_id == Q.Q8_0):
+            return super().grouped_linear(w, x, groups)
+        gi, gr = x.shape[1] // groups, w.data.shape[0] // groups
+        ys = K.matmul_q8_batch(w.type_id, [w.data[g * gr:(g + 1) * gr] for g in range(groups)],
+                               [np.ascontiguousarray(x[:, g * gi:(g + 1) * gi], dtype=np.float32) for g in range(groups)])
+        return np.concatenate(ys, axis=1)
+
     def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         # the rounding of weights with an integer kernel is done by expert_linear (per expert,
         # on its own rows: rounding is per token, so that is the same rounding)

@@ -51,6 +51,13 @@ class NumpyOps:
             x = N.q8_0_round(x)
         return Q.matvec(w.type_id, w.data, _f32(x).T, rows, accumulate=np.float64).T
 
+    def grouped_linear(self, w: QTensor, x: np.ndarray, groups: int) -> np.ndarray:
+        """The grouped attention output projection: x [T, groups * gi] and W's rows split in
+        `groups` equal blocks; block g multiplies x's g-th slice of gi columns; results side by side."""
+        gi, gr = x.shape[1] // groups, w.data.shape[0] // groups
+        return np.concatenate([self.linear(w, x[:, g * gi:(g + 1) * gi], rows=slice(g * gr, (g + 1) * gr))
+                               for g in range(groups)], axis=1)
+
     def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """Activation rounding of a routed-expert matmul input (identity in exact mode)."""
         if not self.ds4 or w.type_id in (Q.F32, Q.F16, Q.BF16):
