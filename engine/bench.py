@@ -16,11 +16,13 @@ kvcache_bytes`, kvcache_bytes being the snapshot's size.
 
 Machine floors, measured once per run and reported on stderr per row:
 
-- read floor: memory bandwidth B from a NumPy sum over a 512 MiB float32 array (best of 3). The
+- read floor: memory bandwidth B over a 512 MiB buffer (best of 5), read by every kernel thread
+  (the C kernels' read_sum; a single-threaded NumPy sum without them). The
   decode floor per token is bytes_per_token / B, with bytes_per_token from
   `engine.inspect.report()` (its "short" or "long" case by context). The row prints
   floor_time / measured_time_per_token.
-- GEMM floor: float32 2048x2048 matmul rate R (best of 3). Prefill FLOPs per token are
+- GEMM floor: float32 2048x2048 matmul rate R (best of 5), BLAS on as many threads as the
+  kernels (the cpu backend keeps BLAS on one thread while it runs). Prefill FLOPs per token are
       F = 2 * sum over present weight matrices (2-D or more, excluding the embedding, which is a
           row lookup, and the hash table, an index) of
           n_elements             for dense tensors,
@@ -91,13 +93,20 @@ def flops_per_token(m) -> int:
     return 2 * total
 
 
-def measure_floors(read_mib: int = 512, gemm_n: int = 2048, reps: int = 3) -> dict:
-    """Read bandwidth (bytes/s, NumPy sum) and float32 GEMM rate (FLOP/s), best of `reps`."""
+def measure_floors(read_mib: int = 512, gemm_n: int = 2048, reps: int = 5) -> dict:
+    """Read bandwidth (bytes/s) and float32 GEMM rate (FLOP/s), best of `reps`, both on the
+    kernels' thread count: the read by the C kernels' multi-threaded read_sum (NumPy's
+    single-threaded sum without the extension), the GEMM by NumPy with BLAS on that many threads."""
+    from threadpoolctl import threadpool_limits
+
+    from . import kernels
     a = np.ones(read_mib * (1 << 20) // 4, np.float32)
+    read = kernels._K.read_sum if kernels.available() else (lambda b: b.sum())
+    read(a)
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
-        a.sum()
+        read(a)
         best = min(best, time.perf_counter() - t0)
     bw = a.nbytes / max(best, 1e-9)
     del a
@@ -105,10 +114,12 @@ def measure_floors(read_mib: int = 512, gemm_n: int = 2048, reps: int = 3) -> di
     x = rng.standard_normal((gemm_n, gemm_n), dtype=np.float32)
     y = rng.standard_normal((gemm_n, gemm_n), dtype=np.float32)
     best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    with threadpool_limits(kernels.get_threads(), user_api="blas"):
         x @ y
-        best = min(best, time.perf_counter() - t0)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            x @ y
+            best = min(best, time.perf_counter() - t0)
     return {"read_bytes_per_s": bw, "gemm_flops_per_s": 2.0 * gemm_n ** 3 / max(best, 1e-9)}
 
 

@@ -15,7 +15,7 @@ from . import quants as Q
 from .config import CSA_RATIO, ModelConfig
 from .kv_state import KVState, LayerState, frontier_start
 from .ops_numpy import NumpyOps
-from .weights import CompressorWeights, HCWeights, LayerWeights, ModelWeights
+from .weights import CompressorWeights, HCWeights, LayerWeights, ModelWeights, dense_arrays
 
 QUERY_BLOCK = 256  # queries per attention block: bounds the [T, H, keys] score tensor
 
@@ -26,6 +26,11 @@ class Model:
         c = config
         self.yarn = dict(factor=c.rope_scale_factor, orig_ctx=c.rope_orig_ctx,
                          beta_fast=c.yarn_beta_fast, beta_slow=c.yarn_beta_slow)
+        # paging hints (lowmem: Engine sets pager to the map's willneed): each layer's dense
+        # matrices are asked for one layer ahead, the output head during the last layer, a
+        # layer's selected experts as soon as routing has picked them
+        self.pager = None
+        self._dense = [dense_arrays(lw) for lw in weights.layers] + [[weights.hc_head_fn.data, weights.output.data]]
 
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, pos0: int, state: KVState, all_logits: bool = False) -> np.ndarray:
@@ -34,7 +39,11 @@ class Model:
         tokens = np.asarray(tokens, dtype=np.int64)
         e = Q.dequantize(self.w.embd.type_id, self.w.embd.data[tokens])            # [T, E]
         X = np.repeat(e[:, None, :], c.n_hc, axis=1).astype(np.float32)           # [T, n_hc, E]
-        for lw, ls in zip(self.w.layers, state.layers):
+        if self.pager:
+            self.pager(self._dense[0])
+        for i, (lw, ls) in enumerate(zip(self.w.layers, state.layers)):
+            if self.pager:
+                self.pager(self._dense[i + 1])
             X = self._attention(lw, ls, X, pos0)
             X = self._ffn(lw, X, tokens)
         if not all_logits:
@@ -194,6 +203,8 @@ class Model:
         tot = wsel.sum(axis=1, keepdims=True)
         tot = np.maximum(tot, np.float32(2.0 ** -14)) if ops.ds4 else tot + np.float32(1e-20)
         wsel = (wsel / tot * np.float32(c.expert_weights_scale)).astype(np.float32)
+        if self.pager and len(tokens) <= 16:     # (a long chunk picks most experts: more than fits)
+            self.pager([t.expert(e).data for e in np.unique(sel) for t in (lw.gate_exps, lw.up_exps, lw.down_exps)])
         y = self._routed(lw, u, sel, wsel) + self._shared(lw, u)
         return self._hc_post(y, X, post, C)
 

@@ -80,6 +80,8 @@ class Engine:
         try:
             eng = cls(m, backend, numerics, threads)
             eng.paging = _advise(m, paging)
+            if eng.paging == "lowmem":
+                eng.model.pager = m.gguf.willneed
             return eng
         except BaseException:
             m.close()

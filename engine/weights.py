@@ -6,6 +6,7 @@ float32 up front: together they are a few MiB even for the real model.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,3 +138,21 @@ def bind(m: ModelFile) -> ModelWeights:
         embd=t("token_embd.weight"), layers=layers, hc_head_fn=t("output_hc_fn.weight"),
         hc_head_scale=_vec(t("output_hc_scale.weight")), hc_head_base=_vec(t("output_hc_base.weight")),
         out_norm=_vec(t("output_norm.weight")), output=t("output.weight"))
+
+
+_EXPERT_FIELDS = frozenset({"gate_exps", "up_exps", "down_exps"})
+
+
+def dense_arrays(obj) -> list[np.ndarray]:
+    """The map views of every matrix of a layer (or any weights dataclass) except the routed
+    experts: what a decode step reads whatever it routes to (paging hints)."""
+    out = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if f.name in _EXPERT_FIELDS:
+            continue
+        if isinstance(v, QTensor):
+            out.append(v.data)
+        elif dataclasses.is_dataclass(v):
+            out += dense_arrays(v)
+    return out

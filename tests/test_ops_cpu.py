@@ -73,3 +73,33 @@ def test_paging_modes(small_model):
             assert Session(e, 64).sync([1, 2, 3])
     with pytest.raises(ValueError, match="paging"):
         Engine.open(small_model, paging="sometimes")
+
+
+def test_lowmem_paging_hints(small_model):
+    """lowmem mode asks the kernel to read ahead what each layer is about to use (its dense
+    matrices one layer ahead, the head, the experts routing picked) and changes no result."""
+    toks = [1, 2, 3, 4]
+    with Engine.open(small_model, paging="none", backend="numpy") as e:
+        assert e.model.pager is None
+        ref = Session(e, 64).sync(toks, keep_logits=True)
+    with Engine.open(small_model, paging="lowmem", backend="numpy") as e:
+        real, calls = e.model.pager, []
+        assert real is not None
+
+        def spy(arrays):
+            calls.append(arrays)
+            real(arrays)
+
+        e.model.pager = spy
+        got = Session(e, 64).sync(toks, keep_logits=True)
+        n_layer = len(e.model.w.layers)
+        real([np.zeros(64, np.uint8), np.zeros(0, np.uint8)])      # not views of the map: ignored
+        lw0 = e.model.w.layers[0]
+        sizes = {t.expert(0).data.nbytes for t in (lw0.gate_exps, lw0.up_exps, lw0.down_exps)}
+        assert calls[2] and all(a.nbytes in sizes for a in calls[2])       # layer 0's picked experts
+    assert np.array_equal(ref, got)
+    # dense of layer 0 before the loop, then one layer ahead (the head last), plus each layer's experts
+    assert len(calls) == 2 * n_layer + 1
+    assert all(len(c) > 0 for c in calls)
+    head = e.model.w.output.data
+    assert any(a.ctypes.data == head.ctypes.data for c in calls for a in c)
