@@ -78,10 +78,11 @@ class Model:
         pos = np.arange(pos0, pos0 + T)
         x, post, C = self._hc_pre(lw.hc_attn, X)
         h = ops.rmsnorm(x, lw.attn_norm, c.rms_eps)
-        qr = ops.rmsnorm(ops.linear(lw.q_a, h), lw.q_a_norm, c.rms_eps)
+        qa, kv = ops.linears([lw.q_a, lw.kv], h)                                   # both read h
+        qr = ops.rmsnorm(qa, lw.q_a_norm, c.rms_eps)
         q = ops.linear(lw.q_b, qr).reshape(T, c.n_head, c.head_dim)
         q = ops.rmsnorm(q, None, c.rms_eps)                                        # per head, no weight
-        kv = ops.rmsnorm(ops.linear(lw.kv, h), lw.kv_norm, c.rms_eps)
+        kv = ops.rmsnorm(kv, lw.kv_norm, c.rms_eps)
         th = self._thetas(lw.ratio, pos, c.n_rot)                                  # [T, n_rot/2]
         q = ops.rope(q, th[:, None, :])
         kv = ops.store_kv(ops.rope(kv, th), c.n_nope)
@@ -214,7 +215,7 @@ class Model:
     def _shared(self, lw: LayerWeights, u):
         ops = self.ops
         limit = np.float32(self.c.swiglu_clamp[lw.il])
-        m = ops.swiglu(ops.linear(lw.sh_gate, u), ops.linear(lw.sh_up, u), limit)
+        m = ops.swiglu(*ops.linears([lw.sh_gate, lw.sh_up], u), limit)
         return ops.linear(lw.sh_down, m)
 
     # -- output head (§3.12) -------------------------------------------------------------------

@@ -50,6 +50,14 @@ class CpuOps(FastOps, NumpyOps):
             return self._mm_act(w, x, rows)
         return self._mm(w, x, rows)
 
+    def linears(self, ws: list, x: np.ndarray) -> list:
+        # ds4 mode, few tokens, Q8_0 weights: one batched integer-kernel call for all of them
+        if not (self.ds4 and x.shape[0] <= K.Q8_MAX_T and all(w.type_id == Q.Q8_0 for w in ws)
+                and K.has_q8(Q.Q8_0)):
+            return super().linears(ws, x)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return K.matmul_q8_batch(Q.Q8_0, [w.data for w in ws], [x] * len(ws))
+
     def grouped_linear(self, w: QTensor, x: np.ndarray, groups: int) -> np.ndarray:
         # ds4 mode, few tokens: all groups in one batched integer-kernel call (one parallel region
         # instead of one per group)

@@ -51,6 +51,10 @@ class NumpyOps:
             x = N.q8_0_round(x)
         return Q.matvec(w.type_id, w.data, _f32(x).T, rows, accumulate=np.float64).T
 
+    def linears(self, ws: list, x: np.ndarray) -> list:
+        """[linear(w, x) for w in ws]: several weights applied to the same input."""
+        return [self.linear(w, x) for w in ws]
+
     def grouped_linear(self, w: QTensor, x: np.ndarray, groups: int) -> np.ndarray:
         """The grouped attention output projection: x [T, groups * gi] and W's rows split in
         `groups` equal blocks; block g multiplies x's g-th slice of gi columns; results side by side."""
