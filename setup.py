@@ -6,20 +6,20 @@ portable (no -march=native): the AVX2 and AVX-512 kernels are compiled with per-
 `#pragma GCC target` and chosen at run time.  -ffp-contract=off keeps the dequantizers bit-exact
 with engine/quants.py; OpenMP is used when the compiler accepts -fopenmp.
 """
+import importlib.util
 import os
 import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = [
-    "engine/_kernels.c",
-    "engine/csrc/kern_tables.c",
-    "engine/csrc/kern_generic.c",
-    "engine/csrc/kern_avx2.c",
-    "engine/csrc/kern_avx512.c",
-    "engine/csrc/kern_q8.c",
-]
+# the file list and the source hash live in engine/kernel_sources.py (loaded by path: the build
+# environment has neither numpy nor the engine package)
+ROOT = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("kernel_sources", os.path.join(ROOT, "engine", "kernel_sources.py"))
+_ks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_ks)
+SOURCES, DEPENDS = _ks.SOURCES, _ks.DEPENDS
 CFLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"]
 OPENMP = ["-fopenmp"]
 
@@ -39,16 +39,14 @@ class BuildExt(build_ext):
 
     def build_extensions(self):
         omp = OPENMP if self._accepts(OPENMP) else []
+        stamp = [f'-DDS4_KERNELS_SRC_HASH="{_ks.source_hash(ROOT) or ""}"']
         for ext in self.extensions:
-            ext.extra_compile_args = CFLAGS + omp
+            ext.extra_compile_args = CFLAGS + omp + stamp
             ext.extra_link_args = omp
         super().build_extensions()
 
 
 setup(
-    ext_modules=[Extension("engine._kernels", SOURCES, depends=[
-        "engine/csrc/kern.h", "engine/csrc/kern_dequant_body.h", "engine/csrc/kern_simd_body.h",
-    "engine/csrc/kern_q8_body.h"],
-        optional=True)],
+    ext_modules=[Extension("engine._kernels", SOURCES, depends=DEPENDS, optional=True)],
     cmdclass={"build_ext": BuildExt},
 )

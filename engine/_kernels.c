@@ -332,7 +332,7 @@ static int get_f32(PyObject *o, Py_buffer *b, int writable, const char *name, in
         PyErr_Format(PyExc_ValueError, "%s must be a 2-D float32 array", name);
         goto fail;
     }
-    if ((d0 >= 0 && b->shape[0] != d0) || b->shape[1] != d1) {
+    if ((d0 >= 0 && b->shape[0] != d0) || (d1 >= 0 && b->shape[1] != d1)) {
         PyErr_Format(PyExc_ValueError, "%s has shape (%zd, %zd), expected (%lld, %lld)", name, b->shape[0],
                      b->shape[1], (long long)(d0 >= 0 ? d0 : b->shape[0]), (long long)d1);
         goto fail;
@@ -540,6 +540,60 @@ static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NNN)", q, d, s);
 }
 
+/* round_q8(block, x, out[, threads]): out = the values q * d of x's Q8_0 (block 32) or Q8_K (256)
+ * quantization, row by row (numerics.q8_0_round / q8_k_round, bit-exact) */
+static PyObject *py_round_q8(PyObject *self, PyObject *args) {
+    int bs, threads = 0;
+    PyObject *xo, *oo;
+    if (!PyArg_ParseTuple(args, "iOO|i", &bs, &xo, &oo, &threads)) return NULL;
+    if (bs != 32 && bs != 256) {
+        PyErr_SetString(PyExc_ValueError, "block must be 32 (Q8_0) or 256 (Q8_K)");
+        return NULL;
+    }
+    Py_buffer xb, ob;
+    if (get_f32(xo, &xb, 0, "x", -1, -1) < 0) return NULL;
+    const int64_t T = xb.shape[0], n = xb.shape[1];
+    if (n % bs) {
+        PyBuffer_Release(&xb);
+        PyErr_Format(PyExc_ValueError, "rows of %lld values are not a multiple of the block %d", (long long)n, bs);
+        return NULL;
+    }
+    if (get_f32(oo, &ob, 1, "out", T, n) < 0) {
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    const float *x = (const float *)xb.buf;
+    float *out = (float *)ob.buf;
+    int8_t *q = (int8_t *)malloc((size_t)(T * n) + 1);
+    float *d = (float *)malloc((size_t)(T * (n / bs)) * sizeof(float) + 1);
+    int16_t *s = (int16_t *)malloc((size_t)(T * (n / 16)) * sizeof(int16_t) + 1);
+    const int failed = !q || !d || !s;
+    if (!failed) {
+        Py_BEGIN_ALLOW_THREADS
+        const int nt = thread_count(T, T * n, 256 * 1024, threads);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+        for (int64_t t = 0; t < T; t++) {
+            int8_t *qt = q + t * n;
+            float *dt = d + t * (n / bs);
+            if (bs == 32)
+                kern_quant_q8_0(x + t * n, n, qt, dt);
+            else
+                kern_quant_q8_k(x + t * n, n, qt, dt, s + t * (n / 16));
+            float *o = out + t * n;
+            for (int64_t b = 0; b < n / bs; b++)
+                for (int64_t i = b * bs; i < (b + 1) * bs; i++) o[i] = (float)qt[i] * dt[b];
+        }
+        Py_END_ALLOW_THREADS
+    }
+    free(q);
+    free(d);
+    free(s);
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&ob);
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_has_q8(PyObject *self, PyObject *arg) {
     long type = PyLong_AsLong(arg);
     if (type == -1 && PyErr_Occurred()) return NULL;
@@ -661,6 +715,7 @@ static PyMethodDef methods[] = {
     {"matmul_q8_batch", py_matmul_q8_batch, METH_VARARGS,
      "matmul_q8_batch(type_id, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T, one parallel region"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(block, x) -> (codes, scales, sums) as bytes"},
+    {"round_q8", py_round_q8, METH_VARARGS, "round_q8(block, x, out[, threads]): out = Q8_0/Q8_K-rounded x"},
     {"has_q8", py_has_q8, METH_O, "has_q8(type_id) -> whether an integer-activation kernel exists"},
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(type_id, w, out[, threads]): out = decoded rows of w"},
     {"read_sum", py_read_sum, METH_O, "read_sum(buf): sum of the buffer's uint64 words (bandwidth probe)"},
@@ -699,12 +754,17 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         }
     }
 #endif
+    kern_q8_use(g_isa[g_cur].q8_maxmag, g_isa[g_cur].q8_codes);
 #ifdef _OPENMP
     g_threads = omp_get_num_procs();
 #endif
     if (g_threads < 1) g_threads = 1;
     PyObject *m = PyModule_Create(&moddef);
     if (!m) return NULL;
+#ifndef DS4_KERNELS_SRC_HASH
+#define DS4_KERNELS_SRC_HASH ""
+#endif
+    PyModule_AddStringConstant(m, "source_hash", DS4_KERNELS_SRC_HASH);
 #ifdef _OPENMP
     PyModule_AddIntConstant(m, "openmp", 1);
 #else

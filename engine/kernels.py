@@ -32,6 +32,8 @@ still work, through quants.dequantize + np.matmul.
 from __future__ import annotations
 
 import os
+import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -43,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the install
     _K = None
 
 __all__ = ["available", "isa", "set_threads", "get_threads", "set_batch_invariant", "matmul", "matmul_q8",
-           "matmul_q8_batch", "has_q8", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T"]
+           "matmul_q8_batch", "round_q8", "has_q8", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T"]
 
 #: the token count from which method="auto" uses dequantize + BLAS instead of the fused kernels;
 #: None: never (scripts/bench_kernels.py measures both and prints the crossover, if any)
@@ -62,6 +64,17 @@ Q8_MAX_T = 8
 _BLAS_CHUNK_ELEMS = 1 << 20
 
 _TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
+
+
+def build_is_current() -> bool | None:
+    """Whether the loaded extension was built from the C sources next to this package (their
+    hash is compiled in). None without the extension or without the sources (an installed wheel).
+    False means a rebuild failed and pip kept the old binary (the extension is optional)."""
+    if _K is None:
+        return None
+    from .kernel_sources import source_hash
+    h = source_hash(str(Path(__file__).resolve().parents[1]))
+    return None if h is None else getattr(_K, "source_hash", "") == h
 
 
 def available() -> bool:
@@ -111,6 +124,9 @@ def _default_threads() -> int:
 
 if _K is not None:
     _K.set_threads(_default_threads())
+    if build_is_current() is False:
+        warnings.warn("engine._kernels was built from older C sources (a failed rebuild keeps the old "
+                      "binary): run `pip install -e .` and read the compiler's errors", RuntimeWarning)
 
 
 def _format(type_id) -> Q.BlockFormat:
@@ -190,9 +206,23 @@ def has_q8(type_id: int) -> bool:
     return _K is not None and int(type_id) in Q8_ACT_BLOCK and bool(_K.has_q8(int(type_id)))
 
 
-def _round_act(type_id: int, x: np.ndarray) -> np.ndarray:
+def round_q8(x: np.ndarray, block: int) -> np.ndarray:
+    """numerics.q8_0_round (block 32) / q8_k_round (block 256) of a 2-D float32 x, bit-exact, in C
+    (multi-threaded over rows); the NumPy functions without the extension."""
     from . import numerics as N
-    return N.q8_0_round(x) if Q8_ACT_BLOCK[type_id] == 32 else N.q8_k_round(x)
+    if block not in (32, 256):
+        raise ValueError(f"block must be 32 (Q8_0) or 256 (Q8_K), got {block!r}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if _K is None or x.ndim != 2 or x.shape[1] % block:
+        return N.q8_0_round(x) if block == 32 else N.q8_k_round(x)
+    out = np.empty_like(x)
+    if x.size:
+        _K.round_q8(block, x, out)
+    return out
+
+
+def _round_act(type_id: int, x: np.ndarray) -> np.ndarray:
+    return round_q8(x, Q8_ACT_BLOCK[type_id])
 
 
 def matmul_q8(type_id: int, w: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -43,7 +43,8 @@ class CpuOps(FastOps, NumpyOps):
         if x2.shape[0] <= K.Q8_MAX_T and K.has_q8(w.type_id):
             y = K.matmul_q8(w.type_id, w.data if rows is None else w.data[rows], x2)
             return y[0] if squeeze else y
-        return self._mm(w, NumpyOps.expert_act(self, w, x), rows)      # Q8_0: q8_0, experts: q8_k
+        y = self._mm(w, K.round_q8(x2, K.Q8_ACT_BLOCK[w.type_id]), rows)   # Q8_0: q8_0, experts: q8_k
+        return y[0] if squeeze else y
 
     def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         if self.ds4 and w.type_id == Q.Q8_0:

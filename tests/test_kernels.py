@@ -333,3 +333,10 @@ def test_numpy_fallback_without_extension(monkeypatch):
     assert_bits_equal(K.dequantize_rows(Q.IQ2_XXS, w), Q.dequantize(Q.IQ2_XXS, w))
     with pytest.raises(RuntimeError):
         K.matmul(Q.IQ2_XXS, w, x, method="fused")
+
+
+@needs_ext
+def test_extension_built_from_these_sources():
+    # the extension is optional: a rebuild that fails leaves the previous binary in place, and
+    # every other test here would then test old code
+    assert K.build_is_current() is not False, "engine._kernels is stale: rebuild with pip install -e ."

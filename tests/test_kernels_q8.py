@@ -166,3 +166,19 @@ def test_matmul_q8_batch_equals_separate_calls(isa_guard):
         K.matmul_q8_batch(Q.Q8_0, ws[:2], xs[:1])
     with pytest.raises(ValueError, match="columns"):
         K.matmul_q8_batch(Q.Q8_0, [weights(Q.Q8_0, rng, 4, 64)], [np.zeros((1, 32), np.float32)])
+
+
+@needs_ext
+@pytest.mark.parametrize("block", [32, 256])
+def test_round_q8_bit_exact(block, isa_guard):
+    C = isa_guard
+    rng = np.random.default_rng(9 + block)
+    x = np.concatenate([tricky_rows(rng, 1024), rng.standard_normal((40, 1024)).astype(np.float32)])
+    ref = N.q8_0_round(x) if block == 32 else N.q8_k_round(x)
+    for thr in (1, 2):
+        C.set_threads(thr)
+        got = K.round_q8(x, block)
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    assert K.round_q8(x[:0], block).shape == (0, 1024)
+    with pytest.raises(ValueError):
+        K.round_q8(x, 64)

@@ -122,6 +122,11 @@ typedef void (*kern_mvt_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n_in, in
 typedef void (*kern_q8_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,
                            const int8_t *xq, const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy);
 
+/* the quantizers' two loops, per instruction set (identical results; set by kern_q8_use):
+ * the largest magnitude's bit pattern, and the clamped, rounded codes of x * scale */
+typedef uint32_t (*kern_maxmag_fn)(const float *x, int n);
+typedef void (*kern_codes_fn)(const float *x, int n, float scale, int8_t *q);
+
 typedef struct {
     const char *name;
     int panel_rows; /* the row unit of the panel kernel's register tile */
@@ -131,6 +136,8 @@ typedef struct {
     int mvt_max[KT_MAX];     /* mvt for 2 <= T <= mvt_max (run-time adjustable: set_mvt_max) */
     kern_panel_fn panel;
     kern_q8_fn q8[KT_MAX];   /* NULL: no integer-activation kernel for this weight type */
+    kern_maxmag_fn q8_maxmag; /* the quantizers' loops (NULL: portable C) */
+    kern_codes_fn q8_codes;
 } kern_isa;
 
 /* rows decoded per panel (a multiple of unit): about 256 KiB of floats, so the panel stays in L2
@@ -151,6 +158,7 @@ void kern_quant_q8_k(const float *x, int64_t n, int8_t *q, float *d, int16_t *bs
 extern uint64_t kern_iq2xxs_grid64[256]; /* grid rows as 8 bytes */
 extern uint64_t kern_ksigns64[128];      /* sign index -> 8 bytes of +1 / -1 (for sign_epi8) */
 void kern_q8_tables_init(void);
+void kern_q8_use(kern_maxmag_fn maxmag, kern_codes_fn codes);
 void kern_fill_q8_generic(kern_isa *k);
 
 void kern_fill_generic(kern_isa *k);

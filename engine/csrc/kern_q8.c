@@ -6,8 +6,9 @@
  * kernels keep the activations as integers: per weight block the dot product of the weight codes
  * with the activation codes is exact in int32, and one float multiply-add applies the two scales.
  * The quantizers reproduce engine/numerics.py's q8_0_quantize / q8_k_quantize bit for bit (this
- * file is compiled with -ffp-contract=off; nearbyintf rounds half to even, as np.rint). */
+ * file is compiled with -ffp-contract=off; rounding is half to even, as np.rint). */
 #include <math.h>
+#include <string.h>
 
 #include "kern.h"
 
@@ -31,9 +32,42 @@ int kern_q8_block(int type_id) {
     }
 }
 
-static inline int8_t clamp_q(float v) {
-    v = nearbyintf(v);
-    return (int8_t)(v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v);
+/* The loops below are written so that the compiler vectorizes them with any instruction set:
+ * the block maximum as an integer maximum of the magnitudes' bit patterns (the same order as the
+ * magnitudes for every non-NaN float), the codes clamped first and then rounded half to even by
+ * adding and subtracting 1.5 * 2^23 (exact for |v| < 2^22: the sum's spacing is 1), which equals
+ * numpy's clip(rint(v)) on the clamped range. */
+static inline uint32_t mag_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u & 0x7FFFFFFFu;
+}
+
+static uint32_t max_mag_bits_c(const float *x, int n) {
+    uint32_t m = 0;
+    for (int i = 0; i < n; i++) {
+        const uint32_t u = mag_bits(x[i]);
+        m = u > m ? u : m;
+    }
+    return m;
+}
+
+static void codes_c(const float *x, int n, float scale, int8_t *q) {
+    const float magic = 12582912.0f;
+    for (int i = 0; i < n; i++) {
+        float v = x[i] * scale;
+        v = v > 127.0f ? 127.0f : v;
+        v = v < -128.0f ? -128.0f : v;
+        q[i] = (int8_t)(int)((v + magic) - magic);
+    }
+}
+
+static kern_maxmag_fn max_mag_bits = max_mag_bits_c;
+static kern_codes_fn codes = codes_c;
+
+void kern_q8_use(kern_maxmag_fn maxmag, kern_codes_fn c) {
+    max_mag_bits = maxmag ? maxmag : max_mag_bits_c;
+    codes = c ? c : codes_c;
 }
 
 /* numerics.q8_0_quantize: d = amax * fl(1/127); id = 127 / amax; q = rint(x * id) */
@@ -41,14 +75,9 @@ void kern_quant_q8_0(const float *x, int64_t n, int8_t *q, float *d) {
     const float inv127 = 1.0f / 127.0f;
     for (int64_t b = 0; b < n / 32; b++) {
         const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
-        }
+        const float amax = kern_bits_f32(max_mag_bits(xb, 32));
         d[b] = amax * inv127;
-        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-        for (int i = 0; i < 32; i++) q[32 * b + i] = clamp_q(xb[i] * id);
+        codes(xb, 32, amax != 0.0f ? 127.0f / amax : 0.0f, q + 32 * b);
     }
 }
 
@@ -58,22 +87,20 @@ void kern_quant_q8_k(const float *x, int64_t n, int8_t *q, float *d, int16_t *bs
     const float minv127 = -1.0f / 127.0f;
     for (int64_t b = 0; b < n / 256; b++) {
         const float *xb = x + 256 * b;
-        float amax = 0.0f, m = 0.0f;
-        for (int i = 0; i < 256; i++) {
-            const float a = fabsf(xb[i]);
-            if (a > amax) {
-                amax = a;
+        const uint32_t mb = max_mag_bits(xb, 256);
+        float m = 0.0f;
+        for (int i = 0; i < 256; i++)
+            if (mag_bits(xb[i]) == mb) {
                 m = xb[i];
+                break;
             }
-        }
         int8_t *qb = q + 256 * b;
-        if (m == 0.0f) {
+        if (mb == 0) {          /* all zeros (m is +-0) */
             d[b] = 0.0f;
             memset(qb, 0, 256);
         } else {
-            const float iscale = -127.0f / m;
             d[b] = m * minv127;
-            for (int i = 0; i < 256; i++) qb[i] = clamp_q(iscale * xb[i]);
+            codes(xb, 256, -127.0f / m, qb);
         }
         for (int s = 0; s < 16; s++) {
             int sum = 0;

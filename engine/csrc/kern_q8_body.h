@@ -322,7 +322,53 @@ Q8_KERNEL(q8_0, Q8_CALL_Q8_0)
 Q8_KERNEL(iq2_xxs, Q8_CALL_IQ2)
 Q8_KERNEL(q2_k, Q8_CALL_Q2K)
 
+/* the quantizers' loops (kern_q8.c has the portable versions; results are identical: the same
+ * float32 operations, lane by lane) */
+static uint32_t KSUF(q8_maxmag)(const float *x, int n) {
+    const __m256i m = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i a = _mm256_setzero_si256();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) a = _mm256_max_epu32(a, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), m));
+    uint32_t l[8], r = 0;
+    _mm256_storeu_si256((__m256i *)l, a);
+    for (int k = 0; k < 8; k++) r = l[k] > r ? l[k] : r;
+    for (; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        u &= 0x7FFFFFFFu;
+        r = u > r ? u : r;
+    }
+    return r;
+}
+
+static void KSUF(q8_codes)(const float *x, int n, float scale, int8_t *q) {
+    const __m256 s = _mm256_set1_ps(scale), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-128.0f);
+    const __m256 mg = _mm256_set1_ps(12582912.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i r[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), s);
+            v = _mm256_max_ps(_mm256_min_ps(v, hi), lo);
+            r[k] = _mm256_cvtps_epi32(_mm256_sub_ps(_mm256_add_ps(v, mg), mg)); /* integers: exact */
+        }
+        /* packs work per 128-bit half: dwords come out as r0lo r1lo r2lo r3lo | r0hi r1hi ... */
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(b, order));
+    }
+    const float magic = 12582912.0f;
+    for (; i < n; i++) {
+        float v = x[i] * scale;
+        v = v > 127.0f ? 127.0f : v;
+        v = v < -128.0f ? -128.0f : v;
+        q[i] = (int8_t)(int)((v + magic) - magic);
+    }
+}
+
 static void KSUF(fill_q8)(kern_isa *k) {
+    k->q8_maxmag = KSUF(q8_maxmag);
+    k->q8_codes = KSUF(q8_codes);
     k->q8[KT_Q8_0] = KSUF(q8k_q8_0);
     k->q8[KT_IQ2_XXS] = KSUF(q8k_iq2_xxs);
     k->q8[KT_Q2_K] = KSUF(q8k_q2_k);

@@ -1,0 +1,38 @@
+"""The C extension's source files and their hash (standard library only: setup.py loads this file
+by path in the build environment, where numpy and the engine package are not importable).
+
+setup.py compiles the hash into engine._kernels (its `source_hash`); engine.kernels compares it
+with the sources next to the package, so a checkout whose extension failed to rebuild (it is an
+optional extension: pip install succeeds and keeps the old binary) is noticed instead of tested."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+SOURCES = [
+    "engine/_kernels.c",
+    "engine/csrc/kern_tables.c",
+    "engine/csrc/kern_generic.c",
+    "engine/csrc/kern_avx2.c",
+    "engine/csrc/kern_avx512.c",
+    "engine/csrc/kern_q8.c",
+]
+DEPENDS = [
+    "engine/csrc/kern.h",
+    "engine/csrc/kern_dequant_body.h",
+    "engine/csrc/kern_simd_body.h",
+    "engine/csrc/kern_q8_body.h",
+]
+
+
+def source_hash(root: str) -> str | None:
+    """16 hex digits of sha256 over every source and header (paths relative to the project root
+    `root`); None when a file is missing (an installed wheel ships no C sources)."""
+    h = hashlib.sha256()
+    for rel in sorted(SOURCES + DEPENDS):
+        try:
+            with open(os.path.join(root, rel), "rb") as f:
+                h.update(rel.encode() + b"\0" + f.read())
+        except OSError:
+            return None
+    return h.hexdigest()[:16]
