@@ -101,6 +101,7 @@ KI V16 v_flip16(V16 g, const uint8_t *m) {
 /* u8 x s8 products summed by 4 into int32 lanes: one VNNI vpdpbusd on 256 bits */
 #define Q8_DOT_U8S8(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define Q8_HAVE_512 1
+#define Q8_NT 8
 #include "kern_q8_body.h"
 
 void kern_fill_avx512(kern_isa *k) {

@@ -10,7 +10,9 @@
  * scale the block maximum to 127), so the sign move cannot overflow.  Every weight byte is read
  * once per call whatever T: the token loop runs inside the row, which stays in L1. */
 
-#define Q8_NT 4
+#ifndef Q8_NT
+#define Q8_NT 4 /* tokens per pass: 16 ymm registers (AVX2); the AVX-512 build takes 8 */
+#endif
 #define Q8_IQ2_LOADS 1
 
 KI float q8_hsum8(__m256 h) {
@@ -89,8 +91,8 @@ KI __m256i KSUF(iq2_signs_a1)(const uint8_t *qs, __m256i *a1_out) {
 
 #ifdef Q8_HAVE_512
 /* AVX-512 form: two groups (64 weights) per zmm; the sign bits become a mask register and the
- * negation one masked subtract; each group pair keeps its own int32 accumulator (VNNI dot), and
- * the group scales (2 s + 1) multiply the four pair sums once per block */
+ * negation one masked subtract; a group pair's VNNI dot is multiplied by its two group scales
+ * (2 s + 1) lane-wise and summed into one int32 accumulator per token */
 KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                              float *out, const int nt) {
     __m256 acc[Q8_NT];
@@ -112,9 +114,12 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
         const float d = KERN_F16(kern_rd16(blk));
         __m256i a1;
         const __m256i sg = KSUF(iq2_signs_a1)(blk + 2, &a1);
+        long long sgq[4];
+        _mm256_storeu_si256((__m256i *)sgq, sg);
         const __m512i ls8 = _mm512_castsi256_si512(
             _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a1, 28), 1), _mm256_set1_epi32(1)));
-        __m512i is[4][Q8_NT];
+        __m512i is[Q8_NT];
+        for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
         for (int p = 0; p < 4; p++) {
             const uint8_t *q = blk + 2 + 16 * p;
             const __m512i gv = _mm512_set_epi64(
@@ -123,19 +128,17 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
                 (long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
                 (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
             /* the 8 sign bytes of groups 2p, 2p+1 (bytes 8p..8p+7 of sg) spread to 8 bytes each */
-            const __m512i sb = _mm512_broadcastq_epi64(_mm_cvtsi64_si128(_mm256_extract_epi64(sg, p)));
+            const __m512i sb = _mm512_set1_epi64(sgq[p]);
             const __mmask64 neg = _mm512_test_epi8_mask(_mm512_shuffle_epi8(sb, spread), bits);
+            const __m512i lp = _mm512_permutexvar_epi32(sidx[p], ls8);
             for (int t = 0; t < nt; t++) {
                 const __m512i xv = _mm512_loadu_si512((const void *)(xq + t * n + 256 * b + 64 * p));
-                is[p][t] = _mm512_dpbusd_epi32(zero, gv, _mm512_mask_sub_epi8(xv, neg, zero, xv));
+                const __m512i dot = _mm512_dpbusd_epi32(zero, gv, _mm512_mask_sub_epi8(xv, neg, zero, xv));
+                is[t] = _mm512_add_epi32(is[t], _mm512_mullo_epi32(dot, lp));
             }
         }
-        const __m512i l0 = _mm512_permutexvar_epi32(sidx[0], ls8), l1 = _mm512_permutexvar_epi32(sidx[1], ls8);
-        const __m512i l2 = _mm512_permutexvar_epi32(sidx[2], ls8), l3 = _mm512_permutexvar_epi32(sidx[3], ls8);
         for (int t = 0; t < nt; t++) {
-            const __m512i s = _mm512_add_epi32(
-                _mm512_add_epi32(_mm512_mullo_epi32(is[0][t], l0), _mm512_mullo_epi32(is[1][t], l1)),
-                _mm512_add_epi32(_mm512_mullo_epi32(is[2][t], l2), _mm512_mullo_epi32(is[3][t], l3)));
+            const __m512i s = is[t];
             const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s8), _mm256_set1_ps(d * xd[t * (n / 256) + b]), acc[t]);
         }
@@ -304,6 +307,7 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
                 case 1: CALL(1); break;                                                                          \
                 case 2: CALL(2); break;                                                                          \
                 case 3: CALL(3); break;                                                                          \
+                Q8_MORE_CASES(CALL)                                                                              \
                 default: CALL(Q8_NT); break;                                                                     \
                 }                                                                                                \
                 const int nt = left >= Q8_NT ? Q8_NT : (int)left;                                                \
@@ -312,6 +316,11 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
         }                                                                                                        \
     }
 
+#if Q8_NT == 8
+#define Q8_MORE_CASES(CALL) case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break;
+#else
+#define Q8_MORE_CASES(CALL)
+#endif
 #define KT_q8_0_ID KT_Q8_0
 #define KT_iq2_xxs_ID KT_IQ2_XXS
 #define KT_q2_k_ID KT_Q2_K
