@@ -20,6 +20,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdlib.h>
 
 #ifdef _OPENMP
@@ -594,6 +595,87 @@ static PyObject *py_round_q8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* hc_split(mix, n, scale, base, eps, iters, pre, post, c): the hyper-connection weights of every
+ * token (NumpyOps.hc_split in float32 C: at decode the reference's ~90 NumPy calls on 4 x 4
+ * arrays cost ~0.25 ms a call, twice a layer):
+ *   z = mix * scale[part] + base;  pre = sigmoid(z[:n]) + eps;  post = 2 sigmoid(z[n:2n])
+ *   C = softmax over j of z[2n:] as [n][n] (row i, column j), + eps
+ *   C /= column sums + eps; then iters - 1 times: C /= row sums + eps, C /= column sums + eps */
+static PyObject *py_hc_split(PyObject *self, PyObject *args) {
+    int n, iters;
+    float eps;
+    PyObject *mo, *so, *bo, *po, *qo, *co;
+    if (!PyArg_ParseTuple(args, "OiOOfiOOO", &mo, &n, &so, &bo, &eps, &iters, &po, &qo, &co)) return NULL;
+    if (n < 1 || n > 16 || iters < 1) {
+        PyErr_SetString(PyExc_ValueError, "hc_split: n must be in 1..16 and iters >= 1");
+        return NULL;
+    }
+    const int w = 2 * n + n * n;
+    Py_buffer mb, sb, bb, pb, qb, cb;
+    if (get_f32(mo, &mb, 0, "mix", -1, w) < 0) return NULL;
+    const int64_t T = mb.shape[0];
+    int got = 1;
+    PyObject *ret = NULL;
+    if (get_f32(so, &sb, 0, "scale", 1, 3) < 0) goto done;
+    got++;
+    if (get_f32(bo, &bb, 0, "base", 1, w) < 0) goto done;
+    got++;
+    if (get_f32(po, &pb, 1, "pre", T, n) < 0) goto done;
+    got++;
+    if (get_f32(qo, &qb, 1, "post", T, n) < 0) goto done;
+    got++;
+    if (get_f32(co, &cb, 1, "c", T, n * n) < 0) goto done;
+    got++;
+    {
+        const float *mix = (const float *)mb.buf, *sc = (const float *)sb.buf, *base = (const float *)bb.buf;
+        float *pre = (float *)pb.buf, *post = (float *)qb.buf, *C = (float *)cb.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t t = 0; t < T; t++) {
+            const float *m = mix + t * w;
+            float *c = C + t * n * n;
+            for (int i = 0; i < n; i++) {
+                const float zp = m[i] * sc[0] + base[i], zq = m[n + i] * sc[1] + base[n + i];
+                pre[t * n + i] = 1.0f / (1.0f + expf(-zp)) + eps;
+                post[t * n + i] = 2.0f * (1.0f / (1.0f + expf(-zq)));
+            }
+            for (int i = 0; i < n; i++) {
+                float z[16], mx = -INFINITY, s = 0.0f;
+                for (int j = 0; j < n; j++) {
+                    z[j] = m[2 * n + i * n + j] * sc[2] + base[2 * n + i * n + j];
+                    mx = z[j] > mx ? z[j] : mx;
+                }
+                if (!isfinite(mx)) mx = 0.0f;
+                for (int j = 0; j < n; j++) s += (z[j] = expf(z[j] - mx));
+                for (int j = 0; j < n; j++) c[i * n + j] = z[j] / s + eps;
+            }
+            for (int it = 0; it < iters; it++) {
+                if (it > 0) /* rows */
+                    for (int i = 0; i < n; i++) {
+                        float s = 0.0f;
+                        for (int j = 0; j < n; j++) s += c[i * n + j];
+                        s += eps;
+                        for (int j = 0; j < n; j++) c[i * n + j] /= s;
+                    }
+                for (int j = 0; j < n; j++) { /* columns */
+                    float s = 0.0f;
+                    for (int i = 0; i < n; i++) s += c[i * n + j];
+                    s += eps;
+                    for (int i = 0; i < n; i++) c[i * n + j] /= s;
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    {
+        Py_buffer *all[6] = {&mb, &sb, &bb, &pb, &qb, &cb};
+        for (int k = 0; k < got; k++) PyBuffer_Release(all[k]);
+    }
+    return ret;
+}
+
 static PyObject *py_has_q8(PyObject *self, PyObject *arg) {
     long type = PyLong_AsLong(arg);
     if (type == -1 && PyErr_Occurred()) return NULL;
@@ -716,6 +798,8 @@ static PyMethodDef methods[] = {
      "matmul_q8_batch(type_id, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T, one parallel region"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(block, x) -> (codes, scales, sums) as bytes"},
     {"round_q8", py_round_q8, METH_VARARGS, "round_q8(block, x, out[, threads]): out = Q8_0/Q8_K-rounded x"},
+    {"hc_split", py_hc_split, METH_VARARGS,
+     "hc_split(mix, n, scale, base, eps, iters, pre, post, c): hyper-connection weights (float32)"},
     {"has_q8", py_has_q8, METH_O, "has_q8(type_id) -> whether an integer-activation kernel exists"},
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(type_id, w, out[, threads]): out = decoded rows of w"},
     {"read_sum", py_read_sum, METH_O, "read_sum(buf): sum of the buffer's uint64 words (bandwidth probe)"},

@@ -221,6 +221,20 @@ def round_q8(x: np.ndarray, block: int) -> np.ndarray:
     return out
 
 
+def hc_split(mix: np.ndarray, n: int, scale, base, eps: float, iters: int):
+    """The hyper-connection weights (pre [T, n], post [T, n], C [T, n, n]) of NumpyOps.hc_split
+    in float32 C, one token at a time; None without the extension."""
+    if _K is None:
+        return None
+    mix = np.ascontiguousarray(mix, dtype=np.float32)
+    T = mix.shape[0]
+    pre, post = np.empty((T, n), np.float32), np.empty((T, n), np.float32)
+    c = np.empty((T, n * n), np.float32)
+    _K.hc_split(mix, int(n), np.ascontiguousarray(scale, dtype=np.float32).reshape(1, -1)[:, :3],
+                np.ascontiguousarray(base, dtype=np.float32).reshape(1, -1), float(eps), int(iters), pre, post, c)
+    return pre, post, c.reshape(T, n, n)
+
+
 def _round_act(type_id: int, x: np.ndarray) -> np.ndarray:
     return round_q8(x, Q8_ACT_BLOCK[type_id])
 

@@ -51,6 +51,11 @@ class CpuOps(FastOps, NumpyOps):
         y = self._mm(w, K.round_q8(x2, K.Q8_ACT_BLOCK[w.type_id]), rows)   # Q8_0: q8_0, experts: q8_k
         return y[0] if squeeze else y
 
+    def hc_split(self, mix, n, scale, base, eps, iters):
+        # in C: at decode the NumPy form is ~90 calls on 4 x 4 arrays, twice a layer
+        got = K.hc_split(mix, n, scale, base, eps, iters)
+        return got if got is not None else super().hc_split(mix, n, scale, base, eps, iters)
+
     def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         if self.ds4 and w.type_id == Q.Q8_0:
             return self._mm_act(w, x, rows)

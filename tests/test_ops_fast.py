@@ -215,3 +215,22 @@ def test_a_tokens_result_does_not_depend_on_the_batch():
         full = f(slice(None))
         for t in range(T):
             assert np.array_equal(f(slice(t, t + 1))[0], full[t]), (name, t)
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_hc_split_in_c(T):
+    """The cpu backend's C hc_split (kernels.hc_split) against the reference: the same float32
+    steps with libm's expf for NumPy's exp, so equal up to float32 rounding."""
+    from engine import kernels
+    if not kernels.available():
+        pytest.skip("engine._kernels is not built")
+    rng = _rng(40 + T)
+    n = 4
+    mix = f32(rng, T, 2 * n + n * n) * 4
+    mix[0, 2 * n:2 * n + n] = [30, -30, 0, 1]             # a peaked softmax row
+    scale, base, eps = rng.random(3).astype(np.float32) + 0.5, f32(rng, 2 * n + n * n), np.float32(1e-6)
+    for iters in (1, 20):
+        got = kernels.hc_split(mix, n, scale, base, eps, iters)
+        ref = REF.hc_split(mix, n, scale, base, eps, iters)
+        for name, g, r in zip(("pre", "post", "C"), got, ref):
+            check(f"C hc_split {name} T={T} iters={iters}", g, r)
