@@ -40,6 +40,9 @@ static int g_threads = 1;
  * T, on the path or on the thread count */
 static int g_invariant = 0;
 
+/* column block of the panel path for wide inputs (run_matmul) */
+#define KERN_KC 1024
+
 /* per-thread scratch (panel buffers), kept between calls */
 static __thread float *tls_buf;
 static __thread size_t tls_cap;
@@ -118,8 +121,17 @@ static int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t s
         }
         return 0;
     }
+    /* Column blocks: a panel of rows sweeps all of x (T x n_in floats), and the panel holds
+     * 256 KiB / n_in rows, so a wide x (8192 values x 512 tokens = 16 MiB) was re-read from memory
+     * for every 8 rows. Blocks of KERN_KC values keep 64-row panels and a block of x that caches
+     * well; the partial sums are added into y (a different summation order: not in batch-invariant
+     * mode, where a token's sums must not depend on T). */
+    const int64_t be = kern_block_elems(type);
+    int64_t kc = n_in;
+    if (!g_invariant && n_in >= 2 * KERN_KC && T * n_in * (int64_t)sizeof(float) > (1 << 20) && KERN_KC % be == 0)
+        kc = KERN_KC;
     const int unit = K->panel_rows;
-    const size_t need = (size_t)(kern_panel_rows(unit, n_in) * kern_ldw(n_in));
+    const size_t need = (size_t)(kern_panel_rows(unit, kc) * kern_ldw(kc));
     const int nt = thread_count((n_rows + unit - 1) / unit, n_rows * n_in * T, 1 << 20, max_threads);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -131,7 +143,11 @@ static int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t s
 #pragma omp atomic write
                 failed = 1;
             } else {
-                K->panel(K->dq[type], W, stride, n_in, a, b, x, T, y, n_rows, wbuf);
+                for (int64_t k0 = 0; k0 < n_in; k0 += kc) {
+                    const int64_t len = n_in - k0 < kc ? n_in - k0 : kc;
+                    K->panel(K->dq[type], W + k0 / be * kern_block_bytes(type), stride, len, a, b, x + k0, n_in, T,
+                             y, n_rows, wbuf, k0 > 0);
+                }
             }
         }
     }

@@ -340,3 +340,24 @@ def test_extension_built_from_these_sources():
     # the extension is optional: a rebuild that fails leaves the previous binary in place, and
     # every other test here would then test old code
     assert K.build_is_current() is not False, "engine._kernels is stale: rebuild with pip install -e ."
+
+
+@needs_ext
+@pytest.mark.parametrize("t", [Q.F16, Q.Q8_0, Q.Q2_K, Q.IQ2_XXS], ids=NAMES.get)
+def test_panel_column_blocks(t, isa_guard):
+    """Wide inputs with many tokens take the panel path in column blocks (partial sums added into
+    y): still the reference to rounding, and the same bound."""
+    C = isa_guard
+    rng = np.random.default_rng(500 + t)
+    n_rows, n_in, T = 9, 3072, 200           # T * n_in * 4 > 1 MiB and n_in >= 2 blocks: blocked
+    w = weights(t, rng, n_rows, n_in)
+    aw = abs_weights(t, w)
+    x = rng.standard_normal((T, n_in), dtype=np.float32)
+    ref = Q.matvec(t, w, x.T, accumulate=np.float64).T
+    bound = (n_in / 16 + 64) * U * (np.abs(x.astype(np.float64)) @ aw.T) + U * np.abs(ref) + 1e-30
+    for isa in C.isas():
+        C.set_isa(isa)
+        y = K.matmul(t, w, x, method="panel")
+        diff = np.abs(y.astype(np.float64) - ref)
+        assert not (diff > bound).any(), (isa, diff.max())
+        assert diff.max() / np.abs(ref).max() < 1e-5

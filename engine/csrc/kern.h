@@ -106,10 +106,12 @@ typedef void (*kern_dq_fn)(const uint8_t *src, float *dst, int64_t n_elems);
 typedef void (*kern_mv1_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,
                             const float *x, const float *aux, float *y);
 
-/* y[t*ldy + r] = W[r] . x[t] for rows r0..r1-1 and all T tokens, decoding the rows with dq
- * into wbuf (kern_panel_rows() * n_in floats, 64-byte aligned) a panel at a time */
+/* y[t*ldy + r] (+)= W[r] . x[t] for rows r0..r1-1 and all T tokens over n_in values (x rows ldx
+ * apart: a column block of a wider x when the caller splits n_in), decoding the rows with dq into
+ * wbuf (kern_panel_rows() * n_in floats, 64-byte aligned) a panel at a time; accumulate: add to y */
 typedef void (*kern_panel_fn)(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0,
-                              int64_t r1, const float *x, int64_t T, float *y, int64_t ldy, float *wbuf);
+                              int64_t r1, const float *x, int64_t ldx, int64_t T, float *y, int64_t ldy,
+                              float *wbuf, int accumulate);
 
 /* y[t*ldy + r] = W[r] . x[t] for rows r0..r1-1 and all T tokens, decoding in registers (small T) */
 typedef void (*kern_mvt_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,

@@ -12,18 +12,18 @@
 #include "kern_dequant_body.h"
 
 static void panel_generic(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,
-                          const float *x, int64_t T, float *y, int64_t ldy, float *wbuf) {
+                          const float *x, int64_t ldx, int64_t T, float *y, int64_t ldy, float *wbuf, int accumulate) {
     for (int64_t r = r0; r < r1; r++) {
         dq(W + r * stride, wbuf, n_in);
         for (int64_t t = 0; t < T; t++) {
-            const float *xt = x + t * n_in;
+            const float *xt = x + t * ldx;
             float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             int64_t k = 0;
             for (; k + 8 <= n_in; k += 8)
                 for (int j = 0; j < 8; j++) s[j] += wbuf[k + j] * xt[k + j];
             float tot = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
             for (; k < n_in; k++) tot += wbuf[k] * xt[k];
-            y[t * ldy + r] = tot;
+            y[t * ldy + r] = accumulate ? y[t * ldy + r] + tot : tot;
         }
     }
 }

@@ -705,7 +705,7 @@ KERN_DEF_MVT(iq2_xxs)
 KERN_TILES_DEFINE
 
 static void KSUF(panel)(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,
-                        const float *x, int64_t T, float *y, int64_t ldy, float *wbuf) {
+                        const float *x, int64_t ldx, int64_t T, float *y, int64_t ldy, float *wbuf, int accumulate) {
     const int64_t ldw = kern_ldw(n_in);
     const int64_t n16 = n_in & ~(int64_t)15;
     const int64_t pr = kern_panel_rows(PRP, n_in);
@@ -714,24 +714,25 @@ static void KSUF(panel)(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64
         for (int64_t i = 0; i < np; i++) dq(W + (p0 + i) * stride, wbuf + i * ldw, n_in);
         for (int64_t t = 0; t < T; t += PTT) {
             const int nt = (int)(T - t < PTT ? T - t : PTT);
-            const float *xt = x + t * n_in;
+            const float *xt = x + t * ldx;
             for (int64_t i = 0; i < np; i += PRP) {
                 const int nr = (int)(np - i < PRP ? np - i : PRP);
                 const float *wp = wbuf + i * ldw;
                 float res[PRP * PTT];
                 if (nr == PRP) {
-                    KERN_TILE_CALL_FULL(nt, wp, ldw, xt, n_in, n16, res);
+                    KERN_TILE_CALL_FULL(nt, wp, ldw, xt, ldx, n16, res);
                 } else {
                     for (int ii = 0; ii < nr; ii++)
-                        KERN_TILE_CALL_ONE(nt, wp + ii * ldw, ldw, xt, n_in, n16, res + ii * nt);
+                        KERN_TILE_CALL_ONE(nt, wp + ii * ldw, ldw, xt, ldx, n16, res + ii * nt);
                 }
                 for (int ii = 0; ii < nr; ii++) {
                     for (int tt = 0; tt < nt; tt++) {
                         float s = res[ii * nt + tt];
                         const float *wr = wp + ii * ldw;
-                        const float *xr = xt + tt * n_in;
+                        const float *xr = xt + tt * ldx;
                         for (int64_t k = n16; k < n_in; k++) s += wr[k] * xr[k];
-                        y[(t + tt) * ldy + p0 + i + ii] = s;
+                        float *yo = y + (t + tt) * ldy + p0 + i + ii;
+                        *yo = accumulate ? *yo + s : s;
                     }
                 }
             }
