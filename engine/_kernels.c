@@ -221,11 +221,13 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
     float *xd = (float *)malloc((size_t)nd * sizeof(float) + 1);
     int16_t *xs = (int16_t *)malloc((size_t)ns * sizeof(int16_t) + 1);
     int64_t *unit_job = (int64_t *)malloc((size_t)units * sizeof(int64_t) + 1);
-    if (!xq || !xd || !xs || !unit_job) {
+    int64_t *unit_cum = (int64_t *)malloc((size_t)(units + 1) * sizeof(int64_t));
+    if (!xq || !xd || !xs || !unit_job || !unit_cum) {
         free(xq);
         free(xd);
         free(xs);
         free(unit_job);
+        free(unit_cum);
         return -1;
     }
     nq = nd = ns = 0;
@@ -237,6 +239,14 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
         nd += jobs[i].T * (jobs[i].n_in / bs);
         ns += bs == 256 ? jobs[i].T * (jobs[i].n_in / 16) : 0;
         for (int64_t r = 0; r < jobs[i].n_rows; r += 16) unit_job[u++] = i;
+    }
+    /* the units' work (rows x values x (tokens + 2): decoding a row costs about two tokens'
+     * products), summed: the threads split the work, not the unit count (a prefill's experts
+     * have 1 to 32 tokens each) */
+    unit_cum[0] = 0;
+    for (int64_t u = 0; u < units; u++) {
+        const q8_job *j = &jobs[unit_job[u]];
+        unit_cum[u + 1] = unit_cum[u] + 16 * j->n_in * (j->T + 2); /* (a job's last unit may be shorter) */
     }
     const kern_q8_fn f = K->q8[type];
     const int nt = thread_count(units, work, 64 * 1024, max_threads);
@@ -255,8 +265,15 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
             }
         }
 #pragma omp barrier
-        /* a contiguous run of 16-row units of all jobs per thread */
-        const int64_t u0 = units * tid / nth, u1 = units * (tid + 1) / nth;
+        /* a contiguous run of 16-row units of all jobs per thread, equal in work */
+        int64_t u0 = 0, u1 = 0;
+        {
+            const int64_t w0 = unit_cum[units] * tid / nth, w1 = unit_cum[units] * (tid + 1) / nth;
+            while (u0 < units && unit_cum[u0] < w0) u0++;
+            u1 = u0;
+            while (u1 < units && unit_cum[u1] < w1) u1++;
+            if (tid == nth - 1) u1 = units;
+        }
         int64_t u = u0;
         while (u < u1) {
             const int64_t i = unit_job[u];
@@ -274,6 +291,7 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
     free(xd);
     free(xs);
     free(unit_job);
+    free(unit_cum);
     return 0;
 }
 

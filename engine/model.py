@@ -84,7 +84,7 @@ class Model:
         q = ops.rmsnorm(q, None, c.rms_eps)                                        # per head, no weight
         kv = ops.rmsnorm(kv, lw.kv_norm, c.rms_eps)
         th = self._thetas(lw.ratio, pos, c.n_rot)                                  # [T, n_rot/2]
-        q = ops.rope(q, th[:, None, :])
+        q = ops.rope(q, th[:, None, :], inplace=True)
         kv = ops.store_kv(ops.rope(kv, th), c.n_nope)
 
         # raw rows this chunk can see: the n_swa-1 before it, then its own
@@ -119,7 +119,7 @@ class Model:
                     segments.append((ls.comp[:nmax], np.arange(nmax)[None, :] < n_vis[:, None]))
             o[b0:b1] = ops.attention(q[b0:b1], segments, lw.sinks, scale)
 
-        o = ops.rope(o, th[:, None, :], inverse=True).reshape(T, c.n_head * c.head_dim)
+        o = ops.rope(o, th[:, None, :], inverse=True, inplace=True).reshape(T, c.n_head * c.head_dim)
         z = ops.grouped_linear(lw.out_a, o, c.o_groups)
         y = ops.linear(lw.out_b, z)
         return self._hc_post(y, X, post, C)

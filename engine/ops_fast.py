@@ -36,7 +36,7 @@ class FastOps:
 
     # -- RoPE ----------------------------------------------------------------------------------
     @staticmethod
-    def rope(x, thetas, inverse=False):
+    def rope(x, thetas, inverse=False, inplace=False):
         """N.apply_rope with each (even, odd) pair of the tail viewed as one complex64 number and
         rotated by one multiply with cos + i sin (the reference splits, multiplies and re-stacks the
         lanes: ~5 passes and a copy more). Equal to the reference up to float32 rounding (the
@@ -57,8 +57,11 @@ class FastOps:
         if inverse:
             np.conjugate(cs, out=cs)                       # the negated angle: -sin
         r = x.shape[-1] - 2 * npair
-        out = np.empty_like(x)
-        out[..., :r] = x[..., :r]
+        if inplace and x.flags.writeable and x.flags.c_contiguous:
+            out = x                                        # (the caller drops x: no copy of the head dims)
+        else:
+            out = np.empty_like(x)
+            out[..., :r] = x[..., :r]
         np.multiply(x[..., r:].view(np.complex64), cs, out=out[..., r:].view(np.complex64))
         return out
 

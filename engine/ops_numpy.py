@@ -119,7 +119,8 @@ class NumpyOps:
         return f(np.asarray(pos), n_rot, base, yarn=yarn)
 
     @staticmethod
-    def rope(x, thetas, inverse=False):
+    def rope(x, thetas, inverse=False, inplace=False):
+        """inplace: the caller drops x, so a backend may rotate it in place (the reference copies)."""
         return N.apply_rope(x, thetas, inverse=inverse)
 
     # -- attention -----------------------------------------------------------------------------

@@ -182,6 +182,11 @@ def test_rope(xshape, tshape):
         assert np.array_equal(got[..., :xshape[-1] - 2 * tshape[-1]], x[..., :xshape[-1] - 2 * tshape[-1]])
     y = FAST.rope(np.asfortranarray(x), th)                   # lanes not unit-stride: still right
     check("rope strided", y, REF.rope(x, th))
+    for inv in (False, True):                                 # in place: the same values, x overwritten
+        xc = x.copy()
+        got = FAST.rope(xc, th, inverse=inv, inplace=True)
+        assert got is xc and np.array_equal(got, FAST.rope(x, th, inverse=inv))
+        assert np.array_equal(REF.rope(x, th, inverse=inv, inplace=True), REF.rope(x, th, inverse=inv))
     with pytest.raises(ValueError):
         FAST.rope(np.zeros((2, 16), np.float32), np.zeros((2, 16), np.float32))
 
