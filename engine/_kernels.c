@@ -710,6 +710,55 @@ done:
     return ret;
 }
 
+/* rmsnorm(x, w_or_None, eps, out[, threads]): NumpyOps.rmsnorm row by row (x [rows, n]): the
+ * squares summed in float64 (8 partial sums), inv = float32(1 / sqrt(sum / n + eps)) in float64,
+ * out = float32(x * inv) (* w). The reference sums pairwise in float64, so inv matches it except
+ * in the rare case where the float64 sums' last-bit difference crosses a float32 rounding point. */
+static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
+    PyObject *xo, *wo, *oo;
+    double eps;
+    int threads = 0;
+    if (!PyArg_ParseTuple(args, "OOdO|i", &xo, &wo, &eps, &oo, &threads)) return NULL;
+    Py_buffer xb, wb, ob;
+    if (get_f32(xo, &xb, 0, "x", -1, -1) < 0) return NULL;
+    const int64_t R = xb.shape[0], n = xb.shape[1];
+    const int has_w = wo != Py_None;
+    if (has_w && get_f32(wo, &wb, 0, "w", 1, n) < 0) {
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    if (get_f32(oo, &ob, 1, "out", R, n) < 0) {
+        PyBuffer_Release(&xb);
+        if (has_w) PyBuffer_Release(&wb);
+        return NULL;
+    }
+    const float *x = (const float *)xb.buf, *w = has_w ? (const float *)wb.buf : NULL;
+    float *out = (float *)ob.buf;
+    Py_BEGIN_ALLOW_THREADS
+    const int nt = thread_count(R, R * n, 64 * 1024, threads);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int k = 0; k < 8; k++) s[k] += (double)xr[i + k] * (double)xr[i + k];
+        double tot = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+        for (; i < n; i++) tot += (double)xr[i] * (double)xr[i];
+        const float inv = (float)(1.0 / sqrt(tot / (double)n + eps));
+        if (w)
+            for (i = 0; i < n; i++) o[i] = (xr[i] * inv) * w[i];
+        else
+            for (i = 0; i < n; i++) o[i] = xr[i] * inv;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&xb);
+    if (has_w) PyBuffer_Release(&wb);
+    PyBuffer_Release(&ob);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_has_q8(PyObject *self, PyObject *arg) {
     long type = PyLong_AsLong(arg);
     if (type == -1 && PyErr_Occurred()) return NULL;
@@ -834,6 +883,7 @@ static PyMethodDef methods[] = {
     {"round_q8", py_round_q8, METH_VARARGS, "round_q8(block, x, out[, threads]): out = Q8_0/Q8_K-rounded x"},
     {"hc_split", py_hc_split, METH_VARARGS,
      "hc_split(mix, n, scale, base, eps, iters, pre, post, c): hyper-connection weights (float32)"},
+    {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, w_or_None, eps, out[, threads]): row RMS norm (float64 sums)"},
     {"has_q8", py_has_q8, METH_O, "has_q8(type_id) -> whether an integer-activation kernel exists"},
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(type_id, w, out[, threads]): out = decoded rows of w"},
     {"read_sum", py_read_sum, METH_O, "read_sum(buf): sum of the buffer's uint64 words (bandwidth probe)"},

@@ -221,6 +221,20 @@ def round_q8(x: np.ndarray, block: int) -> np.ndarray:
     return out
 
 
+def rmsnorm(x: np.ndarray, w, eps: float):
+    """NumpyOps.rmsnorm over the last axis of x, in C (float64 sums, multi-threaded over rows);
+    None without the extension."""
+    if _K is None:
+        return None
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+    out = np.empty_like(x2)
+    if x2.size:
+        wv = None if w is None else np.ascontiguousarray(w, dtype=np.float32).reshape(1, -1)
+        _K.rmsnorm(x2, wv, float(eps), out)
+    return out.reshape(x.shape)
+
+
 def hc_split(mix: np.ndarray, n: int, scale, base, eps: float, iters: int):
     """The hyper-connection weights (pre [T, n], post [T, n], C [T, n, n]) of NumpyOps.hc_split
     in float32 C, one token at a time; None without the extension."""

@@ -239,3 +239,21 @@ def test_hc_split_in_c(T):
         ref = REF.hc_split(mix, n, scale, base, eps, iters)
         for name, g, r in zip(("pre", "post", "C"), got, ref):
             check(f"C hc_split {name} T={T} iters={iters}", g, r)
+
+
+@pytest.mark.parametrize("shape", [(1, 16384), (7, 64, 512), (300, 1000), (2, 3)])
+def test_rmsnorm_in_c(shape):
+    """The cpu backend's C rmsnorm sums the squares in float64 as the reference does (in another
+    order), so it is the reference's result bit for bit except in rare last-bit cases."""
+    from engine import kernels
+    from engine.ops_cpu import CpuOps
+    if not kernels.available():
+        pytest.skip("engine._kernels is not built")
+    rng = _rng(sum(shape))
+    x = (rng.standard_normal(shape) * rng.choice([1e-4, 1.0, 300.0], shape[:-1] + (1,))).astype(np.float32)
+    w = f32(rng, shape[-1])
+    for ww in (None, w):
+        got, ref = CpuOps.rmsnorm(x, ww, 1e-6), REF.rmsnorm(x, ww, 1e-6)
+        check(f"C rmsnorm {shape} w={ww is not None}", got, ref)
+        assert np.mean(got.view(np.uint32) == ref.view(np.uint32)) >= 0.999
+    assert CpuOps.rmsnorm(x[0], w, 1e-6).shape == x[0].shape
