@@ -201,7 +201,8 @@ async def test_plain_turn_streams_and_updates_status(env, project, tmp_path):
             app._emit(E.Notice("boom", "error"))
             app._emit(E.Status("m", "numpy", 7000, 8192, 1.0, 1.0, "s", "none", "", "context 85% full"))
             await until(pilot, lambda: any(n.level == "error" for n in app.query(NoticeLine)), "the error")
-            assert app.query_one("#warning").display
+            # (the two events are handled in turn: wait for the second too, not just the first)
+            await until(pilot, lambda: app.query_one("#warning").display, "the warning")
             assert "context 85% full" in str(app.query_one("#warning").content)
             # /quit saves (in the agent) and leaves
             await send(pilot, "/quit")
