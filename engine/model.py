@@ -181,8 +181,7 @@ class Model:
         qi = ops.index_qat(ops.rope(qi, th_fn(pos)[:, None, :]))
         wts = ops.linear(lw.indexer.proj, h) * np.float32(1.0 / np.sqrt(c.idx_head_dim * c.idx_n_head))
         keys = ls.index[:int(n_vis[-1])]
-        s = np.einsum("thd,cd->thc", qi.astype(np.float64), keys.astype(np.float64), optimize=True)
-        score = np.einsum("th,thc->tc", wts.astype(np.float64), np.maximum(s, 0.0), optimize=True)
+        score = ops.indexer_scores(qi, keys, wts)                                  # [T, n rows]
         vis = np.arange(keys.shape[0])[None, :] < n_vis[:, None]
         score = np.where(vis, score, -np.inf)
         idx = ops.topk_lowest_index(score, k)                                      # [T, k]

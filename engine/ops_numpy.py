@@ -181,6 +181,22 @@ class NumpyOps:
         return (post[:, :, None] * y[:, None, :] + mixed).astype(np.float32)
 
     @staticmethod
+    def indexer_scores(qi, keys, wts):
+        """The indexer's score of every compressed row for every query: qi [T, H, D] (queries per
+        indexer head), keys [C, D], wts [T, H] -> [T, C] = sum_h wts[t, h] * relu(qi[t, h] . keys[c]),
+        in float64. Queries go in blocks so the [t, h, c] products stay under ~16M values (a
+        2048-token chunk at 32K context would otherwise need [2048, 64, 8192] of them)."""
+        T, H, _ = qi.shape
+        out = np.empty((T, keys.shape[0]), dtype=np.float64)
+        step = max(1, (1 << 24) // max(1, H * keys.shape[0]))
+        k64 = keys.astype(np.float64)
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            s = np.einsum("thd,cd->thc", qi[t0:t1].astype(np.float64), k64, optimize=True)
+            out[t0:t1] = np.einsum("th,thc->tc", wts[t0:t1].astype(np.float64), np.maximum(s, 0.0), optimize=True)
+        return out
+
+    @staticmethod
     def topk_lowest_index(scores: np.ndarray, k: int) -> np.ndarray:
         """Indices of the k largest scores per row, ties to the lowest index (ds4's repeated argmax)."""
         order = np.argsort(-scores, axis=-1, kind="stable")

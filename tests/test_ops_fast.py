@@ -257,3 +257,16 @@ def test_rmsnorm_in_c(shape):
         check(f"C rmsnorm {shape} w={ww is not None}", got, ref)
         assert np.mean(got.view(np.uint32) == ref.view(np.uint32)) >= 0.999
     assert CpuOps.rmsnorm(x[0], w, 1e-6).shape == x[0].shape
+
+
+@pytest.mark.parametrize("T,C", [(1, 700), (5, 33), (60, 5000)])
+def test_indexer_scores(T, C):
+    rng = _rng(T + C)
+    H, D = 64, 128
+    qi, keys, wts = f32(rng, T, H, D), f32(rng, C, D), np.abs(f32(rng, T, H))
+    got, ref = FAST.indexer_scores(qi, keys, wts), REF.indexer_scores(qi, keys, wts)
+    check(f"indexer_scores T={T} C={C}", got, ref.astype(np.float32))
+    # the reference's query blocks (16M products each: 2 blocks at T=60, C=5000) change nothing
+    full = np.einsum("th,thc->tc", wts.astype(np.float64),
+                     np.maximum(np.einsum("thd,cd->thc", qi.astype(np.float64), keys.astype(np.float64)), 0.0))
+    assert np.allclose(ref, full, rtol=1e-12, atol=1e-9)
