@@ -5,8 +5,9 @@
  *                                 buffer of packed rows (any row stride, contiguous rows), x / y
  *                                 float32 C-contiguous; threads: thread count of this call (0:
  *                                 set_threads); path: 0 by T, 1 in registers, 2 decoded panel
- *   matmul_q8(type_id, w, x, y[, threads])  the same product with x quantized per token to Q8_0 /
- *                                 Q8_K blocks first (ds4 numerics; integer dot products)
+ *   matmul_q8_batch(type_id, ws, xs, ys[, threads])  ys[i] = the same product with xs[i] quantized
+ *                                 per token to Q8_0 / Q8_K blocks first (ds4 numerics; integer dot
+ *                                 products), every i in one parallel region
  *   quantize_q8(block, x) / has_q8(type_id)  the activation quantizer (tests) / kernel presence
  *   dequantize(type_id, w, out[, threads])  out[n_rows, n_in] = the decoded rows (bit-exact with
  *                                 quants.py)
@@ -154,47 +155,9 @@ static int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t s
     return failed ? -1 : 0;
 }
 
-/* Integer activations (ds4 numerics): every token of x is quantized (Q8_0 or Q8_K blocks, by the
- * weight type), then the rows are split over threads as in run_matmul; the token loop runs inside
- * each row.  -1: out of memory. */
-static int run_matmul_q8(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, int64_t n_rows,
-                         int64_t n_in, const float *x, int64_t T, float *y, int max_threads) {
-    const int bs = kern_q8_block(type);
-    const int64_t nbx = n_in / bs;
-    int8_t *xq = (int8_t *)malloc((size_t)(T * n_in));
-    float *xd = (float *)malloc((size_t)(T * nbx) * sizeof(float) + 1);
-    int16_t *xs = bs == 256 ? (int16_t *)malloc((size_t)(T * (n_in / 16)) * sizeof(int16_t) + 1) : NULL;
-    if (!xq || !xd || (bs == 256 && !xs)) {
-        free(xq);
-        free(xd);
-        free(xs);
-        return -1;
-    }
-    const int ntq = thread_count(T, T * n_in, 256 * 1024, max_threads);
-#pragma omp parallel for num_threads(ntq) schedule(static) if (ntq > 1)
-    for (int64_t t = 0; t < T; t++) {
-        if (bs == 32)
-            kern_quant_q8_0(x + t * n_in, n_in, xq + t * n_in, xd + t * nbx);
-        else
-            kern_quant_q8_k(x + t * n_in, n_in, xq + t * n_in, xd + t * nbx, xs + t * (n_in / 16));
-    }
-    const int64_t rb = n_in / kern_block_elems(type) * kern_block_bytes(type);
-    const kern_q8_fn f = K->q8[type];
-    const int nt = thread_count((n_rows + 15) / 16, n_rows * rb * (T < 4 ? T : 4), 64 * 1024, max_threads);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        int64_t a, b;
-        split_rows(n_rows, 16, OMP_TID(), OMP_NTH(), &a, &b);
-        if (a < b) f(W, stride, n_in, a, b, xq, xd, xs, T, y, n_rows);
-    }
-    free(xq);
-    free(xd);
-    free(xs);
-    return 0;
-}
-
-/* Several integer-activation products in one parallel region (the routed experts of a layer: one
- * fork/join instead of one per matrix, and the threads share the rows of all matrices) */
+/* Integer activations (ds4 numerics): every token of every x is quantized (Q8_0 or Q8_K blocks, by
+ * the weight type), then the 16-row units of all the products are split over the threads by work
+ * (one product is a batch of one; a layer's routed experts are one fork/join, not one per matrix) */
 typedef struct {
     const uint8_t *W;
     ptrdiff_t stride;
@@ -408,48 +371,6 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         rc = run_matmul(K, type, (const uint8_t *)wb.buf, stride, n_rows, n_in, (const float *)xb.buf, T,
                         (float *)yb.buf, threads, path);
         Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&wb);
-    PyBuffer_Release(&xb);
-    PyBuffer_Release(&yb);
-    if (rc < 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
-    int type, threads = 0;
-    PyObject *wo, *xo, *yo;
-    if (!PyArg_ParseTuple(args, "iOOO|i", &type, &wo, &xo, &yo, &threads)) return NULL;
-    if (check_type(type) < 0) return NULL;
-    const kern_isa *K = &g_isa[g_cur];
-    if (!K->q8[type]) {
-        PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", type);
-        return NULL;
-    }
-    Py_buffer wb, xb, yb;
-    int64_t n_rows, n_in;
-    ptrdiff_t stride;
-    if (get_weight(wo, type, &wb, &n_rows, &n_in, &stride) < 0) return NULL;
-    if (get_f32(xo, &xb, 0, "x", -1, n_in) < 0) {
-        PyBuffer_Release(&wb);
-        return NULL;
-    }
-    const int64_t T = xb.shape[0];
-    if (get_f32(yo, &yb, 1, "y", T, n_rows) < 0) {
-        PyBuffer_Release(&wb);
-        PyBuffer_Release(&xb);
-        return NULL;
-    }
-    int rc = 0;
-    if (T > 0 && n_rows > 0) {
-        if (n_in == 0) {
-            memset(yb.buf, 0, (size_t)(T * n_rows) * sizeof(float));
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            rc = run_matmul_q8(K, type, (const uint8_t *)wb.buf, stride, n_rows, n_in, (const float *)xb.buf, T,
-                               (float *)yb.buf, threads);
-            Py_END_ALLOW_THREADS
-        }
     }
     PyBuffer_Release(&wb);
     PyBuffer_Release(&xb);
@@ -850,6 +771,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
         if (g_have[i] && strcmp(g_isa[i].name, name) == 0) {
             PyObject *prev = PyUnicode_FromString(g_isa[g_cur].name);
             g_cur = i;
+            kern_q8_use(g_isa[i].q8_maxmag, g_isa[i].q8_codes);
             return prev;
         }
     }
@@ -875,8 +797,6 @@ static PyObject *py_tables(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(type_id, w, x, y[, threads[, path]]): y = x @ W.T (float32)"},
-    {"matmul_q8", py_matmul_q8, METH_VARARGS,
-     "matmul_q8(type_id, w, x, y[, threads]): y = q8(x) @ W.T with x quantized per token (ds4 numerics)"},
     {"matmul_q8_batch", py_matmul_q8_batch, METH_VARARGS,
      "matmul_q8_batch(type_id, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T, one parallel region"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(block, x) -> (codes, scales, sums) as bytes"},

@@ -267,7 +267,7 @@ def matmul_q8(type_id: int, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     if not has_q8(f.type_id):
         return matmul(f.type_id, w, _round_act(f.type_id, x))
     y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-    _K.matmul_q8(f.type_id, w, x, y)
+    _K.matmul_q8_batch(f.type_id, [w], [x], [y])
     return y
 
 

@@ -38,6 +38,10 @@ class CpuOps(FastOps, NumpyOps):
         y = K.matmul(w.type_id, data, x[None] if squeeze else x)
         return y[0] if squeeze else y
 
+    def _int_path(self, type_id: int, T: int) -> bool:
+        """ds4 numerics, few tokens and an integer kernel for the weight type (integer path)."""
+        return self.ds4 and T <= K.Q8_MAX_T and K.has_q8(type_id)
+
     def _mm_act(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         """ds4 mode, a weight whose input ds4 quantizes (Q8_0 / Q8_K): few tokens take the
         integer kernels (x quantized inside, exact integer dots); more tokens take the float
@@ -45,7 +49,7 @@ class CpuOps(FastOps, NumpyOps):
         x = np.ascontiguousarray(x, dtype=np.float32)
         squeeze = x.ndim == 1
         x2 = x[None] if squeeze else x
-        if x2.shape[0] <= K.Q8_MAX_T and K.has_q8(w.type_id):
+        if self._int_path(w.type_id, x2.shape[0]):
             y = K.matmul_q8(w.type_id, w.data if rows is None else w.data[rows], x2)
             return y[0] if squeeze else y
         y = self._mm(w, K.round_q8(x2, K.Q8_ACT_BLOCK[w.type_id]), rows)   # Q8_0: q8_0, experts: q8_k
@@ -70,8 +74,7 @@ class CpuOps(FastOps, NumpyOps):
 
     def linears(self, ws: list, x: np.ndarray) -> list:
         # ds4 mode, few tokens, Q8_0 weights: one batched integer-kernel call for all of them
-        if not (self.ds4 and x.shape[0] <= K.Q8_MAX_T and all(w.type_id == Q.Q8_0 for w in ws)
-                and K.has_q8(Q.Q8_0)):
+        if not (all(w.type_id == Q.Q8_0 for w in ws) and self._int_path(Q.Q8_0, x.shape[0])):
             return super().linears(ws, x)
         x = np.ascontiguousarray(x, dtype=np.float32)
         return K.matmul_q8_batch(Q.Q8_0, [w.data for w in ws], [x] * len(ws))
@@ -79,7 +82,7 @@ class CpuOps(FastOps, NumpyOps):
     def grouped_linear(self, w: QTensor, x: np.ndarray, groups: int) -> np.ndarray:
         # ds4 mode, few tokens: all groups in one batched integer-kernel call (one parallel region
         # instead of one per group)
-        if not (self.ds4 and x.shape[0] <= K.Q8_MAX_T and K.has_q8(w.type_id) and w.type_id == Q.Q8_0):
+        if not (w.type_id == Q.Q8_0 and self._int_path(Q.Q8_0, x.shape[0])):
             return super().grouped_linear(w, x, groups)
         gi, gr = x.shape[1] // groups, w.data.shape[0] // groups
         ys = K.matmul_q8_batch(w.type_id, [w.data[g * gr:(g + 1) * gr] for g in range(groups)],

@@ -48,21 +48,23 @@ def tricky_rows(rng, n):
 
 @needs_ext
 @pytest.mark.parametrize("block", [32, 256])
-def test_quantizers_bit_exact(block):
-    C = _C()
+def test_quantizers_bit_exact(block, isa_guard):
+    C = isa_guard
     rng = np.random.default_rng(block)
     ref_fn = N.q8_0_quantize if block == 32 else N.q8_k_quantize
-    for row in tricky_rows(rng, 1024):
-        q, d, s = C.quantize_q8(block, row)
-        q = np.frombuffer(q, np.int8)
-        d = np.frombuffer(d, np.float32)
-        rq, rd = ref_fn(row)
-        assert np.array_equal(q, rq.reshape(-1))
-        assert np.array_equal(d.view(np.uint32), rd.reshape(-1).view(np.uint32))
-        assert q.min() >= -127        # the kernels' sign trick relies on it
-        if block == 256:
-            sums = rq.reshape(-1, 16).astype(np.int32).sum(axis=1)
-            assert np.array_equal(np.frombuffer(s, np.int16), sums)
+    for isa in C.isas():                 # each build's quantizer loops (set_isa switches them)
+        C.set_isa(isa)
+        for row in tricky_rows(rng, 1024):
+            q, d, s = C.quantize_q8(block, row)
+            q = np.frombuffer(q, np.int8)
+            d = np.frombuffer(d, np.float32)
+            rq, rd = ref_fn(row)
+            assert np.array_equal(q, rq.reshape(-1)), isa
+            assert np.array_equal(d.view(np.uint32), rd.reshape(-1).view(np.uint32)), isa
+            assert q.min() >= -127        # the kernels' sign trick relies on it
+            if block == 256:
+                sums = rq.reshape(-1, 16).astype(np.int32).sum(axis=1)
+                assert np.array_equal(np.frombuffer(s, np.int16), sums), isa
     with pytest.raises(ValueError):
         C.quantize_q8(64, np.zeros(64, np.float32))
     with pytest.raises(ValueError):
@@ -131,8 +133,8 @@ def test_matmul_q8_bad_arguments():
     with pytest.raises(ValueError, match="float32"):
         K.matmul_q8(Q.Q8_0, w, np.zeros((1, 64), np.float64))
     with pytest.raises(ValueError):
-        _C().matmul_q8(Q.Q4_K, weights(Q.Q4_K, rng, 4, 256), np.zeros((1, 256), np.float32),
-                       np.zeros((1, 4), np.float32))
+        _C().matmul_q8_batch(Q.Q4_K, [weights(Q.Q4_K, rng, 4, 256)], [np.zeros((1, 256), np.float32)],
+                             [np.zeros((1, 4), np.float32)])
     assert K.matmul_q8(Q.Q8_0, w, np.zeros((0, 64), np.float32)).shape == (0, 4)
 
 
@@ -175,10 +177,12 @@ def test_round_q8_bit_exact(block, isa_guard):
     rng = np.random.default_rng(9 + block)
     x = np.concatenate([tricky_rows(rng, 1024), rng.standard_normal((40, 1024)).astype(np.float32)])
     ref = N.q8_0_round(x) if block == 32 else N.q8_k_round(x)
-    for thr in (1, 2):
-        C.set_threads(thr)
-        got = K.round_q8(x, block)
-        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    for isa in C.isas():
+        C.set_isa(isa)
+        for thr in (1, 2):
+            C.set_threads(thr)
+            got = K.round_q8(x, block)
+            assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (isa, thr)
     assert K.round_q8(x[:0], block).shape == (0, 1024)
     with pytest.raises(ValueError):
         K.round_q8(x, 64)

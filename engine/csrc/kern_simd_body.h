@@ -298,19 +298,36 @@ static void KSUF(mv1_q2_k)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_
     }
 }
 
-/* IQ2_XXS block preparation (256-bit integer ops, shared by both builds): from the 8 (a0, a1)
- * pairs, the 32 grid indices (bytes of the a0 words, element order), the 256-bit sign mask (bit
- * e = element e negative: ksigns bytes computed as 7-bit index | parity << 7) and the 8
- * sub-block scales db. */
-static inline __attribute__((always_inline)) void KSUF(iq2xxs_prep)(const uint8_t *qs, float d, uint32_t *goff,
-                                                                   uint8_t *signs, float *db, const int with_goff) {
+/* IQ2_XXS block (256-bit integer ops, shared by both builds): from the 8 (a0, a1) pairs, the a0
+ * words (grid indices) and the a1 words (sign indices, scale) in group order, and the 256-bit
+ * sign mask returned (bit e = element e negative: ksigns bytes computed as 7-bit index |
+ * parity << 7; byte k holds the signs of elements 8k..8k+7) */
+static inline __attribute__((always_inline)) __m256i KSUF(iq2xxs_signs)(const uint8_t *qs, __m256i *a0, __m256i *a1) {
     const __m256i q0 = _mm256_loadu_si256((const __m256i *)qs);
     const __m256i q1 = _mm256_loadu_si256((const __m256i *)(qs + 32));
     const __m256i perm = _mm256_setr_epi32(1, 3, 5, 7, 0, 2, 4, 6);
     const __m256i t0 = _mm256_permutevar8x32_epi32(q0, perm);
     const __m256i t1 = _mm256_permutevar8x32_epi32(q1, perm);
-    const __m256i a1 = _mm256_permute2x128_si256(t0, t1, 0x20);
-    const __m256i a0 = _mm256_permute2x128_si256(t0, t1, 0x31);
+    *a1 = _mm256_permute2x128_si256(t0, t1, 0x20);
+    *a0 = _mm256_permute2x128_si256(t0, t1, 0x31);
+    /* the four 7-bit sign indices of each a1 into its four bytes */
+    __m256i s = _mm256_and_si256(*a1, _mm256_set1_epi32(0x7F));
+    s = _mm256_or_si256(s, _mm256_and_si256(_mm256_slli_epi32(*a1, 1), _mm256_set1_epi32(0x7F00)));
+    s = _mm256_or_si256(s, _mm256_and_si256(_mm256_slli_epi32(*a1, 2), _mm256_set1_epi32(0x7F0000)));
+    s = _mm256_or_si256(s, _mm256_and_si256(_mm256_slli_epi32(*a1, 3), _mm256_set1_epi32(0x7F000000)));
+    /* parity of each byte into its bit 0 (bits shifted in from the next byte stay above bit 3) */
+    __m256i p = _mm256_xor_si256(s, _mm256_srli_epi32(s, 4));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
+    return _mm256_or_si256(s, _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi8(1)), 7));
+}
+
+/* IQ2_XXS block preparation for the float kernels: the 32 grid indices (as row offsets), the
+ * sign mask (iq2xxs_signs) and the 8 sub-block scales db. */
+static inline __attribute__((always_inline)) void KSUF(iq2xxs_prep)(const uint8_t *qs, float d, uint32_t *goff,
+                                                                   uint8_t *signs, float *db, const int with_goff) {
+    __m256i a0, a1;
+    _mm256_storeu_si256((__m256i *)signs, KSUF(iq2xxs_signs)(qs, &a0, &a1));
     /* grid row offsets in 8-byte units (row g = 32 bytes = 4 units), element order */
     if (with_goff) {
     const __m128i a0l = _mm256_castsi256_si128(a0), a0h = _mm256_extracti128_si256(a0, 1);
@@ -319,17 +336,6 @@ static inline __attribute__((always_inline)) void KSUF(iq2xxs_prep)(const uint8_
     _mm256_storeu_si256((__m256i *)(goff + 16), _mm256_slli_epi32(_mm256_cvtepu8_epi32(a0h), 2));
     _mm256_storeu_si256((__m256i *)(goff + 24), _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(a0h, 8)), 2));
     }
-    /* the four 7-bit sign indices of each a1 into its four bytes */
-    __m256i s = _mm256_and_si256(a1, _mm256_set1_epi32(0x7F));
-    s = _mm256_or_si256(s, _mm256_and_si256(_mm256_slli_epi32(a1, 1), _mm256_set1_epi32(0x7F00)));
-    s = _mm256_or_si256(s, _mm256_and_si256(_mm256_slli_epi32(a1, 2), _mm256_set1_epi32(0x7F0000)));
-    s = _mm256_or_si256(s, _mm256_and_si256(_mm256_slli_epi32(a1, 3), _mm256_set1_epi32(0x7F000000)));
-    /* parity of each byte into its bit 0 (bits shifted in from the next byte stay above bit 3) */
-    __m256i p = _mm256_xor_si256(s, _mm256_srli_epi32(s, 4));
-    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
-    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
-    s = _mm256_or_si256(s, _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi8(1)), 7));
-    _mm256_storeu_si256((__m256i *)signs, s);
     /* db = d * (0.5 + (a1 >> 28)) * 0.25 */
     __m256 f = _mm256_cvtepi32_ps(_mm256_srli_epi32(a1, 28));
     f = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_add_ps(_mm256_set1_ps(0.5f), f)), _mm256_set1_ps(0.25f));
