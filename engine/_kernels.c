@@ -165,14 +165,23 @@ typedef struct {
     const float *x;
     float *y;
     int8_t *xq; /* quantized x, filled here */
+    uint8_t *xu; /* xq + 128 (GEMM form, signed weight codes) */
     float *xd;
     int16_t *xs;
+    int gemm;   /* take the GEMM form (many tokens) */
 } q8_job;
 
 static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_t n_jobs, int max_threads) {
     const int bs = kern_q8_block(type);
-    int64_t nq = 0, nd = 0, ns = 0, units = 0, work = 0;
+    const int gemm_signed = type != KT_Q2_K; /* weight codes signed: the GEMM wants x + 128 */
+    int64_t nq = 0, nd = 0, ns = 0, nu = 0, units = 0, work = 0, gscratch = 0;
     for (int64_t i = 0; i < n_jobs; i++) {
+        jobs[i].gemm = K->q8g[type] && !g_invariant && jobs[i].T >= K->q8g_min_t[type];
+        if (jobs[i].gemm) {
+            const int64_t g = K->q8g_scratch(jobs[i].n_in);
+            gscratch = g > gscratch ? g : gscratch;
+            nu += gemm_signed ? jobs[i].T * jobs[i].n_in : 0;
+        }
         nq += jobs[i].T * jobs[i].n_in;
         nd += jobs[i].T * (jobs[i].n_in / bs);
         ns += bs == 256 ? jobs[i].T * (jobs[i].n_in / 16) : 0;
@@ -181,21 +190,25 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
                 (jobs[i].T < 4 ? jobs[i].T : 4);
     }
     int8_t *xq = (int8_t *)malloc((size_t)nq + 1);
+    uint8_t *xu = (uint8_t *)malloc((size_t)nu + 1);
     float *xd = (float *)malloc((size_t)nd * sizeof(float) + 1);
     int16_t *xs = (int16_t *)malloc((size_t)ns * sizeof(int16_t) + 1);
     int64_t *unit_job = (int64_t *)malloc((size_t)units * sizeof(int64_t) + 1);
     int64_t *unit_cum = (int64_t *)malloc((size_t)(units + 1) * sizeof(int64_t));
-    if (!xq || !xd || !xs || !unit_job || !unit_cum) {
+    if (!xq || !xu || !xd || !xs || !unit_job || !unit_cum) {
         free(xq);
+        free(xu);
         free(xd);
         free(xs);
         free(unit_job);
         free(unit_cum);
         return -1;
     }
-    nq = nd = ns = 0;
+    nq = nd = ns = nu = 0;
     for (int64_t i = 0, u = 0; i < n_jobs; i++) {
         jobs[i].xq = xq + nq;
+        jobs[i].xu = jobs[i].gemm && gemm_signed ? xu + nu : NULL;
+        nu += jobs[i].xu ? jobs[i].T * jobs[i].n_in : 0;
         jobs[i].xd = xd + nd;
         jobs[i].xs = bs == 256 ? xs + ns : NULL;
         nq += jobs[i].T * jobs[i].n_in;
@@ -209,7 +222,9 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
     unit_cum[0] = 0;
     for (int64_t u = 0; u < units; u++) {
         const q8_job *j = &jobs[unit_job[u]];
-        unit_cum[u + 1] = unit_cum[u] + 16 * j->n_in * (j->T + 2); /* (a job's last unit may be shorter) */
+        /* the GEMM form: decoding and packing a row costs about two tokens, and a token's products
+         * about a quarter of the row kernels' */
+        unit_cum[u + 1] = unit_cum[u] + 16 * j->n_in * (j->gemm ? (j->T + 3) / 4 + 2 : j->T + 2);
     }
     const kern_q8_fn f = K->q8[type];
     const int nt = thread_count(units, work, 64 * 1024, max_threads);
@@ -226,6 +241,8 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
                     kern_quant_q8_k(j->x + t * j->n_in, j->n_in, j->xq + t * j->n_in, j->xd + t * (j->n_in / 256),
                                     j->xs + t * (j->n_in / 16));
             }
+            if (j->xu)
+                for (int64_t k = 0; k < j->T * j->n_in; k++) j->xu[k] = (uint8_t)j->xq[k] ^ 0x80u;
         }
 #pragma omp barrier
         /* a contiguous run of 16-row units of all jobs per thread, equal in work */
@@ -246,11 +263,16 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
             while (last + 1 < u1 && unit_job[last + 1] == i) last++;
             const q8_job *j = &jobs[i];
             const int64_t a = (u - first) * 16, b = (last + 1 - first) * 16 < j->n_rows ? (last + 1 - first) * 16 : j->n_rows;
-            f(j->W, j->stride, j->n_in, a, b, j->xq, j->xd, j->xs, j->T, j->y, j->n_rows);
+            uint8_t *gs = j->gemm ? (uint8_t *)scratch((size_t)(gscratch + 3) / 4) : NULL;
+            if (gs)
+                K->q8g[type](j->W, j->stride, j->n_in, a, b, j->xq, j->xu, j->xd, j->xs, j->T, j->y, j->n_rows, gs);
+            else /* (also when the scratch cannot be had: the row kernels need none) */
+                f(j->W, j->stride, j->n_in, a, b, j->xq, j->xd, j->xs, j->T, j->y, j->n_rows);
             u = last + 1;
         }
     }
     free(xq);
+    free(xu);
     free(xd);
     free(xs);
     free(unit_job);
@@ -790,6 +812,19 @@ static PyObject *py_mvt_max(PyObject *self, PyObject *args) {
     return PyLong_FromLong(prev);
 }
 
+/* q8_gemm_min_t(type[, n]) -> the smallest T the integer GEMM form takes (0: none for this type
+ * and instruction set, or batch-invariant mode); n sets it for every instruction set */
+static PyObject *py_q8_gemm_min_t(PyObject *self, PyObject *args) {
+    int type, n = -1;
+    if (!PyArg_ParseTuple(args, "i|i", &type, &n)) return NULL;
+    if (check_type(type) < 0) return NULL;
+    const int prev = g_isa[g_cur].q8g[type] && !g_invariant ? g_isa[g_cur].q8g_min_t[type] : 0;
+    if (n >= 1) {
+        for (int i = 0; i < ISA_N; i++) g_isa[i].q8g_min_t[type] = n;
+    }
+    return PyLong_FromLong(prev);
+}
+
 static PyObject *py_tables(PyObject *self, PyObject *noargs) {
     return Py_BuildValue("(y#y#)", (const char *)kern_iq2xxs_grid, (Py_ssize_t)sizeof(kern_iq2xxs_grid),
                          (const char *)kern_ksigns, (Py_ssize_t)sizeof(kern_ksigns));
@@ -804,6 +839,8 @@ static PyMethodDef methods[] = {
     {"hc_split", py_hc_split, METH_VARARGS,
      "hc_split(mix, n, scale, base, eps, iters, pre, post, c): hyper-connection weights (float32)"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, w_or_None, eps, out[, threads]): row RMS norm (float64 sums)"},
+    {"q8_gemm_min_t", py_q8_gemm_min_t, METH_VARARGS,
+     "q8_gemm_min_t(type_id[, n]) -> smallest T of the integer GEMM form, 0 = none (sets it)"},
     {"has_q8", py_has_q8, METH_O, "has_q8(type_id) -> whether an integer-activation kernel exists"},
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(type_id, w, out[, threads]): out = decoded rows of w"},
     {"read_sum", py_read_sum, METH_O, "read_sum(buf): sum of the buffer's uint64 words (bandwidth probe)"},

@@ -22,6 +22,7 @@ DEPENDS = [
     "engine/csrc/kern_dequant_body.h",
     "engine/csrc/kern_simd_body.h",
     "engine/csrc/kern_q8_body.h",
+    "engine/csrc/kern_gemm_body.h",
 ]
 
 

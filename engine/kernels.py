@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the install
     _K = None
 
 __all__ = ["available", "isa", "set_threads", "get_threads", "set_batch_invariant", "matmul", "matmul_q8",
-           "matmul_q8_batch", "round_q8", "has_q8", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T"]
+           "matmul_q8_batch", "round_q8", "has_q8", "q8_gemm_min_t", "q8_beats_float", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T"]
 
 #: the token count from which method="auto" uses dequantize + BLAS instead of the fused kernels;
 #: None: never (scripts/bench_kernels.py measures both and prints the crossover, if any)
@@ -204,6 +204,25 @@ def _matmul_blas(type_id: int, w: np.ndarray, x: np.ndarray, n_in: int) -> np.nd
 def has_q8(type_id: int) -> bool:
     """True when matmul_q8 has a compiled integer kernel for this weight type."""
     return _K is not None and int(type_id) in Q8_ACT_BLOCK and bool(_K.has_q8(int(type_id)))
+
+
+def q8_gemm_min_t(type_id: int) -> int:
+    """The smallest token count from which matmul_q8 / matmul_q8_batch take the integer GEMM form
+    (weight panels decoded and repacked once, 64 products per VNNI instruction: AVX-512 VNNI build
+    only); 0 when there is none (other builds, batch-invariant mode, no extension)."""
+    if _K is None or int(type_id) not in Q8_ACT_BLOCK:
+        return 0
+    return int(_K.q8_gemm_min_t(int(type_id)))
+
+
+def q8_beats_float(type_id: int, T: int) -> bool:
+    """Whether the integer kernels are the faster way to take T tokens through a weight of this
+    type (ds4 numerics): the row kernels up to Q8_MAX_T tokens, the GEMM form from its minimum;
+    otherwise the float kernels over the rounded activations are faster."""
+    if not has_q8(type_id):
+        return False
+    g = q8_gemm_min_t(type_id)
+    return T <= Q8_MAX_T or (g > 0 and T >= g)
 
 
 def round_q8(x: np.ndarray, block: int) -> np.ndarray:

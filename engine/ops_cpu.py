@@ -39,8 +39,9 @@ class CpuOps(FastOps, NumpyOps):
         return y[0] if squeeze else y
 
     def _int_path(self, type_id: int, T: int) -> bool:
-        """ds4 numerics, few tokens and an integer kernel for the weight type (integer path)."""
-        return self.ds4 and T <= K.Q8_MAX_T and K.has_q8(type_id)
+        """ds4 numerics and an integer kernel for the weight type that beats the float kernels at
+        T tokens (row kernels for a few tokens, the GEMM form for many)."""
+        return self.ds4 and K.q8_beats_float(type_id, T)
 
     def _mm_act(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         """ds4 mode, a weight whose input ds4 quantizes (Q8_0 / Q8_K): few tokens take the
@@ -112,7 +113,7 @@ class CpuOps(FastOps, NumpyOps):
         small = []
         for e in np.unique(sel):
             rows, slot = np.nonzero(sel == e)
-            if len(rows) <= self.routed_q8_max_t:
+            if len(rows) <= self.routed_q8_max_t or self._int_path(ge.type_id, len(rows)):
                 small.append((int(e), rows, slot))
             else:
                 out[rows] += self.expert_out(lw, e, u[rows], wsel[rows, slot][:, None], limit)

@@ -186,3 +186,84 @@ def test_round_q8_bit_exact(block, isa_guard):
     assert K.round_q8(x[:0], block).shape == (0, 1024)
     with pytest.raises(ValueError):
         K.round_q8(x, 64)
+
+
+# ---- the GEMM form (many tokens; AVX-512 VNNI build): weight panels decoded and repacked once ----
+
+@pytest.fixture
+def gemm_forced(isa_guard):
+    """The GEMM form for every T (its minimum set to 1), restored afterwards; skips where this
+    machine has no build with it."""
+    C = isa_guard
+    have = [isa for isa in C.isas() if (C.set_isa(isa), K.q8_gemm_min_t(Q.Q8_0))[1]]
+    if not have:
+        C.set_isa(C.isas()[-1])
+        pytest.skip("no kernel build with the integer GEMM form on this machine (it needs AVX-512 VNNI)")
+    C.set_isa(have[0])
+    prev = {t: C.q8_gemm_min_t(t) for t in Q8_TYPES}
+    for t in Q8_TYPES:
+        C.q8_gemm_min_t(t, 1)
+    yield C
+    for t, v in prev.items():
+        C.q8_gemm_min_t(t, v)
+
+
+@needs_ext
+@pytest.mark.parametrize("t", Q8_TYPES, ids=NAMES.get)
+def test_q8_gemm_matches_rounded_reference(t, gemm_forced):
+    """Row counts around the 16- and 32-row panels (tails are masked), n_in not a multiple of 64
+    (Q8_0: padded codes), token counts around the 4-token tiles."""
+    rng = np.random.default_rng(400 + t)
+    n_ins = [256, 1024] + ([32, 96, 4096] if t == Q.Q8_0 else [])
+    worst = worst_rel = 0.0
+    for n_rows in (1, 15, 16, 17, 33, 50):
+        for n_in in n_ins:
+            w = weights(t, rng, n_rows, n_in)
+            aw = abs_weights(t, w)
+            for T in (1, 3, 4, 5, 9):
+                x = (rng.standard_normal((T, n_in)) * rng.choice([0.01, 1.0, 30.0], (T, 1))).astype(np.float32)
+                x[0, :32] = 0.0                                     # an all-zero activation block
+                xr = _round(t, x)
+                ref = Q.matvec(t, w, xr.T, accumulate=np.float64).T
+                bound = (n_in / 16 + 64) * U * (np.abs(xr.astype(np.float64)) @ aw.T) + U * np.abs(ref) + 1e-30
+                y = K.matmul_q8(t, w, x)
+                diff = np.abs(y.astype(np.float64) - ref)
+                assert not (diff > bound).any(), (n_rows, n_in, T, diff.max())
+                worst = max(worst, float(np.max(diff / bound)))
+                worst_rel = max(worst_rel, float(diff.max() / max(np.abs(ref).max(), 1e-30)))
+    print(f"\n{NAMES[t]} x q8 GEMM: max |diff|/bound = {worst:.3g}, max |diff|/max|ref| = {worst_rel:.3g}")
+    assert worst_rel < 3e-5
+
+
+@needs_ext
+def test_q8_gemm_token_results_do_not_depend_on_T_or_threads(gemm_forced):
+    """A token's sums run in the same order whatever its tile, its place in it, T or the threads."""
+    C = gemm_forced
+    rng = np.random.default_rng(11)
+    for t in Q8_TYPES:
+        w = weights(t, rng, 48, 512)
+        x = rng.standard_normal((11, 512)).astype(np.float32)
+        C.set_threads(2)
+        y = K.matmul_q8(t, w, x)
+        for i in range(11):
+            assert np.array_equal(K.matmul_q8(t, w, x[i:i + 1])[0], y[i]), (t, i)
+        C.set_threads(1)
+        assert np.array_equal(K.matmul_q8(t, w, x[3:10]), y[3:10])
+        # a batch mixing the GEMM form with row-kernel jobs (min T above some of them) is the same
+        C.q8_gemm_min_t(t, 4)
+        ys = K.matmul_q8_batch(t, [w, w[5:40], w], [x, x[:2], x[:4]])
+        assert np.array_equal(ys[0], y) and np.array_equal(ys[2], y[:4])
+        C.q8_gemm_min_t(t, 100)
+        assert np.array_equal(ys[1], K.matmul_q8(t, w[5:40], x[:2]))
+        C.q8_gemm_min_t(t, 1)
+
+
+@needs_ext
+def test_q8_gemm_off_in_batch_invariant_mode(isa_guard):
+    """Batch-invariant mode keeps one kernel for every T (the row kernels), so the GEMM form is off."""
+    prev = K.set_batch_invariant(True)
+    try:
+        assert all(K.q8_gemm_min_t(t) == 0 for t in Q8_TYPES)
+        assert not K.q8_beats_float(Q.Q8_0, K.Q8_MAX_T + 1)
+    finally:
+        K.set_batch_invariant(prev)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from engine import Engine, Session, kernels
+from engine import quants as Q
 
 from conftest import ORACLE, need_shared
 from test_engine_oracle import stats
@@ -107,21 +108,39 @@ def test_lowmem_paging_hints(small_model):
 
 @needs_kernels
 def test_ds4_mode_prefill_paths_agree_with_reference(small_model, monkeypatch):
-    """ds4 numerics, a 200-token prefill: the routed experts through the batched integer kernels
-    and through the per-expert float path (activations rounded in C) both land on the reference
-    (a rounding difference can cross a Q8 step and routing amplifies it, so the bounds are the
-    statistical ones the reference meets against ds4 itself; both paths measure ~0.11 median)."""
+    """ds4 numerics, a 200-token prefill: the routed experts through the batched integer row
+    kernels, through the integer GEMM form (where this machine has it) and through the per-expert
+    float path (activations rounded in C) all land on the reference (a rounding difference can
+    cross a Q8 step and routing amplifies it, so the bounds are the statistical ones the reference
+    meets against ds4 itself; every path measures ~0.1 median)."""
+    from engine import kernels as K
     from engine.ops_cpu import CpuOps
+    C = K._K
     toks = list(range(11, 211))
     ref = _logits(small_model, "numpy", "ds4", toks)
+    types = (Q.Q8_0, Q.IQ2_XXS, Q.Q2_K)
+    prev = {t: C.q8_gemm_min_t(t) for t in types}
+    paths = {"per-expert float": (0, 10**6), "batched row kernels": (10_000, 10**6)}
+    if any(prev.values()):
+        paths["batched GEMM"] = (10_000, 1)
     got = {}
-    for limit in (0, 10_000):          # every expert per-expert / every expert batched
-        monkeypatch.setattr(CpuOps, "routed_q8_max_t", limit)
-        got[limit] = _logits(small_model, "cpu", "ds4", toks)
-    for limit, lg in got.items():
+    try:
+        for name, (limit, gemm_min) in paths.items():
+            monkeypatch.setattr(CpuOps, "routed_q8_max_t", limit)
+            for t in types:
+                C.q8_gemm_min_t(t, gemm_min)
+            got[name] = _logits(small_model, "cpu", "ds4", toks)
+    finally:
+        for t, v in prev.items():
+            if v:
+                C.q8_gemm_min_t(t, v)
+    for name, lg in got.items():
         st = stats(lg, ref)
-        print(f"routed_q8_max_t={limit}: vs the NumPy reference {st}")
+        print(f"{name}: vs the NumPy reference {st}")
         # (p90 left out: one routing flip moves a token's logits a lot, and it moved 0.29-0.67 with
         # legitimate rounding changes; the median, top-1 and KL are what a wrong path moves)
-        assert st["median"] <= 0.2 and st["top1"] >= 0.85 and st["kl"] <= 0.02, (limit, st)
-    assert not np.array_equal(got[0], got[10_000])      # the two paths really differ (rounding)
+        assert st["median"] <= 0.2 and st["top1"] >= 0.85 and st["kl"] <= 0.02, (name, st)
+    names = list(got)
+    for i, a in enumerate(names):                 # the paths really differ (rounding)
+        for b in names[i + 1:]:
+            assert not np.array_equal(got[a], got[b]), (a, b)

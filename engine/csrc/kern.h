@@ -129,6 +129,14 @@ typedef void (*kern_q8_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_
 typedef uint32_t (*kern_maxmag_fn)(const float *x, int n);
 typedef void (*kern_codes_fn)(const float *x, int n, float scale, int8_t *q);
 
+/* integer-activation GEMM (many tokens, kern_gemm_body.h): as kern_q8_fn, plus the activation
+ * codes offset to unsigned (xu = xq + 128, for signed weight codes) and a per-thread scratch of
+ * q8g_scratch(n) bytes */
+typedef void (*kern_q8g_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
+                            const uint8_t *xu, const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy,
+                            uint8_t *scratch);
+typedef int64_t (*kern_scratch_fn)(int64_t n);
+
 typedef struct {
     const char *name;
     int panel_rows; /* the row unit of the panel kernel's register tile */
@@ -138,6 +146,9 @@ typedef struct {
     int mvt_max[KT_MAX];     /* mvt for 2 <= T <= mvt_max (run-time adjustable: set_mvt_max) */
     kern_panel_fn panel;
     kern_q8_fn q8[KT_MAX];   /* NULL: no integer-activation kernel for this weight type */
+    kern_q8g_fn q8g[KT_MAX]; /* NULL: no GEMM form; else used for T >= q8g_min_t (run-time adjustable) */
+    int q8g_min_t[KT_MAX];
+    kern_scratch_fn q8g_scratch;
     kern_maxmag_fn q8_maxmag; /* the quantizers' loops (NULL: portable C) */
     kern_codes_fn q8_codes;
 } kern_isa;

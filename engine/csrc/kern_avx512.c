@@ -103,6 +103,7 @@ KI V16 v_flip16(V16 g, const uint8_t *m) {
 #define Q8_HAVE_512 1
 #define Q8_NT 8
 #include "kern_q8_body.h"
+#include "kern_gemm_body.h"
 
 void kern_fill_avx512(kern_isa *k) {
     memset(k, 0, sizeof(*k));
@@ -110,6 +111,7 @@ void kern_fill_avx512(kern_isa *k) {
     fill_dq_avx512(k);
     fill_simd_avx512(k);
     fill_q8_avx512(k);
+    fill_gemm_avx512(k);
 }
 
 #else

@@ -1,0 +1,325 @@
+/* Integer-activation GEMM for many tokens (AVX-512 VNNI build only; ds4 numerics, prefill).
+ *
+ * The row kernels of kern_q8_body.h decode a weight block in registers and multiply it into up to
+ * 8 tokens, with the block's scales applied per dot product; past a few tokens the decoding and the
+ * per-block scale work cost more than the products.  Here a panel of 16 rows is decoded once into
+ * int8 codes and repacked so that one zmm holds 4 consecutive codes of each of the 16 rows
+ * (wq[k/4][row][4]: lanes are rows).  A token's 4 codes broadcast to all lanes, and one vpdpbusd
+ * then takes 64 exact products for 16 rows: the scales, which are per row, become lane vectors
+ * applied once per 32 codes (once per 256 for Q2_K).
+ *
+ * vpdpbusd multiplies unsigned by signed bytes:
+ *  - Q8_0 and IQ2_XXS codes are signed (IQ2_XXS: grid value times sign, |w| <= 43): the activation
+ *    codes are offset to unsigned (x + 128: they are never -128) and 128 * sum(w) of each 32-group
+ *    is subtracted (precomputed per row at packing, the accumulator's start value);
+ *  - Q2_K codes times their 4-bit sub-block scale (0..45) are unsigned: the activation codes stay
+ *    signed, and the minimums term sum_s m_s * bsum_s takes one vpdpwssd per two sub-blocks.
+ * Integer sums are exact; per 32-group one float multiply-add applies row scale times activation
+ * scale (a different association from the row kernels: results agree to float rounding).
+ * A token's sums do not depend on T or on its place in a tile. */
+
+#define G_TT 4 /* tokens per tile (and 2 x 16 rows): 8 int32 + 8 float accumulators */
+
+/* panel of 16 rows; kp = n rounded up to 64 */
+typedef struct {
+    uint8_t *wq;   /* [kp/4][16][4] */
+    float *sc;     /* per group (32 codes; Q2_K: 256) and row: [groups][16] */
+    int32_t *nc;   /* signed codes: -128 * sum of the group's codes, [n/32][16] */
+    int32_t *mz;   /* Q2_K: minimums of sub-blocks 2j, 2j+1 as int16 pairs, [n/256][8][16] */
+    float *dm;     /* Q2_K: dmin, [n/256][16] */
+} gpanel;
+
+static inline int64_t g_kp(int64_t n) { return (n + 63) & ~(int64_t)63; }
+
+/* bytes of scratch a thread needs for n inputs: two panels and the row-major decode buffer */
+static int64_t KSUF(gemm_scratch)(int64_t n) {
+    const int64_t kp = g_kp(n);
+    const int64_t panel = 16 * kp + 64 * (kp / 32) * 2 + 64 * 8 * (kp / 256 + 1) + 64 * (kp / 256 + 1) + 5 * 64;
+    return 2 * panel + 16 * kp + 128;
+}
+
+static inline uint8_t *g_align(uint8_t *p) { return (uint8_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
+
+static void KSUF(gemm_panels)(uint8_t *scratch, int64_t n, gpanel *pa, uint8_t **rm) {
+    const int64_t kp = g_kp(n);
+    uint8_t *p = g_align(scratch);
+    for (int h = 0; h < 2; h++) {
+        pa[h].wq = p;
+        p = g_align(p + 16 * kp);
+        pa[h].sc = (float *)p;
+        p = g_align(p + 64 * (kp / 32));
+        pa[h].nc = (int32_t *)p;
+        p = g_align(p + 64 * (kp / 32));
+        pa[h].mz = (int32_t *)p;
+        p = g_align(p + 64 * 8 * (kp / 256 + 1));
+        pa[h].dm = (float *)p;
+        p = g_align(p + 64 * (kp / 256 + 1));
+    }
+    *rm = p;
+}
+
+/* ---- row decoders: codes of one row into rm (n bytes), its scales into column r of the panel ---- */
+
+static void KSUF(g_row_q8_0)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        memcpy(rm + 32 * b, row + 34 * b + 2, 32);
+        P->sc[16 * b + r] = KERN_F16(kern_rd16(row + 34 * b));
+    }
+}
+
+static void KSUF(g_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r) {
+    const __m512i spread = _mm512_set_epi64(0x0707070707070707LL, 0x0606060606060606LL, 0x0505050505050505LL,
+                                            0x0404040404040404LL, 0x0303030303030303LL, 0x0202020202020202LL,
+                                            0x0101010101010101LL, 0x0000000000000000LL);
+    const __m512i bits = _mm512_set1_epi64((long long)0x8040201008040201ULL);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t b = 0; b < n / 256; b++) {
+        const uint8_t *blk = row + 66 * b;
+        const float d = KERN_F16(kern_rd16(blk));
+        __m256i a0, a1;
+        long long sgq[4];
+        _mm256_storeu_si256((__m256i *)sgq, KSUF(iq2xxs_signs)(blk + 2, &a0, &a1));
+        for (int p = 0; p < 4; p++) { /* (a 2-bit code table looked up with word permutes: no faster) */
+            const uint8_t *q = blk + 2 + 16 * p;
+            const __m512i gv = _mm512_set_epi64(
+                (long long)kern_iq2xxs_grid64[q[11]], (long long)kern_iq2xxs_grid64[q[10]],
+                (long long)kern_iq2xxs_grid64[q[9]], (long long)kern_iq2xxs_grid64[q[8]],
+                (long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
+                (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
+            const __mmask64 neg = _mm512_test_epi8_mask(_mm512_shuffle_epi8(_mm512_set1_epi64(sgq[p]), spread), bits);
+            _mm512_storeu_si512((void *)(rm + 256 * b + 64 * p), _mm512_mask_sub_epi8(gv, neg, zero, gv));
+        }
+        for (int g = 0; g < 8; g++) /* d * (0.5 + s) * 0.25, as the dequantizer */
+            P->sc[16 * (8 * b + g) + r] = d * (0.5f + (float)(kern_rd32(blk + 2 + 8 * g + 4) >> 28)) * 0.25f;
+    }
+}
+
+static void KSUF(g_row_q2_k)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r) {
+    const __m512i m3 = _mm512_set1_epi8(3);
+    /* 128-bit lane k of shift j holds sub-block {2j, 2j + 1, 8 + 2j, 9 + 2j}[k] (values 32j.. in
+     * the low 256 bits, 128 + 32j.. in the high): its byte table [0, s, 2s, 3s] at dword 0 */
+    const __m512i lane_sb[4] = {_mm512_set_epi32(0, 0, 0, 9, 0, 0, 0, 8, 0, 0, 0, 1, 0, 0, 0, 0),
+                                _mm512_set_epi32(0, 0, 0, 11, 0, 0, 0, 10, 0, 0, 0, 3, 0, 0, 0, 2),
+                                _mm512_set_epi32(0, 0, 0, 13, 0, 0, 0, 12, 0, 0, 0, 5, 0, 0, 0, 4),
+                                _mm512_set_epi32(0, 0, 0, 15, 0, 0, 0, 14, 0, 0, 0, 7, 0, 0, 0, 6)};
+    for (int64_t b = 0; b < n / 256; b++) {
+        const uint8_t *blk = row + 84 * b;
+        /* q * s for q = 0..3 as the bytes of s * 0x03020100 (3s <= 45: no carries), per sub-block */
+        const __m512i tabs = _mm512_mullo_epi32(
+            _mm512_cvtepu8_epi32(_mm_and_si128(_mm_loadu_si128((const __m128i *)blk), _mm_set1_epi8(15))),
+            _mm512_set1_epi32(0x03020100));
+        const __m512i q = _mm512_loadu_si512((const void *)(blk + 16));
+        for (int j = 0; j < 4; j++) {
+            const __m512i w = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(lane_sb[j], tabs),
+                                                  _mm512_and_si512(_mm512_srli_epi16(q, 2 * j), m3));
+            _mm256_storeu_si256((__m256i *)(rm + 256 * b + 32 * j), _mm512_castsi512_si256(w));
+            _mm256_storeu_si256((__m256i *)(rm + 256 * b + 128 + 32 * j), _mm512_extracti64x4_epi64(w, 1));
+        }
+        P->sc[16 * b + r] = KERN_F16(kern_rd16(blk + 80));
+        P->dm[16 * b + r] = KERN_F16(kern_rd16(blk + 82));
+        for (int j = 0; j < 8; j++)
+            P->mz[16 * (8 * b + j) + r] = (int32_t)((uint32_t)(blk[2 * j] >> 4) | ((uint32_t)(blk[2 * j + 1] >> 4) << 16));
+    }
+}
+
+/* 16 x 16 dword transpose: in[r] = dwords 0..15 of row r -> out[j] = dword j of rows 0..15 */
+KI void g_transpose16(__m512i *v) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    /* u[4a + b], 128-bit lane L: rows 4a..4a+3 of dword 4L + b */
+    for (int a = 0; a < 4; a++) {
+        u[4 * a + 0] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+        u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    for (int b = 0; b < 4; b++) {
+        const __m512i e0 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0x88), o0 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0xDD);
+        const __m512i e1 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0x88), o1 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0xDD);
+        v[b] = _mm512_shuffle_i32x4(e0, e1, 0x88);
+        v[8 + b] = _mm512_shuffle_i32x4(e0, e1, 0xDD);
+        v[4 + b] = _mm512_shuffle_i32x4(o0, o1, 0x88);
+        v[12 + b] = _mm512_shuffle_i32x4(o0, o1, 0xDD);
+    }
+}
+
+typedef void (*g_row_fn)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r);
+
+/* decode rows [r0, r0 + rows) (rows <= 16; the others are zeros) and repack */
+static void KSUF(g_pack)(g_row_fn dec, int is_signed, const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0,
+                         int rows, uint8_t *rm, gpanel *P) {
+    const int64_t kp = g_kp(n), ng = n / 32;
+    for (int r = 0; r < 16; r++) {
+        if (r < rows) {
+            dec(W + (r0 + r) * stride, n, rm + r * kp, P, r);
+            memset(rm + r * kp + n, 0, (size_t)(kp - n));
+        } else {
+            memset(rm + r * kp, 0, (size_t)kp);
+        }
+    }
+    if (rows < 16) { /* scales of the missing rows: zero (their outputs are not stored) */
+        for (int64_t g = 0; g < ng; g++)
+            for (int r = rows; r < 16; r++) P->sc[16 * g + r] = 0.0f;
+        for (int64_t b = 0; b < n / 256; b++)
+            for (int r = rows; r < 16; r++) {
+                P->dm[16 * b + r] = 0.0f;
+                for (int j = 0; j < 8; j++) P->mz[16 * (8 * b + j) + r] = 0;
+            }
+    }
+    for (int64_t c = 0; c < kp / 64; c++) {
+        __m512i v[16];
+        for (int r = 0; r < 16; r++) v[r] = _mm512_loadu_si512((const void *)(rm + r * kp + 64 * c));
+        g_transpose16(v);
+        for (int j = 0; j < 16; j++) _mm512_store_si512((void *)(P->wq + 64 * (16 * c + j)), v[j]);
+    }
+    if (is_signed) {
+        const __m512i ones = _mm512_set1_epi8(1);
+        for (int64_t g = 0; g < ng; g++) {
+            __m512i s = _mm512_setzero_si512();
+            for (int q = 0; q < 8; q++)
+                s = _mm512_dpbusd_epi32(s, ones, _mm512_load_si512((const void *)(P->wq + 64 * (8 * g + q))));
+            _mm512_store_si512((void *)(P->nc + 16 * g), _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 7)));
+        }
+    }
+}
+
+KI __m512i g_bcast(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* signed codes (Q8_0, IQ2_XXS): nh panels of 16 rows x nt tokens; xu = activation codes + 128 (n
+ * apart), xd their scales (token t, group g: xd[t * ldd + (g >> dsh)]) */
+KI void g_tile_signed(const gpanel *P, const int nh, const int nt, int64_t n, const uint8_t *xu, const float *xd,
+                      int64_t ldd, int dsh, float *y, int64_t ldy, const __mmask16 *mk) {
+    __m512 f[2][G_TT];
+    __m512i acc[2][G_TT];
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) f[h][t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < n / 32; g++) {
+        for (int h = 0; h < nh; h++) {
+            const __m512i nc = _mm512_load_si512((const void *)(P[h].nc + 16 * g));
+            for (int t = 0; t < nt; t++) acc[h][t] = nc;
+        }
+        for (int q = 0; q < 8; q++) {
+            __m512i w[2];
+            for (int h = 0; h < nh; h++) w[h] = _mm512_load_si512((const void *)(P[h].wq + 64 * (8 * g + q)));
+            for (int t = 0; t < nt; t++) {
+                const __m512i xb = g_bcast(xu + t * n + 32 * g + 4 * q);
+                for (int h = 0; h < nh; h++) acc[h][t] = _mm512_dpbusd_epi32(acc[h][t], xb, w[h]);
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m512 dx = _mm512_set1_ps(xd[t * ldd + (g >> dsh)]);
+            for (int h = 0; h < nh; h++)
+                f[h][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][t]),
+                                          _mm512_mul_ps(_mm512_load_ps(P[h].sc + 16 * g), dx), f[h][t]);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy + 16 * h, mk[h], f[h][t]);
+}
+
+/* Q2_K: codes times sub-block scale (unsigned) x signed activation codes xq; minimums from the
+ * int16 sums of 16 codes xs (token t: xs + t * (n / 16)) */
+KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, const int8_t *xq, const float *xd,
+                    const int16_t *xs, float *y, int64_t ldy, const __mmask16 *mk) {
+    __m512 f[2][G_TT];
+    __m512i acc[2][G_TT];
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) f[h][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < n / 256; b++) {
+        for (int h = 0; h < nh; h++)
+            for (int t = 0; t < nt; t++) acc[h][t] = _mm512_setzero_si512();
+        for (int q = 0; q < 64; q++) {
+            __m512i w[2];
+            for (int h = 0; h < nh; h++) w[h] = _mm512_load_si512((const void *)(P[h].wq + 64 * (64 * b + q)));
+            for (int t = 0; t < nt; t++) {
+                const __m512i xb = g_bcast(xq + t * n + 256 * b + 4 * q);
+                for (int h = 0; h < nh; h++) acc[h][t] = _mm512_dpbusd_epi32(acc[h][t], w[h], xb);
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m512 dx = _mm512_set1_ps(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++) {
+                f[h][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][t]),
+                                          _mm512_mul_ps(_mm512_load_ps(P[h].sc + 16 * b), dx), f[h][t]);
+                acc[h][t] = _mm512_setzero_si512();
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            __m512i m[2];
+            for (int h = 0; h < nh; h++) m[h] = _mm512_load_si512((const void *)(P[h].mz + 16 * (8 * b + j)));
+            for (int t = 0; t < nt; t++) {
+                const __m512i bb = g_bcast(xs + t * (n / 16) + 16 * b + 2 * j);
+                for (int h = 0; h < nh; h++) acc[h][t] = _mm512_dpwssd_epi32(acc[h][t], m[h], bb);
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m512 dx = _mm512_set1_ps(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++)
+                f[h][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(acc[h][t]),
+                                           _mm512_mul_ps(_mm512_load_ps(P[h].dm + 16 * b), dx), f[h][t]);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy + 16 * h, mk[h], f[h][t]);
+}
+
+#define G_TILE_CASES(CALL, nh)                                                                                  \
+    switch (nt) {                                                                                              \
+    case 1: CALL(nh, 1); break;                                                                                \
+    case 2: CALL(nh, 2); break;                                                                                \
+    case 3: CALL(nh, 3); break;                                                                                \
+    default: CALL(nh, 4); break;                                                                               \
+    }
+
+/* y[t*ldy + r] = W[r] . x_t, rows r0..r1-1, all T tokens: 32-row panels (the last may be 16 or
+ * fewer rows), decoded and packed once, then every token tile over them */
+#define G_KERNEL(fmt, dec, is_signed, TILE)                                                                     \
+    static void KSUF(q8g_##fmt)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,          \
+                                const int8_t *xq, const uint8_t *xu, const float *xd, const int16_t *xs,         \
+                                int64_t T, float *y, int64_t ldy, uint8_t *scratch) {                            \
+        (void)xq; (void)xu; (void)xs;                                                                            \
+        gpanel P[2];                                                                                             \
+        uint8_t *rm;                                                                                             \
+        KSUF(gemm_panels)(scratch, n, P, &rm);                                                                   \
+        for (int64_t p = r0; p < r1; p += 32) {                                                                  \
+            const int64_t left = r1 - p;                                                                         \
+            const int nh = left > 16 ? 2 : 1;                                                                    \
+            __mmask16 mk[2] = {0, 0};                                                                            \
+            for (int h = 0; h < nh; h++) {                                                                       \
+                const int64_t rows = left - 16 * h >= 16 ? 16 : left - 16 * h;                                   \
+                mk[h] = (__mmask16)((1u << rows) - 1u);                                                          \
+                KSUF(g_pack)(KSUF(dec), is_signed, W, stride, n, p + 16 * h, (int)rows, rm, &P[h]);              \
+            }                                                                                                    \
+            for (int64_t t0 = 0; t0 < T; t0 += G_TT) {                                                           \
+                const int nt = T - t0 >= G_TT ? G_TT : (int)(T - t0);                                            \
+                float *yt = y + t0 * ldy + p;                                                                    \
+                if (nh == 2) {                                                                                   \
+                    G_TILE_CASES(TILE, 2)                                                                        \
+                } else {                                                                                         \
+                    G_TILE_CASES(TILE, 1)                                                                        \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+#define G_TILE_Q8_0(nh, nt) g_tile_signed(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 32), n / 32, 0, yt, ldy, mk)
+#define G_TILE_IQ2(nh, nt) g_tile_signed(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 256), n / 256, 3, yt, ldy, mk)
+#define G_TILE_Q2K(nh, nt) g_tile_q2_k(P, nh, nt, n, xq + t0 * n, xd + t0 * (n / 256), xs + t0 * (n / 16), yt, ldy, mk)
+G_KERNEL(q8_0, g_row_q8_0, 1, G_TILE_Q8_0)
+G_KERNEL(iq2_xxs, g_row_iq2_xxs, 1, G_TILE_IQ2)
+G_KERNEL(q2_k, g_row_q2_k, 0, G_TILE_Q2K)
+
+static void KSUF(fill_gemm)(kern_isa *k) {
+    k->q8g[KT_Q8_0] = KSUF(q8g_q8_0);
+    k->q8g[KT_IQ2_XXS] = KSUF(q8g_iq2_xxs);
+    k->q8g[KT_Q2_K] = KSUF(q8g_q2_k);
+    k->q8g_scratch = KSUF(gemm_scratch);
+    for (int t = 0; t < KT_MAX; t++) k->q8g_min_t[t] = 8;
+}
