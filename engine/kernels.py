@@ -268,6 +268,20 @@ def hc_split(mix: np.ndarray, n: int, scale, base, eps: float, iters: int):
     return pre, post, c.reshape(T, n, n)
 
 
+def hc_post(y: np.ndarray, X: np.ndarray, post: np.ndarray, C: np.ndarray):
+    """NumpyOps.hc_post (float64 sums over the streams, the same roundings) in C, multi-threaded;
+    y [T, E], X [T, n, E], post [T, n], C [T, n, n] -> [T, n, E]; None without the extension."""
+    if _K is None:
+        return None
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    T, n, E = X.shape
+    out = np.empty((T, n, E), np.float32)
+    _K.hc_post(np.ascontiguousarray(y, dtype=np.float32).reshape(T, E), X.reshape(T * n, E),
+               np.ascontiguousarray(post, dtype=np.float32).reshape(T, n),
+               np.ascontiguousarray(C, dtype=np.float32).reshape(T, n * n), out.reshape(T * n, E))
+    return out
+
+
 def _round_act(type_id: int, x: np.ndarray) -> np.ndarray:
     return round_q8(x, Q8_ACT_BLOCK[type_id])
 

@@ -63,6 +63,13 @@ class CpuOps(FastOps, NumpyOps):
         got = K.rmsnorm(x, w, eps)
         return got if got is not None else FastOps.rmsnorm(x, w, eps)
 
+    @staticmethod
+    def hc_post(y, X, post, C):
+        # in C with the reference's float64 sums: FastOps' batched float32 matmul cost ~40 ms a
+        # call at a 512-token prefill (8 calls), a pass over X here
+        got = K.hc_post(y, X, post, C)
+        return got if got is not None else FastOps.hc_post(y, X, post, C)
+
     def hc_split(self, mix, n, scale, base, eps, iters):
         # in C: at decode the NumPy form is ~90 calls on 4 x 4 arrays, twice a layer
         got = K.hc_split(mix, n, scale, base, eps, iters)

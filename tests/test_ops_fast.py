@@ -193,7 +193,7 @@ def test_rope(xshape, tshape):
 
 def test_cpu_backend_uses_fast_ops():
     from engine.ops_cpu import CpuOps
-    assert CpuOps.attention is FastOps.attention and CpuOps.hc_post is FastOps.hc_post
+    assert CpuOps.attention is FastOps.attention and CpuOps.hc_pre_mix is FastOps.hc_pre_mix
 
 
 def test_a_tokens_result_does_not_depend_on_the_batch():
@@ -257,6 +257,24 @@ def test_rmsnorm_in_c(shape):
         check(f"C rmsnorm {shape} w={ww is not None}", got, ref)
         assert np.mean(got.view(np.uint32) == ref.view(np.uint32)) >= 0.999
     assert CpuOps.rmsnorm(x[0], w, 1e-6).shape == x[0].shape
+
+
+@pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (9, 4, 300), (3, 1, 7), (2, 16, 65)])
+def test_hc_post_in_c(T, n, E):
+    """The cpu backend's C hc_post takes the reference's arithmetic (float32 post * y, float64
+    stream sums, one rounding): bit for bit the reference's result (checked at 100 %)."""
+    from engine import kernels
+    from engine.ops_cpu import CpuOps
+    if not kernels.available():
+        pytest.skip("engine._kernels is not built")
+    rng = _rng(T * n + E)
+    X, y = f32(rng, T, n, E) * 3, f32(rng, T, E)
+    post, C = 2 * rng.random((T, n)).astype(np.float32), rng.random((T, n, n)).astype(np.float32)
+    got, ref = CpuOps.hc_post(y, X, post, C), REF.hc_post(y, X, post, C)
+    check(f"C hc_post T={T} n={n} E={E}", got, ref)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    # streams mixed by C transposed (C[t, j, k] weighs stream j into k): a swap is caught
+    assert not np.array_equal(CpuOps.hc_post(y, X, post, np.swapaxes(C, 1, 2)), ref) or n == 1
 
 
 @pytest.mark.parametrize("T,C", [(1, 700), (5, 33), (60, 5000)])
