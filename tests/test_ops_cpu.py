@@ -144,3 +144,28 @@ def test_ds4_mode_prefill_paths_agree_with_reference(small_model, monkeypatch):
     for i, a in enumerate(names):                 # the paths really differ (rounding)
         for b in names[i + 1:]:
             assert not np.array_equal(got[a], got[b]), (a, b)
+
+
+def test_cpu_backend_keeps_freed_memory():
+    """The cpu backend has glibc keep freed memory in the heap, so a large array allocated again
+    after a free reuses resident pages instead of faulting in (and zeroing) fresh ones: by default
+    every array over 32 MiB is a new mapping, returned to the kernel when freed (its RSS drops)."""
+    import os
+    from engine.session import _keep_freed_memory
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("needs /proc/self/statm (Linux) to see resident memory")
+    if not _keep_freed_memory():
+        pytest.skip("no glibc mallopt in this process (another C library)")
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    n = 48 << 20
+    a = np.empty(n, np.uint8)
+    a[:] = 1                                          # every page resident
+    before = rss()
+    del a
+    dropped = before - rss()
+    assert dropped < n // 2, dropped                  # kept: a new mapping would drop by 48 MiB

@@ -288,3 +288,26 @@ def test_indexer_scores(T, C):
     full = np.einsum("th,thc->tc", wts.astype(np.float64),
                      np.maximum(np.einsum("thd,cd->thc", qi.astype(np.float64), keys.astype(np.float64)), 0.0))
     assert np.allclose(ref, full, rtol=1e-12, atol=1e-9)
+
+
+def test_attention_threads_change_nothing():
+    """Blocks of 8+ queries run on the kernels' thread count (Python threads, strided shares):
+    the same values bit for bit as one thread (each query is computed alone either way)."""
+    from engine import kernels
+    if not kernels.available():
+        pytest.skip("engine._kernels is not built (the thread count is the kernels')")
+    rng = _rng(6)
+    T, H, D = 20, 4, 64
+    q, keys = _unit_rows(rng, T, H, D), _unit_rows(rng, 30, D)
+    mask = rng.random((T, 30)) < 0.6
+    sinks = f32(rng, H)
+    prev = kernels.get_threads()
+    try:
+        got = {}
+        for n in (1, 2, 3):
+            kernels.set_threads(n)
+            got[n] = FAST.attention(q, [(keys, mask)], sinks, 0.125)
+    finally:
+        kernels.set_threads(prev)
+    assert np.array_equal(got[1], got[2]) and np.array_equal(got[1], got[3])
+    check("attention threaded", got[2], REF.attention(q, [(keys, mask)], sinks, 0.125))
