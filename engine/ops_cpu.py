@@ -1,10 +1,12 @@
 """The fast CPU backend: the NumPy reference's ops with every weight matmul on the C kernels
 (engine/kernels.py: fused decode-and-multiply straight from the map, multi-threaded).
 
-Only the matmuls change. In ds4 mode the inputs ds4 quantizes (Q8_0 weights: Q8_0 blocks; the
-routed experts' Q2_K / IQ2_XXS weights: Q8_K blocks) go, for a few tokens, to the integer kernels,
-which quantize them exactly as engine/numerics.py does and take exact integer dot products (ds4's
-own arithmetic); for more tokens the reference rounding runs first and the float kernels follow.
+The matmuls change, and a few float32 ops (FastOps; rmsnorm and the hyper-connection weights and
+post mix in C). In ds4 mode the inputs ds4 quantizes (Q8_0 weights: Q8_0 blocks; the routed
+experts' Q2_K / IQ2_XXS weights: Q8_K blocks) go to the integer kernels, which quantize them
+exactly as engine/numerics.py does and take exact integer dot products (ds4's own arithmetic):
+row kernels for a few tokens, the GEMM form for many (AVX-512 VNNI); where neither beats the float
+kernels (other builds, 9+ tokens) the reference rounding runs first and the float kernels follow.
 The kernels accumulate in float32 where the reference accumulates in float64, so results differ
 from the reference by rounding only (tests/test_ops_cpu.py measures it on whole forward passes).
 """
@@ -109,9 +111,9 @@ class CpuOps(FastOps, NumpyOps):
 
     def routed(self, lw, u, sel, wsel, limit):
         """ds4 mode with integer kernels for the expert weights: the experts up to
-        routed_q8_max_t tokens picked (every expert of a decode step, most of a prefill chunk's)
+        routed_q8_max_t tokens picked, and with the integer GEMM form (AVX-512 VNNI) every expert,
         run as two batched calls, gate+up of all of them, then down of all of them, each one
-        parallel region; experts with more tokens take the per-expert path (float panel kernels)."""
+        parallel region; other experts take the per-expert path (float panel kernels)."""
         ge, ue, de = lw.gate_exps, lw.up_exps, lw.down_exps
         if not (self.ds4 and ge.type_id == ue.type_id and K.has_q8(ge.type_id) and K.has_q8(de.type_id)):
             return super().routed(lw, u, sel, wsel, limit)
