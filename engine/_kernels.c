@@ -5,7 +5,7 @@
  *                                 buffer of packed rows (any row stride, contiguous rows), x / y
  *                                 float32 C-contiguous; threads: thread count of this call (0:
  *                                 set_threads); path: 0 by T, 1 in registers, 2 decoded panel
- *   matmul_q8_batch(type_id, ws, xs, ys[, threads])  ys[i] = the same product with xs[i] quantized
+ *   matmul_q8_batch(types, ws, xs, ys[, threads])  ys[i] = the same product with xs[i] quantized
  *                                 per token to Q8_0 / Q8_K blocks first (ds4 numerics; integer dot
  *                                 products), every i in one parallel region
  *   quantize_q8(block, x) / has_q8(type_id)  the activation quantizer (tests) / kernel presence
@@ -156,9 +156,11 @@ static int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t s
 }
 
 /* Integer activations (ds4 numerics): every token of every x is quantized (Q8_0 or Q8_K blocks, by
- * the weight type), then the 16-row units of all the products are split over the threads by work
- * (one product is a batch of one; a layer's routed experts are one fork/join, not one per matrix) */
+ * the job's weight type), then the 16-row units of all the products are split over the threads by
+ * work (one product is a batch of one; a layer's routed experts and its shared expert are one
+ * fork/join, not one per matrix; jobs may mix weight types) */
 typedef struct {
+    int type;
     const uint8_t *W;
     ptrdiff_t stride;
     int64_t n_rows, n_in, T;
@@ -171,23 +173,26 @@ typedef struct {
     int gemm;   /* take the GEMM form (many tokens) */
 } q8_job;
 
-static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_t n_jobs, int max_threads) {
-    const int bs = kern_q8_block(type);
-    const int gemm_signed = type != KT_Q2_K; /* weight codes signed: the GEMM wants x + 128 */
+/* relative cost of a weight value for the work split: IQ2_XXS decoding is compute-bound (about
+ * 0.27 cycles a value on a Zen 4 core), Q8_0 streams at the read rate (about 0.19), Q2_K about 0.14 */
+static int64_t q8_cost(int type) { return type == KT_IQ2_XXS ? 6 : type == KT_Q2_K ? 3 : 4; }
+
+static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, int max_threads) {
     int64_t nq = 0, nd = 0, ns = 0, nu = 0, units = 0, work = 0, gscratch = 0;
     for (int64_t i = 0; i < n_jobs; i++) {
-        jobs[i].gemm = K->q8g[type] && !g_invariant && jobs[i].T >= K->q8g_min_t[type];
-        if (jobs[i].gemm) {
-            const int64_t g = K->q8g_scratch(jobs[i].n_in);
+        q8_job *j = &jobs[i];
+        const int bs = kern_q8_block(j->type);
+        j->gemm = K->q8g[j->type] && !g_invariant && j->T >= K->q8g_min_t[j->type];
+        if (j->gemm) {
+            const int64_t g = K->q8g_scratch(j->n_in);
             gscratch = g > gscratch ? g : gscratch;
-            nu += gemm_signed ? jobs[i].T * jobs[i].n_in : 0;
+            nu += j->type != KT_Q2_K ? j->T * j->n_in : 0; /* signed codes: the GEMM wants x + 128 */
         }
-        nq += jobs[i].T * jobs[i].n_in;
-        nd += jobs[i].T * (jobs[i].n_in / bs);
-        ns += bs == 256 ? jobs[i].T * (jobs[i].n_in / 16) : 0;
-        units += (jobs[i].n_rows + 15) / 16;
-        work += jobs[i].n_rows * (jobs[i].n_in / kern_block_elems(type) * kern_block_bytes(type)) *
-                (jobs[i].T < 4 ? jobs[i].T : 4);
+        nq += j->T * j->n_in;
+        nd += j->T * (j->n_in / bs);
+        ns += bs == 256 ? j->T * (j->n_in / 16) : 0;
+        units += (j->n_rows + 15) / 16;
+        work += j->n_rows * (j->n_in / kern_block_elems(j->type) * kern_block_bytes(j->type)) * (j->T < 4 ? j->T : 4);
     }
     int8_t *xq = (int8_t *)malloc((size_t)nq + 1);
     uint8_t *xu = (uint8_t *)malloc((size_t)nu + 1);
@@ -206,27 +211,28 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
     }
     nq = nd = ns = nu = 0;
     for (int64_t i = 0, u = 0; i < n_jobs; i++) {
-        jobs[i].xq = xq + nq;
-        jobs[i].xu = jobs[i].gemm && gemm_signed ? xu + nu : NULL;
-        nu += jobs[i].xu ? jobs[i].T * jobs[i].n_in : 0;
-        jobs[i].xd = xd + nd;
-        jobs[i].xs = bs == 256 ? xs + ns : NULL;
-        nq += jobs[i].T * jobs[i].n_in;
-        nd += jobs[i].T * (jobs[i].n_in / bs);
-        ns += bs == 256 ? jobs[i].T * (jobs[i].n_in / 16) : 0;
-        for (int64_t r = 0; r < jobs[i].n_rows; r += 16) unit_job[u++] = i;
+        q8_job *j = &jobs[i];
+        const int bs = kern_q8_block(j->type);
+        j->xq = xq + nq;
+        j->xd = xd + nd;
+        j->xs = bs == 256 ? xs + ns : NULL;
+        j->xu = j->gemm && j->type != KT_Q2_K ? xu + nu : NULL;
+        nu += j->xu ? j->T * j->n_in : 0;
+        nq += j->T * j->n_in;
+        nd += j->T * (j->n_in / bs);
+        ns += bs == 256 ? j->T * (j->n_in / 16) : 0;
+        for (int64_t r = 0; r < j->n_rows; r += 16) unit_job[u++] = i;
     }
     /* the units' work (rows x values x (tokens + 2): decoding a row costs about two tokens'
-     * products), summed: the threads split the work, not the unit count (a prefill's experts
-     * have 1 to 32 tokens each) */
+     * products, times the format's cost), summed: the threads split the work, not the unit count
+     * (a prefill's experts have 1 to 32 tokens each) */
     unit_cum[0] = 0;
     for (int64_t u = 0; u < units; u++) {
         const q8_job *j = &jobs[unit_job[u]];
         /* the GEMM form: decoding and packing a row costs about two tokens, and a token's products
          * about a quarter of the row kernels' */
-        unit_cum[u + 1] = unit_cum[u] + 16 * j->n_in * (j->gemm ? (j->T + 3) / 4 + 2 : j->T + 2);
+        unit_cum[u + 1] = unit_cum[u] + 16 * j->n_in * q8_cost(j->type) * (j->gemm ? (j->T + 3) / 4 + 2 : j->T + 2);
     }
-    const kern_q8_fn f = K->q8[type];
     const int nt = thread_count(units, work, 64 * 1024, max_threads);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -235,7 +241,7 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
         for (int64_t i = tid; i < n_jobs; i += nth) {
             const q8_job *j = &jobs[i];
             for (int64_t t = 0; t < j->T; t++) {
-                if (bs == 32)
+                if (kern_q8_block(j->type) == 32)
                     kern_quant_q8_0(j->x + t * j->n_in, j->n_in, j->xq + t * j->n_in, j->xd + t * (j->n_in / 32));
                 else
                     kern_quant_q8_k(j->x + t * j->n_in, j->n_in, j->xq + t * j->n_in, j->xd + t * (j->n_in / 256),
@@ -265,9 +271,9 @@ static int run_matmul_q8_batch(const kern_isa *K, int type, q8_job *jobs, int64_
             const int64_t a = (u - first) * 16, b = (last + 1 - first) * 16 < j->n_rows ? (last + 1 - first) * 16 : j->n_rows;
             uint8_t *gs = j->gemm ? (uint8_t *)scratch((size_t)(gscratch + 3) / 4) : NULL;
             if (gs)
-                K->q8g[type](j->W, j->stride, j->n_in, a, b, j->xq, j->xu, j->xd, j->xs, j->T, j->y, j->n_rows, gs);
+                K->q8g[j->type](j->W, j->stride, j->n_in, a, b, j->xq, j->xu, j->xd, j->xs, j->T, j->y, j->n_rows, gs);
             else /* (also when the scratch cannot be had: the row kernels need none) */
-                f(j->W, j->stride, j->n_in, a, b, j->xq, j->xd, j->xs, j->T, j->y, j->n_rows);
+                K->q8[j->type](j->W, j->stride, j->n_in, a, b, j->xq, j->xd, j->xs, j->T, j->y, j->n_rows);
             u = last + 1;
         }
     }
@@ -401,24 +407,37 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* matmul_q8_batch(type_id, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T for every i, in one
- * parallel region (all weights of one type) */
+/* matmul_q8_batch(types, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T for every i, in one
+ * parallel region; types: one ggml type id for all, or one per product */
 static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
-    int type, threads = 0;
-    PyObject *wl, *xl, *yl;
-    if (!PyArg_ParseTuple(args, "iOOO|i", &type, &wl, &xl, &yl, &threads)) return NULL;
-    if (check_type(type) < 0) return NULL;
+    int threads = 0;
+    PyObject *to, *wl, *xl, *yl;
+    if (!PyArg_ParseTuple(args, "OOOO|i", &to, &wl, &xl, &yl, &threads)) return NULL;
     const kern_isa *K = &g_isa[g_cur];
-    if (!K->q8[type]) {
-        PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", type);
-        return NULL;
+    int one_type = -1;
+    PyObject *tf = NULL;
+    if (PyLong_Check(to)) {
+        one_type = (int)PyLong_AsLong(to);
+        if (one_type == -1 && PyErr_Occurred()) return NULL;
+        if (check_type(one_type) < 0) return NULL;
+        if (!K->q8[one_type]) {
+            PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", one_type);
+            return NULL;
+        }
+    } else {
+        tf = PySequence_Fast(to, "types must be an int or a sequence of ints");
+        if (!tf) return NULL;
     }
     PyObject *wf = PySequence_Fast(wl, "ws must be a sequence"), *xf = NULL, *yf = NULL;
-    if (!wf) return NULL;
+    if (!wf) {
+        Py_XDECREF(tf);
+        return NULL;
+    }
     xf = PySequence_Fast(xl, "xs must be a sequence");
     yf = xf ? PySequence_Fast(yl, "ys must be a sequence") : NULL;
     if (!xf || !yf) {
         Py_XDECREF(xf);
+        Py_XDECREF(tf);
         Py_DECREF(wf);
         return NULL;
     }
@@ -427,8 +446,9 @@ static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
     Py_buffer *bufs = NULL;
     q8_job *jobs = NULL;
     Py_ssize_t got = 0; /* jobs whose three buffers are held */
-    if (PySequence_Fast_GET_SIZE(xf) != n || PySequence_Fast_GET_SIZE(yf) != n) {
-        PyErr_SetString(PyExc_ValueError, "ws, xs and ys must have the same length");
+    if (PySequence_Fast_GET_SIZE(xf) != n || PySequence_Fast_GET_SIZE(yf) != n ||
+        (tf && PySequence_Fast_GET_SIZE(tf) != n)) {
+        PyErr_SetString(PyExc_ValueError, "types, ws, xs and ys must have the same length");
         goto done;
     }
     bufs = (Py_buffer *)calloc((size_t)(3 * n + 1), sizeof(Py_buffer));
@@ -440,6 +460,18 @@ static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
     for (; got < n; got++) {
         Py_buffer *b = bufs + 3 * got;
         q8_job *j = jobs + got;
+        int type = one_type;
+        if (tf) {
+            long tl = PyLong_AsLong(PySequence_Fast_GET_ITEM(tf, got));
+            if (tl == -1 && PyErr_Occurred()) goto done;
+            type = (int)tl;
+            if (check_type(type) < 0) goto done;
+            if (!K->q8[type]) {
+                PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", type);
+                goto done;
+            }
+        }
+        j->type = type;
         if (get_weight(PySequence_Fast_GET_ITEM(wf, got), type, &b[0], &j->n_rows, &j->n_in, &j->stride) < 0) goto done;
         if (get_f32(PySequence_Fast_GET_ITEM(xf, got), &b[1], 0, "x", -1, j->n_in) < 0) {
             PyBuffer_Release(&b[0]);
@@ -462,7 +494,7 @@ static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
     {
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = run_matmul_q8_batch(K, type, jobs, n, threads);
+        rc = run_matmul_q8_batch(K, jobs, n, threads);
         Py_END_ALLOW_THREADS
         if (rc < 0) {
             PyErr_NoMemory();
@@ -476,6 +508,7 @@ done:
         for (int k = 0; k < 3; k++) PyBuffer_Release(&bufs[3 * i + k]);
     free(bufs);
     free(jobs);
+    Py_XDECREF(tf);
     Py_DECREF(wf);
     Py_DECREF(xf);
     Py_DECREF(yf);
@@ -909,7 +942,8 @@ static PyObject *py_tables(PyObject *self, PyObject *noargs) {
 static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(type_id, w, x, y[, threads[, path]]): y = x @ W.T (float32)"},
     {"matmul_q8_batch", py_matmul_q8_batch, METH_VARARGS,
-     "matmul_q8_batch(type_id, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T, one parallel region"},
+     "matmul_q8_batch(types, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T, one parallel region "
+     "(types: one type id, or one per product)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(block, x) -> (codes, scales, sums) as bytes"},
     {"round_q8", py_round_q8, METH_VARARGS, "round_q8(block, x, out[, threads]): out = Q8_0/Q8_K-rounded x"},
     {"hc_post", py_hc_post, METH_VARARGS, "hc_post(y, X, post, C, out[, threads]): hyper-connection post mix"},

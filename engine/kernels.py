@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - depends on the install
     _K = None
 
 __all__ = ["available", "isa", "set_threads", "get_threads", "set_batch_invariant", "matmul", "matmul_q8",
-           "matmul_q8_batch", "round_q8", "has_q8", "q8_gemm_min_t", "q8_beats_float", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T"]
+           "matmul_q8_batch", "matmul_q8_mixed", "round_q8", "has_q8", "q8_gemm_min_t", "q8_beats_float", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T"]
 
 #: the token count from which method="auto" uses dequantize + BLAS instead of the fused kernels;
 #: None: never (scripts/bench_kernels.py measures both and prints the crossover, if any)
@@ -327,6 +327,27 @@ def matmul_q8_batch(type_id: int, ws, xs) -> list[np.ndarray]:
         return [matmul_q8(f.type_id, w, x) for w, x in checked]
     ys = [np.empty((x.shape[0], w.shape[0]), dtype=np.float32) for w, x in checked]
     _K.matmul_q8_batch(f.type_id, [w for w, _ in checked], [x for _, x in checked], ys)
+    return ys
+
+
+def matmul_q8_mixed(types, ws, xs) -> list[np.ndarray]:
+    """matmul_q8_batch with a weight type per product: one parallel region for, e.g., a layer's
+    shared expert (Q8_0) and its routed experts (IQ2_XXS / Q2_K) together, so the threads stream
+    the memory-bound matrices while decoding the compute-bound ones."""
+    types, ws, xs = [int(t) for t in types], list(ws), list(xs)
+    if not (len(types) == len(ws) == len(xs)):
+        raise ValueError(f"{len(types)} types, {len(ws)} weights and {len(xs)} inputs")
+    checked = []
+    for t, w, x in zip(types, ws, xs):
+        f = _format(t)
+        if f.type_id not in Q8_ACT_BLOCK:
+            raise ValueError(f"{f.name} weights have no quantized-activation product (Q8_0, Q2_K, IQ2_XXS do)")
+        w, n_in = _check_w(f, w)
+        checked.append((w, _check_x(x, n_in)))
+    if not all(has_q8(t) for t in types):
+        return [matmul_q8(t, w, x) for t, (w, x) in zip(types, checked)]
+    ys = [np.empty((x.shape[0], w.shape[0]), dtype=np.float32) for w, x in checked]
+    _K.matmul_q8_batch(types, [w for w, _ in checked], [x for _, x in checked], ys)
     return ys
 
 

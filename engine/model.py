@@ -205,17 +205,8 @@ class Model:
         wsel = (wsel / tot * np.float32(c.expert_weights_scale)).astype(np.float32)
         if self.pager and len(tokens) <= 16:     # (a long chunk picks most experts: more than fits)
             self.pager([t.expert(e).data for e in np.unique(sel) for t in (lw.gate_exps, lw.up_exps, lw.down_exps)])
-        y = self._routed(lw, u, sel, wsel) + self._shared(lw, u)
+        y = ops.moe(lw, u, sel, wsel, np.float32(self.c.swiglu_clamp[lw.il]))      # routed + shared
         return self._hc_post(y, X, post, C)
-
-    def _routed(self, lw: LayerWeights, u, sel, wsel):
-        return self.ops.routed(lw, u, sel, wsel, np.float32(self.c.swiglu_clamp[lw.il]))
-
-    def _shared(self, lw: LayerWeights, u):
-        ops = self.ops
-        limit = np.float32(self.c.swiglu_clamp[lw.il])
-        m = ops.swiglu(*ops.linears([lw.sh_gate, lw.sh_up], u), limit)
-        return ops.linear(lw.sh_down, m)
 
     # -- output head (§3.12) -------------------------------------------------------------------
     def _head(self, X):

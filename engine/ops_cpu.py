@@ -109,14 +109,32 @@ class CpuOps(FastOps, NumpyOps):
             return self._mm_act(w, x_act)
         return self._mm(w, x_act)
 
+    def _batched_experts(self, lw) -> bool:
+        ge, ue, de = lw.gate_exps, lw.up_exps, lw.down_exps
+        return self.ds4 and ge.type_id == ue.type_id and K.has_q8(ge.type_id) and K.has_q8(de.type_id)
+
     def routed(self, lw, u, sel, wsel, limit):
         """ds4 mode with integer kernels for the expert weights: the experts up to
         routed_q8_max_t tokens picked, and with the integer GEMM form (AVX-512 VNNI) every expert,
         run as two batched calls, gate+up of all of them, then down of all of them, each one
         parallel region; other experts take the per-expert path (float panel kernels)."""
-        ge, ue, de = lw.gate_exps, lw.up_exps, lw.down_exps
-        if not (self.ds4 and ge.type_id == ue.type_id and K.has_q8(ge.type_id) and K.has_q8(de.type_id)):
+        if not self._batched_experts(lw):
             return super().routed(lw, u, sel, wsel, limit)
+        return self._experts(lw, u, sel, wsel, limit, shared=False)
+
+    def moe(self, lw, u, sel, wsel, limit):
+        """routed + shared expert; where the shared expert's Q8_0 matrices take the integer kernels
+        too, they join the routed experts' two batched calls (one parallel region per stage: the
+        threads stream the memory-bound shared matrices while decoding the compute-bound experts,
+        and a decode step has two fork/joins fewer per layer)."""
+        sh = (lw.sh_gate, lw.sh_up, lw.sh_down)
+        if not (self._batched_experts(lw) and all(w.type_id == Q.Q8_0 for w in sh)
+                and self._int_path(Q.Q8_0, u.shape[0])):
+            return super().moe(lw, u, sel, wsel, limit)
+        return self._experts(lw, u, sel, wsel, limit, shared=True)
+
+    def _experts(self, lw, u, sel, wsel, limit, shared: bool):
+        ge, ue, de = lw.gate_exps, lw.up_exps, lw.down_exps
         u = np.ascontiguousarray(u, dtype=np.float32)
         out = np.zeros_like(u)
         small = []
@@ -126,19 +144,36 @@ class CpuOps(FastOps, NumpyOps):
                 small.append((int(e), rows, slot))
             else:
                 out[rows] += self.expert_out(lw, e, u[rows], wsel[rows, slot][:, None], limit)
+        if not small and not shared:
+            return out
+        # stage 1: gate+up of every batched expert (and of the shared expert)
+        xs = [u[rows] for _, rows, _ in small]
+        types = [ge.type_id] * (2 * len(small))
+        ws = [w.data for e, _, _ in small for w in (ge.expert(e), ue.expert(e))]
+        xs2 = [x for x in xs for _ in (0, 1)]
+        if shared:
+            types, ws, xs2 = [Q.Q8_0] * 2 + types, [lw.sh_gate.data, lw.sh_up.data] + ws, [u, u] + xs2
+        gv = K.matmul_q8_mixed(types, ws, xs2)
+        if shared:
+            m_sh, gv = self.swiglu(gv[0], gv[1], limit), gv[2:]
+        # stage 2: down of every batched expert (and of the shared expert)
+        types, ws, xs2 = [], [], []
         if small:
-            xs = [u[rows] for _, rows, _ in small]
-            gv = K.matmul_q8_batch(ge.type_id, [w.data for e, _, _ in small for w in (ge.expert(e), ue.expert(e))],
-                                   [x for x in xs for _ in (0, 1)])
             # SwiGLU and the routing weight for all small experts at once (rows stacked)
             m = self.swiglu(np.concatenate(gv[0::2]), np.concatenate(gv[1::2]), limit)
             m *= np.concatenate([wsel[rows, slot] for _, rows, slot in small])[:, None]
             cuts = np.cumsum([len(rows) for _, rows, _ in small])[:-1]
-            ds = K.matmul_q8_batch(de.type_id, [de.expert(e).data for e, _, _ in small],
-                                   [np.ascontiguousarray(p) for p in np.split(m, cuts)])
-            for (_, rows, _), d in zip(small, ds):
-                out[rows] += d
-        return out
+            types = [de.type_id] * len(small)
+            ws = [de.expert(e).data for e, _, _ in small]
+            xs2 = [np.ascontiguousarray(p) for p in np.split(m, cuts)]
+        if shared:
+            types, ws, xs2 = [Q.Q8_0] + types, [lw.sh_down.data] + ws, [np.ascontiguousarray(m_sh, np.float32)] + xs2
+        ds = K.matmul_q8_mixed(types, ws, xs2)
+        if shared:
+            y_sh, ds = ds[0], ds[1:]
+        for (_, rows, _), d in zip(small, ds):
+            out[rows] += d
+        return out + y_sh if shared else out
 
 
 def available() -> bool:

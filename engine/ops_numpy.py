@@ -208,6 +208,14 @@ class NumpyOps:
         v = np.clip(v, -limit, limit)
         return self.silu(g) * v
 
+    def moe(self, lw, u, sel, wsel, limit):
+        """The FFN's experts on u [T, E]: the routed experts (sel, wsel) plus the shared one."""
+        return self.routed(lw, u, sel, wsel, limit) + self.shared_expert(lw, u, limit)
+
+    def shared_expert(self, lw, u, limit):
+        m = self.swiglu(*self.linears([lw.sh_gate, lw.sh_up], u), limit)
+        return self.linear(lw.sh_down, m)
+
     def routed(self, lw, u, sel, wsel, limit):
         """sum over each token's selected experts of weight * down(swiglu(gate u, up u)).
         u [T, E]; sel, wsel [T, k] (expert ids, weights); lw: the layer's weights. One expert at

@@ -267,3 +267,26 @@ def test_q8_gemm_off_in_batch_invariant_mode(isa_guard):
         assert not K.q8_beats_float(Q.Q8_0, K.Q8_MAX_T + 1)
     finally:
         K.set_batch_invariant(prev)
+
+
+@needs_ext
+def test_matmul_q8_mixed_equals_separate_calls(isa_guard):
+    """Products of different weight types in one parallel region give each product's own result,
+    bit for bit (rows are split over threads by unit; a unit's arithmetic does not depend on it)."""
+    C = isa_guard
+    rng = np.random.default_rng(12)
+    types = [Q.Q8_0, Q.IQ2_XXS, Q.Q2_K, Q.Q8_0, Q.IQ2_XXS]
+    ws = [weights(t, rng, n, 512) for t, n in zip(types, (40, 16, 33, 7, 64))]
+    for T in (1, 3, 12):
+        xs = [rng.standard_normal((T, 512)).astype(np.float32) for _ in types]
+        for thr in (1, 2):
+            C.set_threads(thr)
+            ys = K.matmul_q8_mixed(types, ws, xs)
+            for t, w, x, y in zip(types, ws, xs, ys):
+                assert np.array_equal(y, K.matmul_q8(t, w, x)), (t, T, thr)
+    with pytest.raises(ValueError, match="types"):
+        K.matmul_q8_mixed(types[:2], ws, xs)
+    with pytest.raises(ValueError, match="no quantized-activation"):
+        K.matmul_q8_mixed([Q.Q4_K], [weights(Q.Q4_K, rng, 4, 256)], [np.zeros((1, 256), np.float32)])
+    with pytest.raises(ValueError):   # a weight of another format than its type says
+        _C().matmul_q8_batch([Q.Q8_0, Q.Q2_K], ws[:2], xs[:2], [np.zeros((12, 40), np.float32)] * 2)

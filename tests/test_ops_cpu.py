@@ -12,6 +12,7 @@ import pytest
 
 from engine import Engine, Session, kernels
 from engine import quants as Q
+from engine.ops_numpy import NumpyOps
 
 from conftest import ORACLE, need_shared
 from test_engine_oracle import stats
@@ -169,3 +170,29 @@ def test_cpu_backend_keeps_freed_memory():
     del a
     dropped = before - rss()
     assert dropped < n // 2, dropped                  # kept: a new mapping would drop by 48 MiB
+
+
+@needs_kernels
+def test_moe_in_one_region_equals_routed_plus_shared(small_model):
+    """ds4 mode: the shared expert's matrices join the routed experts' two batched calls; each
+    product is computed as alone, so the sum is bit for bit routed + shared as separate calls."""
+    with Engine.open(small_model, backend="cpu", numerics="ds4") as e:
+        ops, c = e.model.ops, e.config
+        lw = next(lw for lw in e.model.w.layers if lw.tid2eid is None)
+        if not (lw.sh_gate.type_id == Q.Q8_0 and ops._batched_experts(lw)):
+            pytest.skip("the small model's shared expert is not Q8_0 / its experts have no integer kernel")
+        rng = np.random.default_rng(0)
+        limit = np.float32(c.swiglu_clamp[lw.il])
+        for T in (1, 3, 40):
+            u = rng.standard_normal((T, c.n_embd)).astype(np.float32)
+            sel = np.stack([rng.choice(c.n_expert, c.n_expert_used, replace=False) for _ in range(T)])
+            wsel = rng.random(sel.shape).astype(np.float32)
+            got = ops.moe(lw, u, sel, wsel, limit)
+            want = ops.routed(lw, u, sel, wsel, limit) + ops.shared_expert(lw, u, limit)
+            assert np.array_equal(got, want), T
+            # and the reference's function: the same Q8 roundings (a rounding difference may flip
+            # an activation's Q8 step: a few elements move by about one step's worth)
+            ref = NumpyOps("ds4").moe(lw, u, sel, wsel, limit)
+            rel = np.abs(got - ref) / np.max(np.abs(ref))
+            print(f"T={T}: max rel {rel.max():.2e}, median {np.median(rel):.2e}")
+            assert np.median(rel) < 1e-6 and rel.max() < 2e-2, T
