@@ -12,7 +12,9 @@ Prints, per weight format:
   matrix (the BLAS ceiling), and which path is faster at each T;
 * for the formats with integer-activation kernels (ds4 numerics: Q8_0, Q2_K, IQ2_XXS), the same
   figures for matmul_q8 (x quantized inside the call) and the largest T at which it beats the
-  float kernels (kernels.Q8_MAX_T is set from it).
+  float kernels (kernels.Q8_MAX_T is set from it); where the build has the integer GEMM form
+  (AVX-512 VNNI), the row kernels and the GEMM form each forced, and the first T at which the
+  GEMM form wins (its default minimum, kern_gemm_body.h, is set from it).
 
 Timings are the best of several samples, counting only samples during which other processes
 were (nearly) idle: the machine may be shared (medians are printed too).
@@ -159,11 +161,17 @@ def batched(names, types, rng, Ts):
         w = Q.random_blocks(t, rng, rows * cols // f.block_elems, 0.02).reshape(rows, -1)
         for T in Ts:
             cases.append((name, t, w, T, rng.standard_normal((T, cols), dtype=np.float32)))
-    fused, q8 = {}, {}
+    fused, q8, q8rows, q8gemm = {}, {}, {}, {}
     for name, t, w, T, x in cases:
         fused[name, T], _ = timeit(lambda: K.matmul(t, w, x, method="fused"))
         if K.has_q8(t):
             q8[name, T], _ = timeit(lambda: K.matmul_q8(t, w, x))
+            default = K.q8_gemm_min_t(t)
+            if default:                      # the row kernels and the GEMM form, each forced
+                for forced, store in ((10**6, q8rows), (1, q8gemm)):
+                    K._K.q8_gemm_min_t(t, forced)
+                    store[name, T], _ = timeit(lambda: K.matmul_q8(t, w, x))
+                K._K.q8_gemm_min_t(t, default)
     time.sleep(1.0)
     blas, npf = {}, {}
     for name, t, w, T, x in cases:
@@ -176,10 +184,13 @@ def batched(names, types, rng, Ts):
         flop = 2.0 * T * rows * cols
         fu, bl, nf = (flop / d[name, T] / 1e9 for d in (fused, blas, npf))
         qq = flop / q8[name, T] / 1e9 if (name, T) in q8 else None
-        res.setdefault(name, []).append((T, fu, bl, nf, qq))
+        qr = flop / q8rows[name, T] / 1e9 if (name, T) in q8rows else None
+        qg = flop / q8gemm[name, T] / 1e9 if (name, T) in q8gemm else None
+        res.setdefault(name, []).append((T, fu, bl, nf, qq, qr, qg))
         print(f"  {name:8s} {rows}x{cols} T={T:4d}: fused {fu:7.1f}  blas {bl:7.1f}  np.matmul f32 {nf:7.1f} GFLOP/s"
               f"   fused/np.matmul {fu / nf:5.2f}x  faster: {'fused' if fu >= bl else 'blas'}"
-              + (f"   q8 {qq:7.1f} ({'q8' if qq >= fu else 'fused'} faster)" if qq else ""), flush=True)
+              + (f"   q8 {qq:7.1f} ({'q8' if qq >= fu else 'fused'} faster)" if qq else "")
+              + (f"  [rows {qr:6.1f} / GEMM form {qg:6.1f}: {qg / qr:4.2f}x]" if qr else ""), flush=True)
     return res
 
 
@@ -215,18 +226,24 @@ def main(argv=None) -> int:
         return 0
     print(f"\nbatched, {threads} threads (np.matmul: the float32 weights already decoded; "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}):")
-    crossover, q8_last = {}, {}
+    crossover, q8_last, gemm_first = {}, {}, {}
     for name, res in batched(names, types, rng, Ts).items():
-        blas_wins = [T for T, fu, bl, _, _ in res if bl > fu]
+        blas_wins = [T for T, fu, bl, *_ in res if bl > fu]
         crossover[name] = min(blas_wins) if blas_wins else None
         if res[0][4] is not None:
-            q8_wins = [T for T, fu, _, _, qq in res if qq >= fu]
+            q8_wins = [T for T, fu, _, _, qq, *_ in res if qq >= fu]
             q8_last[name] = max(q8_wins) if q8_wins else None
+        if res[0][5] is not None:
+            g_wins = [T for T, *_, qr, qg in res if qg > qr]
+            gemm_first[name] = (min(g_wins) if g_wins else None, K.q8_gemm_min_t(types[name]))
     print("\nfirst T where dequantize + BLAS beat the fused kernel: " +
           ", ".join(f"{k} {v if v is not None else 'never'}" for k, v in crossover.items()))
     if q8_last:
         print(f"largest T where the integer kernels beat the float ones (kernels.Q8_MAX_T = {K.Q8_MAX_T}): " +
               ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in q8_last.items()))
+    if gemm_first:
+        print("first T where the integer GEMM form beats the integer row kernels (its default minimum): " +
+              ", ".join(f"{k} {v if v is not None else 'never'} ({d})" for k, (v, d) in gemm_first.items()))
     print(f"\nmeasurements from quiet samples: {_stats['quiet']}, from noisy ones only: {_stats['noisy']}")
     return 0
 
