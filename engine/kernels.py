@@ -110,8 +110,19 @@ def set_batch_invariant(on: bool) -> bool:
     On: T = 1 uses the exact-weight in-register kernel instead of the faster factored one, and
     every fused path then sums each (row, token) in the same order, so a token's float32 result
     is bit-identical whatever T, path ("regs" / "panel") or thread count (the "blas" path is
-    not).  Off: results of different T differ by rounding."""
+    not).  Off: results of different T differ by rounding.  The integer kernels: on, the GEMM
+    form is off and q8_beats_float says yes at every T (the row kernels sum each (row, token) in
+    the same order whatever T; a switch to the float kernels at 9+ tokens would not)."""
     return bool(_K.set_batch_invariant(bool(on))) if _K is not None else False
+
+
+def batch_invariant() -> bool:
+    """The current set_batch_invariant setting."""
+    if _K is None:
+        return False
+    prev = _K.set_batch_invariant(False)
+    _K.set_batch_invariant(prev)
+    return bool(prev)
 
 
 def _default_threads() -> int:
@@ -227,7 +238,7 @@ def q8_beats_float(type_id: int, T: int) -> bool:
     if not has_q8(type_id):
         return False
     g = q8_gemm_min_t(type_id)
-    return T <= Q8_MAX_T or (g > 0 and T >= g)
+    return T <= Q8_MAX_T or (g > 0 and T >= g) or batch_invariant()
 
 
 def round_q8(x: np.ndarray, block: int) -> np.ndarray:

@@ -184,7 +184,10 @@ class Model:
         score = ops.indexer_scores(qi, keys, wts)                                  # [T, n rows]
         vis = np.arange(keys.shape[0])[None, :] < n_vis[:, None]
         score = np.where(vis, score, -np.inf)
-        idx = ops.topk_lowest_index(score, k)                                      # [T, k]
+        # the picks in row order: where a chunk's early queries see no more than k rows, the
+        # indexer picks all of them, and they must come in the order a query that skips the
+        # indexer (every visible row, row order) uses, or float32 attention sums depend on chunking
+        idx = np.sort(ops.topk_lowest_index(score, k), axis=1)                     # [T, k]
         ok = np.take_along_axis(vis, idx, axis=1)                                  # picks on invisible rows drop
         return idx, ok
 

@@ -196,3 +196,25 @@ def test_moe_in_one_region_equals_routed_plus_shared(small_model):
             rel = np.abs(got - ref) / np.max(np.abs(ref))
             print(f"T={T}: max rel {rel.max():.2e}, median {np.median(rel):.2e}")
             assert np.median(rel) < 1e-6 and rel.max() < 2e-2, T
+
+
+@needs_kernels
+def test_batch_invariant_mode_makes_chunked_prefill_bit_identical(small_model):
+    """With kernels.set_batch_invariant(True), a token's logits on the cpu backend in ds4 numerics
+    do not depend on how the prompt was chunked, bit for bit: every op sums a token's values in
+    one order whatever T (the integer row kernels at every T, no GEMM form; the indexer's picks
+    attended in row order, as every visible row is when the indexer is skipped). Off, chunking
+    moves logits by ds4-rounding noise (a Q8 step crossed, a routing flip)."""
+    toks = np.random.default_rng(0).integers(0, 512, 300).tolist()   # the indexer picks from 67 on
+    prev = kernels.set_batch_invariant(True)
+    try:
+        with Engine.open(small_model, backend="cpu", numerics="ds4") as e:
+            full = Session(e, 512).sync(toks, keep_logits=True)
+            for chunk in (7, 64):
+                got = Session(e, 512, chunk=chunk).sync(toks, keep_logits=True)
+                assert np.array_equal(got, full), (chunk, float(np.abs(got - full).max()))
+            one = Session(e, 512)
+            dec = np.array([one.eval(t).copy() for t in toks[:80]])          # decode = chunks of one
+            assert np.array_equal(dec, full[:80])
+    finally:
+        kernels.set_batch_invariant(prev)
