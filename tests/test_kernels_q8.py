@@ -75,36 +75,47 @@ def _round(t, x):
     return N.q8_0_round(x) if t == Q.Q8_0 else N.q8_k_round(x)
 
 
-@needs_ext
-@pytest.mark.parametrize("t", Q8_TYPES, ids=NAMES.get)
-def test_matmul_q8_matches_rounded_reference(t, isa_guard):
-    C = isa_guard
-    assert K.has_q8(t)
-    rng = np.random.default_rng(300 + t)
-    n_ins = [256, 512, 4096] + ([32, 96] if t == Q.Q8_0 else [])
+def _check_q8_against_reference(t, rng, rows, n_ins, Ts, isas, label):
+    """matmul_q8 on random weights and activations (scaled by 0.01 / 1 / 30 per token, the first
+    token's first block all zeros) against quants.matvec(float64) of the rounded activations,
+    within the float32 bound, on every build in isas."""
     worst = worst_rel = 0.0
-    for n_rows in (1, 7, 37):
+    for n_rows in rows:
         for n_in in n_ins:
             w = weights(t, rng, n_rows, n_in)
             aw = abs_weights(t, w)
-            for T in (1, 2, 3, 4, 5, 9):
+            for T in Ts:
                 x = (rng.standard_normal((T, n_in)) * rng.choice([0.01, 1.0, 30.0], (T, 1))).astype(np.float32)
+                x[0, :32] = 0.0
                 xr = _round(t, x)
                 ref = Q.matvec(t, w, xr.T, accumulate=np.float64).T
-                A = np.abs(xr.astype(np.float64)) @ aw.T
                 # exact integer sums per block; float32 accumulation of one product per block
                 # (or 16 sub-block terms for the Q2_K minimums) plus the horizontal sum
-                bound = (n_in / 16 + 64) * U * A + U * np.abs(ref) + 1e-30
-                for isa in C.isas():
-                    C.set_isa(isa)
+                bound = (n_in / 16 + 64) * U * (np.abs(xr.astype(np.float64)) @ aw.T) + U * np.abs(ref) + 1e-30
+                for isa in isas():
                     y = K.matmul_q8(t, w, x)
                     assert y.shape == (T, n_rows) and y.dtype == np.float32
                     diff = np.abs(y.astype(np.float64) - ref)
                     assert not (diff > bound).any(), (isa, n_rows, n_in, T, diff.max())
                     worst = max(worst, float(np.max(diff / bound)))
                     worst_rel = max(worst_rel, float(diff.max() / max(np.abs(ref).max(), 1e-30)))
-    print(f"\n{NAMES[t]} x q8: max |diff|/bound = {worst:.3g}, max |diff|/max|ref| = {worst_rel:.3g}")
+    print(f"\n{NAMES[t]} x q8 {label}: max |diff|/bound = {worst:.3g}, max |diff|/max|ref| = {worst_rel:.3g}")
     assert worst_rel < 3e-5     # a backstop to the bound; summation order differs per build
+
+
+@needs_ext
+@pytest.mark.parametrize("t", Q8_TYPES, ids=NAMES.get)
+def test_matmul_q8_matches_rounded_reference(t, isa_guard):
+    C = isa_guard
+    assert K.has_q8(t)
+
+    def every_build():
+        for isa in C.isas():
+            C.set_isa(isa)
+            yield isa
+    _check_q8_against_reference(t, np.random.default_rng(300 + t), (1, 7, 37),
+                                [256, 512, 4096] + ([32, 96] if t == Q.Q8_0 else []), (1, 2, 3, 4, 5, 9),
+                                every_build, "row kernels")
 
 
 @needs_ext
@@ -213,26 +224,9 @@ def gemm_forced(isa_guard):
 def test_q8_gemm_matches_rounded_reference(t, gemm_forced):
     """Row counts around the 16- and 32-row panels (tails are masked), n_in not a multiple of 64
     (Q8_0: padded codes), token counts around the 4-token tiles."""
-    rng = np.random.default_rng(400 + t)
-    n_ins = [256, 1024] + ([32, 96, 4096] if t == Q.Q8_0 else [])
-    worst = worst_rel = 0.0
-    for n_rows in (1, 15, 16, 17, 33, 50):
-        for n_in in n_ins:
-            w = weights(t, rng, n_rows, n_in)
-            aw = abs_weights(t, w)
-            for T in (1, 3, 4, 5, 9):
-                x = (rng.standard_normal((T, n_in)) * rng.choice([0.01, 1.0, 30.0], (T, 1))).astype(np.float32)
-                x[0, :32] = 0.0                                     # an all-zero activation block
-                xr = _round(t, x)
-                ref = Q.matvec(t, w, xr.T, accumulate=np.float64).T
-                bound = (n_in / 16 + 64) * U * (np.abs(xr.astype(np.float64)) @ aw.T) + U * np.abs(ref) + 1e-30
-                y = K.matmul_q8(t, w, x)
-                diff = np.abs(y.astype(np.float64) - ref)
-                assert not (diff > bound).any(), (n_rows, n_in, T, diff.max())
-                worst = max(worst, float(np.max(diff / bound)))
-                worst_rel = max(worst_rel, float(diff.max() / max(np.abs(ref).max(), 1e-30)))
-    print(f"\n{NAMES[t]} x q8 GEMM: max |diff|/bound = {worst:.3g}, max |diff|/max|ref| = {worst_rel:.3g}")
-    assert worst_rel < 3e-5
+    _check_q8_against_reference(t, np.random.default_rng(400 + t), (1, 15, 16, 17, 33, 50),
+                                [256, 1024] + ([32, 96, 4096] if t == Q.Q8_0 else []), (1, 3, 4, 5, 9),
+                                lambda: [gemm_forced.isa()], "GEMM form")
 
 
 @needs_ext
@@ -260,13 +254,21 @@ def test_q8_gemm_token_results_do_not_depend_on_T_or_threads(gemm_forced):
 
 @needs_ext
 def test_q8_gemm_off_in_batch_invariant_mode(isa_guard):
-    """Batch-invariant mode keeps one kernel for every T (the row kernels), so the GEMM form is off."""
+    """Batch-invariant mode keeps one kernel for every T, the row kernels: the GEMM form is off, the
+    integer kernels are chosen at every T, and a token's result does not depend on T."""
+    rng = np.random.default_rng(13)
     prev = K.set_batch_invariant(True)
     try:
-        assert all(K.q8_gemm_min_t(t) == 0 for t in Q8_TYPES)
-        assert not K.q8_beats_float(Q.Q8_0, K.Q8_MAX_T + 1)
+        assert K.batch_invariant()
+        for t in Q8_TYPES:
+            assert K.q8_gemm_min_t(t) == 0 and K.q8_beats_float(t, 512)
+            w = weights(t, rng, 40, 512)
+            x = rng.standard_normal((20, 512)).astype(np.float32)
+            y = K.matmul_q8(t, w, x)
+            assert all(np.array_equal(K.matmul_q8(t, w, x[i:i + 1])[0], y[i]) for i in range(20)), t
     finally:
         K.set_batch_invariant(prev)
+    assert not K.batch_invariant() or prev
 
 
 @needs_ext

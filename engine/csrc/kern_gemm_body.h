@@ -68,10 +68,6 @@ static void KSUF(g_row_q8_0)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel 
 }
 
 static void KSUF(g_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r) {
-    const __m512i spread = _mm512_set_epi64(0x0707070707070707LL, 0x0606060606060606LL, 0x0505050505050505LL,
-                                            0x0404040404040404LL, 0x0303030303030303LL, 0x0202020202020202LL,
-                                            0x0101010101010101LL, 0x0000000000000000LL);
-    const __m512i bits = _mm512_set1_epi64((long long)0x8040201008040201ULL);
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t b = 0; b < n / 256; b++) {
         const uint8_t *blk = row + 66 * b;
@@ -79,14 +75,9 @@ static void KSUF(g_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, gpan
         __m256i a0, a1;
         long long sgq[4];
         _mm256_storeu_si256((__m256i *)sgq, KSUF(iq2xxs_signs)(blk + 2, &a0, &a1));
-        for (int p = 0; p < 4; p++) { /* (a 2-bit code table looked up with word permutes: no faster) */
-            const uint8_t *q = blk + 2 + 16 * p;
-            const __m512i gv = _mm512_set_epi64(
-                (long long)kern_iq2xxs_grid64[q[11]], (long long)kern_iq2xxs_grid64[q[10]],
-                (long long)kern_iq2xxs_grid64[q[9]], (long long)kern_iq2xxs_grid64[q[8]],
-                (long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
-                (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
-            const __mmask64 neg = _mm512_test_epi8_mask(_mm512_shuffle_epi8(_mm512_set1_epi64(sgq[p]), spread), bits);
+        for (int p = 0; p < 4; p++) {
+            __mmask64 neg;
+            const __m512i gv = KSUF(iq2_pair)(blk + 2, sgq, p, &neg);
             _mm512_storeu_si512((void *)(rm + 256 * b + 64 * p), _mm512_mask_sub_epi8(gv, neg, zero, gv));
         }
         for (int g = 0; g < 8; g++) /* d * (0.5 + s) * 0.25, as the dequantizer */

@@ -70,6 +70,24 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
  * its 4 bytes to a byte mask with one broadcast + shuffle + compare; the 4 grid rows of a group
  * are 4 loads (a 4-lane gather measured slower: 16.6 vs 11.4 ms for 24 experts). */
 #ifdef Q8_HAVE_512
+/* IQ2_XXS groups 2p, 2p + 1 of a block (qs = block + 2): their 64 grid bytes (unsigned magnitudes;
+ * 8 row loads composed in registers: a 2-bit code table with word permutes, a gather, and scalar
+ * stores to a buffer were all slower on Zen 4) and the mask of their negative values, from the
+ * block's sign bytes sgq (iq2xxs_signs: bytes 8p..8p+7, one per 8 values, spread to 8 bytes each) */
+KI __m512i KSUF(iq2_pair)(const uint8_t *qs, const long long *sgq, int p, __mmask64 *neg) {
+    /* byte 8k + j of the pair <- sign byte k (4 per group), tested against bit j */
+    const __m512i spread = _mm512_set_epi64(0x0707070707070707LL, 0x0606060606060606LL, 0x0505050505050505LL,
+                                            0x0404040404040404LL, 0x0303030303030303LL, 0x0202020202020202LL,
+                                            0x0101010101010101LL, 0x0000000000000000LL);
+    const __m512i bits = _mm512_set1_epi64((long long)0x8040201008040201ULL);
+    const uint8_t *q = qs + 16 * p;
+    *neg = _mm512_test_epi8_mask(_mm512_shuffle_epi8(_mm512_set1_epi64(sgq[p]), spread), bits);
+    return _mm512_set_epi64((long long)kern_iq2xxs_grid64[q[11]], (long long)kern_iq2xxs_grid64[q[10]],
+                            (long long)kern_iq2xxs_grid64[q[9]], (long long)kern_iq2xxs_grid64[q[8]],
+                            (long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
+                            (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
+}
+
 /* AVX-512 form: two groups (64 weights) per zmm; the sign bits become a mask register and the
  * negation one masked subtract; a group pair's VNNI dot is multiplied by its two group scales
  * (2 s + 1) lane-wise and summed into one int32 accumulator per token */
@@ -77,11 +95,6 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
                              float *out, const int nt) {
     __m256 acc[Q8_NT];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    /* byte 8k + j of a group pair <- sign byte k (4 per group), tested against bit j */
-    const __m512i spread = _mm512_set_epi64(0x0707070707070707LL, 0x0606060606060606LL, 0x0505050505050505LL,
-                                            0x0404040404040404LL, 0x0303030303030303LL, 0x0202020202020202LL,
-                                            0x0101010101010101LL, 0x0000000000000000LL);
-    const __m512i bits = _mm512_set1_epi64((long long)0x8040201008040201ULL);
     const __m512i zero = _mm512_setzero_si512();
     /* int32 lanes 0-7 <- scale of group 2p, lanes 8-15 <- group 2p + 1 */
     const __m512i sidx[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
@@ -101,15 +114,8 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
         __m512i is[Q8_NT];
         for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
         for (int p = 0; p < 4; p++) {
-            const uint8_t *q = blk + 2 + 16 * p;
-            const __m512i gv = _mm512_set_epi64(
-                (long long)kern_iq2xxs_grid64[q[11]], (long long)kern_iq2xxs_grid64[q[10]],
-                (long long)kern_iq2xxs_grid64[q[9]], (long long)kern_iq2xxs_grid64[q[8]],
-                (long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
-                (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
-            /* the 8 sign bytes of groups 2p, 2p+1 (bytes 8p..8p+7 of sg) spread to 8 bytes each */
-            const __m512i sb = _mm512_set1_epi64(sgq[p]);
-            const __mmask64 neg = _mm512_test_epi8_mask(_mm512_shuffle_epi8(sb, spread), bits);
+            __mmask64 neg;
+            const __m512i gv = KSUF(iq2_pair)(blk + 2, sgq, p, &neg);
             const __m512i lp = _mm512_permutexvar_epi32(sidx[p], ls8);
             for (int t = 0; t < nt; t++) {
                 const __m512i xv = _mm512_loadu_si512((const void *)(xq + t * n + 256 * b + 64 * p));
