@@ -811,6 +811,93 @@ done:
     return ret;
 }
 
+/* ---- the KV rows' storage rounding (numerics.fp8_e4m3_roundtrip + f16_round), float32 ops in
+ * numerics.py's order, so bit-identical to it (this file is compiled with -ffp-contract=off) ---- */
+
+/* numerics.e4m3_round: nearest E4M3FN value, |v| clamped at 448, ties to even, sign as v < 0 */
+static float e4m3_round_f(float v) {
+    float av = fabsf(v);
+    av = av > 448.0f ? 448.0f : av; /* (NaN stays NaN, as np.minimum) */
+    int ex = 0;
+    (void)frexpf(av, &ex);
+    const int step = (ex - 1 > -6 ? ex - 1 : -6) - 3;
+    const float q = ldexpf(rintf(ldexpf(av, -step)), step);
+    return v < 0.0f ? -q : q;
+}
+
+/* numerics.f16_round: round to the nearest float16 (ties to even, overflow to inf), as float32:
+ * v / ulp rounded to an integer and scaled back (exact: ulp is a power of two) */
+static float f16_round_f(float v) {
+    const float a = fabsf(v);
+    if (!(a < INFINITY)) return v; /* inf, NaN */
+    int ex = 0;
+    (void)frexpf(a, &ex);          /* a = f 2^ex, f in [0.5, 1): the float16 ulp is 2^(ex - 11) */
+    const int ue = ex - 11 > -24 ? ex - 11 : -24;
+    const float r = ldexpf(rintf(ldexpf(v, -ue)), ue);
+    return fabsf(r) > 65504.0f ? copysignf(INFINITY, v) : r;
+}
+
+/* numerics._pow2_scale for FP8: 2^ceil(log2f(max(amax, 1e-4) * fl(1/448))), log2f correctly
+ * rounded (float64 log2 rounded to float32, as numerics._log2f); a non-finite exponent (amax
+ * inf or NaN) makes the reference's int32 cast INT_MIN and its scale 0: the same here */
+static float fp8_scale(float amax) {
+    const float a = amax > 1.0e-4f || amax != amax ? amax : 1.0e-4f; /* np.maximum keeps NaN */
+    const float r = a * (1.0f / 448.0f);
+    const float l = (float)log2((double)r);
+    if (!isfinite(l)) return 0.0f;
+    return ldexpf(1.0f, (int)ceilf(l));
+}
+
+/* store_kv(rows, n_nope, out[, threads]): out = f16_round(fp8_e4m3_roundtrip(rows, n_nope)) row
+ * by row (rows [R, D] float32, n_nope a multiple of 64 and <= D) */
+static PyObject *py_store_kv(PyObject *self, PyObject *args) {
+    PyObject *xo, *oo;
+    long long n_nope;
+    int threads = 0;
+    if (!PyArg_ParseTuple(args, "OLO|i", &xo, &n_nope, &oo, &threads)) return NULL;
+    Py_buffer xb, ob;
+    if (get_f32(xo, &xb, 0, "rows", -1, -1) < 0) return NULL;
+    const int64_t R = xb.shape[0], D = xb.shape[1];
+    if (n_nope < 0 || n_nope > D || n_nope % 64) {
+        PyBuffer_Release(&xb);
+        PyErr_Format(PyExc_ValueError, "store_kv: n_nope %lld must be a multiple of 64 in 0..%lld", n_nope, (long long)D);
+        return NULL;
+    }
+    if (get_f32(oo, &ob, 1, "out", R, D) < 0) {
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    const float *x = (const float *)xb.buf;
+    float *out = (float *)ob.buf;
+    Py_BEGIN_ALLOW_THREADS
+    const int nt = thread_count(R, R * D, 64 * 1024, threads);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * D;
+        float *o = out + r * D;
+        for (int64_t b = 0; b < n_nope; b += 64) {
+            float amax = 0.0f;
+            int has_nan = 0;
+            for (int i = 0; i < 64; i++) {
+                const float a = fabsf(xr[b + i]);
+                has_nan |= a != a;
+                amax = a > amax ? a : amax;
+            }
+            const float scale = fp8_scale(has_nan ? NAN : amax);
+            for (int i = 0; i < 64; i++) {
+                float v = xr[b + i] / scale;
+                v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v; /* (NaN stays NaN, as np.clip) */
+                o[b + i] = f16_round_f(e4m3_round_f(v) * scale);
+            }
+        }
+        for (int64_t i = n_nope; i < D; i++) o[i] = f16_round_f(xr[i]);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&ob);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_has_q8(PyObject *self, PyObject *arg) {
     long type = PyLong_AsLong(arg);
     if (type == -1 && PyErr_Occurred()) return NULL;
@@ -946,6 +1033,7 @@ static PyMethodDef methods[] = {
      "(types: one type id, or one per product)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(block, x) -> (codes, scales, sums) as bytes"},
     {"round_q8", py_round_q8, METH_VARARGS, "round_q8(block, x, out[, threads]): out = Q8_0/Q8_K-rounded x"},
+    {"store_kv", py_store_kv, METH_VARARGS, "store_kv(rows, n_nope, out[, threads]): FP8 + F16 rounding of KV rows"},
     {"hc_post", py_hc_post, METH_VARARGS, "hc_post(y, X, post, C, out[, threads]): hyper-connection post mix"},
     {"hc_split", py_hc_split, METH_VARARGS,
      "hc_split(mix, n, scale, base, eps, iters, pre, post, c): hyper-connection weights (float32)"},

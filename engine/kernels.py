@@ -298,6 +298,18 @@ def hc_post(y: np.ndarray, X: np.ndarray, post: np.ndarray, C: np.ndarray):
     return out
 
 
+def store_kv(rows: np.ndarray, n_nope: int):
+    """numerics.f16_round(numerics.fp8_e4m3_roundtrip(rows, n_nope)) in C, bit-identical (the same
+    float32 operations); rows [..., D]; None without the extension."""
+    if _K is None:
+        return None
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    flat = rows.reshape(-1, rows.shape[-1]) if rows.ndim != 2 else rows
+    out = np.empty_like(flat)
+    _K.store_kv(flat, int(n_nope), out)
+    return out.reshape(rows.shape)
+
+
 def _round_act(type_id: int, x: np.ndarray) -> np.ndarray:
     return round_q8(x, Q8_ACT_BLOCK[type_id])
 

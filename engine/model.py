@@ -30,12 +30,14 @@ class Model:
         # matrices are asked for one layer ahead, the output head during the last layer, a
         # layer's selected experts as soon as routing has picked them
         self.pager = None
+        self._theta_cache: dict = {}
         self._dense = [dense_arrays(lw) for lw in weights.layers] + [[weights.hc_head_fn.data, weights.output.data]]
 
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, pos0: int, state: KVState, all_logits: bool = False) -> np.ndarray:
         """Logits [T, vocab] (all_logits) or [vocab] for the last token."""
         c = self.c
+        self._theta_cache = {}
         tokens = np.asarray(tokens, dtype=np.int64)
         e = Q.dequantize(self.w.embd.type_id, self.w.embd.data[tokens])            # [T, E]
         X = np.repeat(e[:, None, :], c.n_hc, axis=1).astype(np.float32)           # [T, n_hc, E]
@@ -67,10 +69,19 @@ class Model:
 
     # -- attention sublayer (§3.4) -------------------------------------------------------------
     def _thetas(self, ratio: int, pos: np.ndarray, n_rot: int):
+        # the same positions recur in every layer of a forward pass (two kinds: plain and
+        # compressed-layer YaRN angles): computed once per pass, read-only
         c = self.c
-        if ratio == 0:
-            return self.ops.rope_thetas(pos, n_rot, c.rope_base, None)
-        return self.ops.rope_thetas(pos, n_rot, c.compress_rope_base, self.yarn)
+        key = (ratio != 0, n_rot, pos.tobytes())
+        th = self._theta_cache.get(key)
+        if th is None:
+            if ratio == 0:
+                th = self.ops.rope_thetas(pos, n_rot, c.rope_base, None)
+            else:
+                th = self.ops.rope_thetas(pos, n_rot, c.compress_rope_base, self.yarn)
+            th.flags.writeable = False
+            self._theta_cache[key] = th
+        return th
 
     def _attention(self, lw: LayerWeights, ls: LayerState, X, pos0: int):
         c, ops = self.c, self.ops

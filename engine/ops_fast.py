@@ -112,6 +112,21 @@ class FastOps:
             list(_query_pool(n).map(run, [range(i, T, n) for i in range(n)]))
         return o
 
+    # -- experts -------------------------------------------------------------------------------
+    @staticmethod
+    def swiglu(g, v, limit):
+        """NumpyOps.swiglu with the same float32 operations in the same order (bit-identical), in
+        place on two fresh arrays instead of seven temporaries and two copies."""
+        g = np.minimum(g, limit)
+        s = np.negative(g)
+        with np.errstate(over="ignore"):            # exp(-g) = inf for g < -88: sigmoid 0, as meant
+            np.exp(s, out=s)
+        s += 1.0
+        np.divide(1.0, s, out=s)                    # sigmoid(g)
+        s *= g                                      # silu(g)
+        s *= np.clip(v, -limit, limit)
+        return s
+
     # -- indexer -------------------------------------------------------------------------------
     @staticmethod
     def indexer_scores(qi, keys, wts):

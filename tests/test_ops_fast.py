@@ -259,6 +259,51 @@ def test_rmsnorm_in_c(shape):
     assert CpuOps.rmsnorm(x[0], w, 1e-6).shape == x[0].shape
 
 
+def test_swiglu_bit_identical():
+    rng = _rng(60)
+    for shape in ((1, 2048), (7, 300)):
+        g, v = f32(rng, *shape) * 8, f32(rng, *shape) * 8
+        g[0, :3] = [100.0, -100.0, np.inf]                       # clamped above, exp overflow below
+        for limit in (np.float32(7.0), np.float32(np.inf)):
+            with np.errstate(over="ignore", invalid="ignore"):   # the reference's exp overflow
+                ref = REF.swiglu(g, v, limit)
+            got = FAST.swiglu(g, v, limit)
+            assert got.dtype == np.float32 and np.array_equal(got, ref, equal_nan=True), (shape, limit)
+
+
+def test_store_kv_in_c():
+    """The cpu backend's C KV storage rounding (FP8 E4M3 blocks of 64 on the non-RoPE dims, then
+    F16) is numerics.py's, bit for bit: block scales across magnitudes, zero and signed-zero blocks,
+    ties on both grids, F16 overflow at 65520, inf and NaN values."""
+    import warnings
+    from engine import kernels
+    from engine import numerics as N
+    from engine.ops_cpu import CpuOps
+    if not kernels.available():
+        pytest.skip("engine._kernels is not built")
+    rng = _rng(50)
+    cases = [(rng.standard_normal((20, 512)) * s).astype(np.float32) for s in (1e-8, 1e-3, 1, 1000, 1e5, 1e30)]
+    x = rng.standard_normal((12, 512)).astype(np.float32)
+    x[0, :64], x[1, 5], x[2, 7], x[3, 100], x[4, :64] = 0, np.inf, np.nan, -np.inf, -0.0
+    x[5, 448:], x[6, 448:], x[7, 448:], x[8, :64] = 70000, 65519.9, 65520, 448 * 2.0 ** -20
+    x[9] = np.float32(2.0) ** rng.integers(-30, 20, 512).astype(np.float32) * rng.choice([-1, 1], 512)
+    x[10] = np.resize(np.arange(-256, 256, dtype=np.float32) / 64, 512)       # exact ties
+    cases.append(x)
+    ops = CpuOps("ds4")
+    for c in cases:
+        for n_nope in (0, 64, 448, 512):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)       # the reference's inf / NaN casts
+                ref = N.f16_round(N.fp8_e4m3_roundtrip(c, n_nope))
+            got = ops.store_kv(c, n_nope)
+            same = (got.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(got) & np.isnan(ref))
+            assert same.all(), (n_nope, np.argwhere(~same)[:3])
+    assert ops.store_kv(x[None, :3], 448).shape == (1, 3, 512)
+    assert CpuOps("exact").store_kv(x, 448) is x
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ops.store_kv(x, 100)
+
+
 @pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (9, 4, 300), (3, 1, 7), (2, 16, 65)])
 def test_hc_post_in_c(T, n, E):
     """The cpu backend's C hc_post takes the reference's arithmetic (float32 post * y, float64
