@@ -898,6 +898,128 @@ static PyObject *py_store_kv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* attention(q, sinks, out, segments[, threads]): FastOps.attention in C. q and out [T * H, D]
+ * (pre-scaled queries), sinks [1, H]; segments: (keys [K or T * K, D], mask uint8 [T, K],
+ * per_query) triples. Units of (query, 4 heads) are split over the threads; a unit's arithmetic
+ * does not depend on T or the split. */
+static PyObject *py_attention(PyObject *self, PyObject *args) {
+    PyObject *qo, *so, *oo, *sl;
+    int threads = 0;
+    if (!PyArg_ParseTuple(args, "OOOO|i", &qo, &so, &oo, &sl, &threads)) return NULL;
+    const kern_isa *K = &g_isa[g_cur];
+    if (!K->attn) {
+        PyErr_SetString(PyExc_ValueError, "attention: no kernel in this build");
+        return NULL;
+    }
+    Py_buffer qb, sb, ob;
+    if (get_f32(so, &sb, 0, "sinks", 1, -1) < 0) return NULL;
+    const int64_t H = sb.shape[1];
+    if (get_f32(qo, &qb, 0, "q", -1, -1) < 0) {
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    const int64_t D = qb.shape[1], T = H > 0 ? qb.shape[0] / H : 0;
+    PyObject *segf = NULL, *ret = NULL;
+    Py_buffer *kb = NULL, *mb = NULL;
+    int *perq = NULL;
+    Py_ssize_t nseg = 0, held = 0;
+    if (H < 1 || qb.shape[0] != T * H) {
+        PyErr_SetString(PyExc_ValueError, "attention: q must have T * H rows");
+        PyBuffer_Release(&qb);
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    if (get_f32(oo, &ob, 1, "out", T * H, D) < 0) {
+        PyBuffer_Release(&qb);
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    segf = PySequence_Fast(sl, "segments must be a sequence");
+    if (!segf) goto done;
+    nseg = PySequence_Fast_GET_SIZE(segf);
+    kb = (Py_buffer *)calloc((size_t)nseg + 1, sizeof(Py_buffer));
+    mb = (Py_buffer *)calloc((size_t)nseg + 1, sizeof(Py_buffer));
+    perq = (int *)calloc((size_t)nseg + 1, sizeof(int));
+    if (!kb || !mb || !perq) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t nmax = 0;
+    for (; held < nseg; held++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(segf, held), *ko, *mo;
+        if (!PyArg_ParseTuple(it, "OOp", &ko, &mo, &perq[held])) goto done;
+        if (get_f32(ko, &kb[held], 0, "keys", -1, D) < 0) goto done;
+        if (PyObject_GetBuffer(mo, &mb[held], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyBuffer_Release(&kb[held]);
+            goto done;
+        }
+        const Py_buffer *m = &mb[held];
+        const int64_t Km = m->ndim == 2 ? m->shape[1] : -1;
+        if (m->ndim != 2 || m->itemsize != 1 || m->shape[0] != T ||
+            kb[held].shape[0] != (perq[held] ? T * Km : Km)) {
+            PyErr_SetString(PyExc_ValueError, "attention: a mask must be uint8 [T, K] and its keys [K or T * K, D]");
+            PyBuffer_Release(&kb[held]);
+            PyBuffer_Release(&mb[held]);
+            goto done;
+        }
+        nmax += Km;
+    }
+    {
+        const float *q = (const float *)qb.buf, *sinks = (const float *)sb.buf;
+        float *out = (float *)ob.buf;
+        const int64_t nhb = (H + 3) / 4, units = T * nhb;
+        int failed = 0;
+        Py_BEGIN_ALLOW_THREADS
+        const int nt = thread_count(units, units * 4 * (nmax + 1) * D, 64 * 1024, threads);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+        {
+            const float **ptrs = (const float **)malloc((size_t)(nmax + 1) * sizeof(float *));
+            float *sbuf = (float *)malloc((size_t)(4 * nmax + 4) * sizeof(float));
+            if (!ptrs || !sbuf) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < units; u++) {
+                if (!ptrs || !sbuf) continue;
+                const int64_t t = u / nhb, hb = u % nhb;
+                int64_t n = 0;
+                for (Py_ssize_t s = 0; s < nseg; s++) {
+                    const int64_t Kn = mb[s].shape[1];
+                    const uint8_t *mrow = (const uint8_t *)mb[s].buf + t * Kn;
+                    const float *keys = (const float *)kb[s].buf + (perq[s] ? t * Kn * D : 0);
+                    for (int64_t k = 0; k < Kn; k++)
+                        if (mrow[k]) ptrs[n++] = keys + k * D;
+                }
+                const int64_t h0 = 4 * hb, h1 = h0 + 4 < H ? h0 + 4 : H;
+                K->attn(q + t * H * D, D, h0, h1, ptrs, n, sinks, out + t * H * D, sbuf);
+            }
+            free(ptrs);
+            free(sbuf);
+        }
+        Py_END_ALLOW_THREADS
+        if (failed) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&kb[i]);
+        PyBuffer_Release(&mb[i]);
+    }
+    free(kb);
+    free(mb);
+    free(perq);
+    Py_XDECREF(segf);
+    PyBuffer_Release(&qb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&ob);
+    return ret;
+}
+
 static PyObject *py_has_q8(PyObject *self, PyObject *arg) {
     long type = PyLong_AsLong(arg);
     if (type == -1 && PyErr_Occurred()) return NULL;
@@ -1033,6 +1155,7 @@ static PyMethodDef methods[] = {
      "(types: one type id, or one per product)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(block, x) -> (codes, scales, sums) as bytes"},
     {"round_q8", py_round_q8, METH_VARARGS, "round_q8(block, x, out[, threads]): out = Q8_0/Q8_K-rounded x"},
+    {"attention", py_attention, METH_VARARGS, "attention(q, sinks, out, segments[, threads]): per-query softmax attention"},
     {"store_kv", py_store_kv, METH_VARARGS, "store_kv(rows, n_nope, out[, threads]): FP8 + F16 rounding of KV rows"},
     {"hc_post", py_hc_post, METH_VARARGS, "hc_post(y, X, post, C, out[, threads]): hyper-connection post mix"},
     {"hc_split", py_hc_split, METH_VARARGS,

@@ -138,6 +138,8 @@ def _default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+_K_HAS_ATTN = _K is not None and hasattr(_K, "attention")
+
 if _K is not None:
     _K.set_threads(_default_threads())
     if build_is_current() is False:
@@ -296,6 +298,29 @@ def hc_post(y: np.ndarray, X: np.ndarray, post: np.ndarray, C: np.ndarray):
                np.ascontiguousarray(post, dtype=np.float32).reshape(T, n),
                np.ascontiguousarray(C, dtype=np.float32).reshape(T, n * n), out.reshape(T * n, E))
     return out
+
+
+def attention(q: np.ndarray, segments, sinks: np.ndarray, scale: float):
+    """FastOps.attention (q [T, H, D]; segments: (keys [K, D] or [T, K, D], mask [T, K] bool);
+    the sink logit in the denominator only; K = V) in C: per query and 4 heads, the attended keys'
+    scores and weighted sum in float32 register tiles, units over the threads. None where this
+    build has no attention kernel."""
+    if _K is None or not _K_HAS_ATTN:
+        return None
+    q = np.asarray(q, dtype=np.float32)
+    T, H, D = q.shape
+    qs = np.ascontiguousarray(q * np.float32(scale)).reshape(T * H, D)
+    segs = []
+    for keys, mask in segments:
+        mask = np.ascontiguousarray(mask, dtype=bool)
+        if mask.shape[1] == 0:
+            continue
+        keys = np.ascontiguousarray(keys, dtype=np.float32)
+        per_query = keys.ndim == 3
+        segs.append((keys.reshape(-1, D), mask.view(np.uint8), per_query))
+    out = np.empty((T * H, D), np.float32)
+    _K.attention(qs, np.ascontiguousarray(sinks, dtype=np.float32).reshape(1, H), out, segs)
+    return out.reshape(T, H, D)
 
 
 def store_kv(rows: np.ndarray, n_nope: int):

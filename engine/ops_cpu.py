@@ -65,6 +65,14 @@ class CpuOps(FastOps, NumpyOps):
         got = K.rmsnorm(x, w, eps)
         return got if got is not None else FastOps.rmsnorm(x, w, eps)
 
+    @staticmethod
+    def attention(q, segments, sinks, scale):
+        # in C (per query and 4 heads, register tiles, units over the threads): a decode step's
+        # attention 2x FastOps' (one query: 64-head BLAS calls on one thread); a prefill block about
+        # as fast as FastOps' threaded queries. A query's result depends on its keys alone.
+        got = K.attention(q, segments, sinks, scale)
+        return got if got is not None else FastOps.attention(q, segments, sinks, scale)
+
     def store_kv(self, rows, n_nope):
         # in C, bit-identical to numerics' FP8 + F16 emulation (~15 NumPy calls: ~0.25 ms a
         # cached row at decode, four times a token)

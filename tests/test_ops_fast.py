@@ -193,7 +193,7 @@ def test_rope(xshape, tshape):
 
 def test_cpu_backend_uses_fast_ops():
     from engine.ops_cpu import CpuOps
-    assert CpuOps.attention is FastOps.attention and CpuOps.hc_pre_mix is FastOps.hc_pre_mix
+    assert CpuOps.rope is FastOps.rope and CpuOps.hc_pre_mix is FastOps.hc_pre_mix
 
 
 def test_a_tokens_result_does_not_depend_on_the_batch():
@@ -257,6 +257,40 @@ def test_rmsnorm_in_c(shape):
         check(f"C rmsnorm {shape} w={ww is not None}", got, ref)
         assert np.mean(got.view(np.uint32) == ref.view(np.uint32)) >= 0.999
     assert CpuOps.rmsnorm(x[0], w, 1e-6).shape == x[0].shape
+
+
+@pytest.mark.parametrize("T,H,D", [(1, 64, 512), (9, 8, 128), (5, 3, 40), (3, 5, 100)])
+def test_attention_in_c(T, H, D):
+    """The cpu backend's C attention against the reference: shared and per-query key segments,
+    an empty segment, a query that attends nothing (0 with a finite sink, NaN with a -inf one, as
+    the reference), head counts and widths off the 4-head / 16-value tiles; a query's result is
+    the same alone or in the batch, and whatever the thread count."""
+    from engine import kernels
+    from engine.ops_cpu import CpuOps
+    if not kernels.available():
+        pytest.skip("engine._kernels is not built")
+    rng = _rng(T * H + D)
+    q = f32(rng, T, H, D) / np.float32(np.sqrt(D))
+    kr, mr = f32(rng, 20, D), rng.random((T, 20)) < 0.6
+    kp, mp = f32(rng, T, 7, D), rng.random((T, 7)) < 0.5
+    mr[0], mp[0] = False, False                                  # query 0: only the sink
+    sinks = f32(rng, H)
+    sinks[0] = -np.inf
+    segs = [(kr, mr), (kp, mp), (np.zeros((0, D), np.float32), np.zeros((T, 0), bool))]
+    with np.errstate(invalid="ignore"):                          # the reference's -inf - -inf
+        ref = REF.attention(q, segs, sinks, 0.7)
+    got = CpuOps.attention(q, segs, sinks, 0.7)
+    check(f"C attention T={T} H={H} D={D}", got, ref)           # (NaN where the reference has NaN)
+    assert (got[0, 1:] == 0).all()
+    for t in range(T):
+        one = CpuOps.attention(q[t:t + 1], [(kr, mr[t:t + 1]), (kp[t:t + 1], mp[t:t + 1])], sinks, 0.7)
+        assert np.array_equal(one[0], got[t], equal_nan=True), t
+    prev = kernels.get_threads()
+    try:
+        kernels.set_threads(1)
+        assert np.array_equal(CpuOps.attention(q, segs, sinks, 0.7), got, equal_nan=True)
+    finally:
+        kernels.set_threads(prev)
 
 
 def test_swiglu_bit_identical():

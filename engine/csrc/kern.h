@@ -11,6 +11,7 @@
 #ifndef DS4_KERN_H
 #define DS4_KERN_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -137,6 +138,12 @@ typedef void (*kern_q8g_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
                             uint8_t *scratch);
 typedef int64_t (*kern_scratch_fn)(int64_t n);
 
+/* attention of one query over n attended keys (rows of D floats at keys[k]), heads h0..h1-1 (at
+ * most 4): q [H, D] pre-scaled, sinks [H] (the sink logit enters the denominator only), out
+ * [H, D]; sbuf: 4 * n floats of scratch */
+typedef void (*kern_attn_fn)(const float *q, int64_t D, int64_t h0, int64_t h1, const float *const *keys, int64_t n,
+                             const float *sinks, float *out, float *sbuf);
+
 typedef struct {
     const char *name;
     int panel_rows; /* the row unit of the panel kernel's register tile */
@@ -145,6 +152,7 @@ typedef struct {
     kern_mvt_fn mvt[KT_MAX]; /* small T; NULL: panel path */
     int mvt_max[KT_MAX];     /* mvt for 2 <= T <= mvt_max (run-time adjustable: set_mvt_max) */
     kern_panel_fn panel;
+    kern_attn_fn attn;       /* one query's attention (kern_simd_body.h); NULL: none */
     kern_q8_fn q8[KT_MAX];   /* NULL: no integer-activation kernel for this weight type */
     kern_q8g_fn q8g[KT_MAX]; /* NULL: no GEMM form; else used for T >= q8g_min_t (run-time adjustable) */
     int q8g_min_t[KT_MAX];

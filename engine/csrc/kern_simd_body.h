@@ -746,7 +746,100 @@ static void KSUF(panel)(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64
     }
 }
 
+/* ---- attention of one query (FastOps.attention's math; float32, the scores and the weighted sum
+ * in register tiles of 4 heads x 4 keys / 4 heads x 64 values; expf per score) ---- */
+static void KSUF(attn_query)(const float *q, int64_t D, int64_t h0, int64_t h1, const float *const *keys, int64_t n,
+                             const float *sinks, float *out, float *sbuf) {
+    const int nh = (int)(h1 - h0);
+    const int64_t D16 = D / 16 * 16;
+    /* fixed 4 x 4 tiles (register accumulators): missing heads / keys repeat the first one and
+     * their results are dropped */
+    const float *qp[4];
+    for (int h = 0; h < 4; h++) qp[h] = q + (h0 + (h < nh ? h : 0)) * D;
+    /* scores s[h][k] = q_h . key_k */
+    for (int64_t k0 = 0; k0 < n; k0 += 4) {
+        const int nk = n - k0 < 4 ? (int)(n - k0) : 4;
+        const float *kp[4];
+        for (int j = 0; j < 4; j++) kp[j] = keys[k0 + (j < nk ? j : 0)];
+        V16 acc[4][4];
+        for (int h = 0; h < 4; h++)
+            for (int j = 0; j < 4; j++) acc[h][j] = vzero();
+        for (int64_t d = 0; d < D16; d += 16) {
+            V16 kv[4];
+            for (int j = 0; j < 4; j++) kv[j] = vloadu(kp[j] + d);
+            for (int h = 0; h < 4; h++) {
+                const V16 qv = vloadu(qp[h] + d);
+                for (int j = 0; j < 4; j++) acc[h][j] = vfma(qv, kv[j], acc[h][j]);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            for (int j = 0; j < nk; j++) {
+                float sc = vhsum(acc[h][j]);
+                for (int64_t d = D16; d < D; d++) sc += qp[h][d] * kp[j][d];
+                sbuf[h * n + k0 + j] = sc;
+            }
+    }
+    /* softmax with the sink in the denominator */
+    float den[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+    for (int h = 0; h < nh; h++) {
+        float *sh = sbuf + h * n;
+        const float sink = sinks[h0 + h];
+        float m = sink;
+        for (int64_t k = 0; k < n; k++) m = sh[k] > m ? sh[k] : m;
+        float dsum = expf(sink - m);
+        for (int64_t k = 0; k < n; k++) {
+            sh[k] = expf(sh[k] - m);
+            dsum += sh[k];
+        }
+        den[h] = dsum;
+    }
+    for (int h = nh; h < 4; h++) /* the padding heads' weights: zeros (sbuf holds 4 n floats) */
+        for (int64_t k = 0; k < n; k++) sbuf[h * n + k] = 0.0f;
+    /* out_h = sum_k p[h][k] key_k / den_h: 4 heads x 64 values per pass, then 16 at a time */
+    int64_t d = 0;
+    for (; d + 64 <= D16; d += 64) {
+        V16 acc[4][4];
+        for (int h = 0; h < 4; h++)
+            for (int c = 0; c < 4; c++) acc[h][c] = vzero();
+        for (int64_t k = 0; k < n; k++) {
+            V16 kv[4];
+            for (int c = 0; c < 4; c++) kv[c] = vloadu(keys[k] + d + 16 * c);
+            for (int h = 0; h < 4; h++) {
+                const V16 p = vset1(sbuf[h * n + k]);
+                for (int c = 0; c < 4; c++) acc[h][c] = vfma(p, kv[c], acc[h][c]);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            for (int c = 0; c < 4; c++) {
+                float tmp[16];
+                vstoreu(tmp, acc[h][c]);
+                float *o = out + (h0 + h) * D + d + 16 * c;
+                for (int i = 0; i < 16; i++) o[i] = tmp[i] / den[h];
+            }
+    }
+    for (; d < D16; d += 16) {
+        V16 acc[4];
+        for (int h = 0; h < 4; h++) acc[h] = vzero();
+        for (int64_t k = 0; k < n; k++) {
+            const V16 kv = vloadu(keys[k] + d);
+            for (int h = 0; h < 4; h++) acc[h] = vfma(vset1(sbuf[h * n + k]), kv, acc[h]);
+        }
+        for (int h = 0; h < nh; h++) {
+            float tmp[16];
+            vstoreu(tmp, acc[h]);
+            for (int i = 0; i < 16; i++) out[(h0 + h) * D + d + i] = tmp[i] / den[h];
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int64_t dd = D16; dd < D; dd++) {
+            float a = 0.0f;
+            for (int64_t k = 0; k < n; k++) a += sbuf[h * n + k] * keys[k][dd];
+            out[(h0 + h) * D + dd] = a / den[h];
+        }
+}
+
 static void KSUF(fill_simd)(kern_isa *k) {
+    k->attn = KSUF(attn_query);
     k->mv1[KT_F32] = KSUF(mv1_f32);
     k->mv1[KT_F16] = KSUF(mv1_f16);
     k->mv1[KT_BF16] = KSUF(mv1_bf16);
