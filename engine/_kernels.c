@@ -414,17 +414,8 @@ static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
     PyObject *to, *wl, *xl, *yl;
     if (!PyArg_ParseTuple(args, "OOOO|i", &to, &wl, &xl, &yl, &threads)) return NULL;
     const kern_isa *K = &g_isa[g_cur];
-    int one_type = -1;
-    PyObject *tf = NULL;
-    if (PyLong_Check(to)) {
-        one_type = (int)PyLong_AsLong(to);
-        if (one_type == -1 && PyErr_Occurred()) return NULL;
-        if (check_type(one_type) < 0) return NULL;
-        if (!K->q8[one_type]) {
-            PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", one_type);
-            return NULL;
-        }
-    } else {
+    PyObject *tf = NULL; /* one type per product; NULL: `to` is the type of all */
+    if (!PyLong_Check(to)) {
         tf = PySequence_Fast(to, "types must be an int or a sequence of ints");
         if (!tf) return NULL;
     }
@@ -460,16 +451,13 @@ static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
     for (; got < n; got++) {
         Py_buffer *b = bufs + 3 * got;
         q8_job *j = jobs + got;
-        int type = one_type;
-        if (tf) {
-            long tl = PyLong_AsLong(PySequence_Fast_GET_ITEM(tf, got));
-            if (tl == -1 && PyErr_Occurred()) goto done;
-            type = (int)tl;
-            if (check_type(type) < 0) goto done;
-            if (!K->q8[type]) {
-                PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", type);
-                goto done;
-            }
+        const long tl = PyLong_AsLong(tf ? PySequence_Fast_GET_ITEM(tf, got) : to);
+        if (tl == -1 && PyErr_Occurred()) goto done;
+        const int type = (int)tl;
+        if (check_type(type) < 0) goto done;
+        if (!K->q8[type]) {
+            PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", type);
+            goto done;
         }
         j->type = type;
         if (get_weight(PySequence_Fast_GET_ITEM(wf, got), type, &b[0], &j->n_rows, &j->n_in, &j->stride) < 0) goto done;
@@ -1086,6 +1074,10 @@ static PyObject *py_set_batch_invariant(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(prev);
 }
 
+static PyObject *py_batch_invariant(PyObject *self, PyObject *noargs) { return PyBool_FromLong(g_invariant); }
+
+static PyObject *py_has_attention(PyObject *self, PyObject *noargs) { return PyBool_FromLong(g_isa[g_cur].attn != NULL); }
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(g_isa[g_cur].name); }
 
 static PyObject *py_isas(PyObject *self, PyObject *noargs) {
@@ -1168,6 +1160,8 @@ static PyMethodDef methods[] = {
     {"read_sum", py_read_sum, METH_O, "read_sum(buf): sum of the buffer's uint64 words (bandwidth probe)"},
     {"set_threads", py_set_threads, METH_O, "set_threads(n): OpenMP threads used by the kernels"},
     {"get_threads", py_get_threads, METH_NOARGS, "get_threads() -> int"},
+    {"batch_invariant", py_batch_invariant, METH_NOARGS, "batch_invariant() -> the current setting"},
+    {"has_attention", py_has_attention, METH_NOARGS, "has_attention() -> whether this build has the attention kernel"},
     {"set_batch_invariant", py_set_batch_invariant, METH_O,
      "set_batch_invariant(on) -> previous: T = 1 summed in the order of the batched paths"},
     {"isa", py_isa, METH_NOARGS, "isa() -> name of the kernel build in use"},

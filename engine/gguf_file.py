@@ -180,8 +180,8 @@ class GGUFFile:
 
     def willneed(self, arrays) -> None:
         """Ask the kernel to read these views of the map ahead, asynchronously, in large reads
-        (lowmem paging: without it each 4 KiB page of a weight faults in on its own, since the map
-        is MADV_RANDOM). Views not backed by this map are ignored; so are madvise failures."""
+        (lowmem paging: the pages a step is about to touch, instead of faults met one readahead
+        window at a time). Views not backed by this map are ignored; so are madvise failures."""
         if self._mm is None:
             return
         if self._base is None:

@@ -118,11 +118,7 @@ def set_batch_invariant(on: bool) -> bool:
 
 def batch_invariant() -> bool:
     """The current set_batch_invariant setting."""
-    if _K is None:
-        return False
-    prev = _K.set_batch_invariant(False)
-    _K.set_batch_invariant(prev)
-    return bool(prev)
+    return _K is not None and bool(_K.batch_invariant())
 
 
 def _default_threads() -> int:
@@ -137,8 +133,6 @@ def _default_threads() -> int:
     except (AttributeError, OSError):  # pragma: no cover - non-Linux
         return max(1, os.cpu_count() or 1)
 
-
-_K_HAS_ATTN = _K is not None and hasattr(_K, "attention")
 
 if _K is not None:
     _K.set_threads(_default_threads())
@@ -304,8 +298,8 @@ def attention(q: np.ndarray, segments, sinks: np.ndarray, scale: float):
     """FastOps.attention (q [T, H, D]; segments: (keys [K, D] or [T, K, D], mask [T, K] bool);
     the sink logit in the denominator only; K = V) in C: per query and 4 heads, the attended keys'
     scores and weighted sum in float32 register tiles, units over the threads. None where this
-    build has no attention kernel."""
-    if _K is None or not _K_HAS_ATTN:
+    build has no attention kernel (the portable one)."""
+    if _K is None or not _K.has_attention():
         return None
     q = np.asarray(q, dtype=np.float32)
     T, H, D = q.shape
@@ -362,20 +356,10 @@ def matmul_q8_batch(type_id: int, ws, xs) -> list[np.ndarray]:
     threads share the rows of every matrix (a layer's routed experts: a handful of small
     matrices, for which a fork/join per matrix costs as much as the arithmetic)."""
     f = _format(type_id)
-    if f.type_id not in Q8_ACT_BLOCK:
+    if f.type_id not in Q8_ACT_BLOCK:       # (checked here too: an empty batch has no product to check)
         raise ValueError(f"{f.name} weights have no quantized-activation product (Q8_0, Q2_K, IQ2_XXS do)")
-    ws, xs = list(ws), list(xs)
-    if len(ws) != len(xs):
-        raise ValueError(f"{len(ws)} weights but {len(xs)} inputs")
-    checked = []
-    for w, x in zip(ws, xs):
-        w, n_in = _check_w(f, w)
-        checked.append((w, _check_x(x, n_in)))
-    if not has_q8(f.type_id):
-        return [matmul_q8(f.type_id, w, x) for w, x in checked]
-    ys = [np.empty((x.shape[0], w.shape[0]), dtype=np.float32) for w, x in checked]
-    _K.matmul_q8_batch(f.type_id, [w for w, _ in checked], [x for _, x in checked], ys)
-    return ys
+    ws = list(ws)
+    return matmul_q8_mixed([f.type_id] * len(ws), ws, xs)
 
 
 def matmul_q8_mixed(types, ws, xs) -> list[np.ndarray]:

@@ -150,6 +150,9 @@ class CpuOps(FastOps, NumpyOps):
         return self._experts(lw, u, sel, wsel, limit, shared=True)
 
     def _experts(self, lw, u, sel, wsel, limit, shared: bool):
+        """routed (and with `shared` the shared expert too) as two mixed-type batched calls:
+        gate+up of every batched expert, then down of all of them; the shared expert's matrices
+        go first in each call."""
         ge, ue, de = lw.gate_exps, lw.up_exps, lw.down_exps
         u = np.ascontiguousarray(u, dtype=np.float32)
         out = np.zeros_like(u)
@@ -160,31 +163,25 @@ class CpuOps(FastOps, NumpyOps):
                 small.append((int(e), rows, slot))
             else:
                 out[rows] += self.expert_out(lw, e, u[rows], wsel[rows, slot][:, None], limit)
-        if not small and not shared:
+        gate_up = [(Q.Q8_0, w.data, u) for w in (lw.sh_gate, lw.sh_up)] if shared else []
+        for e, rows, _ in small:
+            x = u[rows]
+            gate_up += [(ge.type_id, ge.expert(e).data, x), (ue.type_id, ue.expert(e).data, x)]
+        if not gate_up:
             return out
-        # stage 1: gate+up of every batched expert (and of the shared expert)
-        xs = [u[rows] for _, rows, _ in small]
-        types = [ge.type_id] * (2 * len(small))
-        ws = [w.data for e, _, _ in small for w in (ge.expert(e), ue.expert(e))]
-        xs2 = [x for x in xs for _ in (0, 1)]
+        gv = K.matmul_q8_mixed(*zip(*gate_up))
+        down = []
         if shared:
-            types, ws, xs2 = [Q.Q8_0] * 2 + types, [lw.sh_gate.data, lw.sh_up.data] + ws, [u, u] + xs2
-        gv = K.matmul_q8_mixed(types, ws, xs2)
-        if shared:
-            m_sh, gv = self.swiglu(gv[0], gv[1], limit), gv[2:]
-        # stage 2: down of every batched expert (and of the shared expert)
-        types, ws, xs2 = [], [], []
+            down.append((Q.Q8_0, lw.sh_down.data, self.swiglu(gv[0], gv[1], limit)))
+            gv = gv[2:]
         if small:
-            # SwiGLU and the routing weight for all small experts at once (rows stacked)
+            # SwiGLU and the routing weight for all batched experts at once (rows stacked)
             m = self.swiglu(np.concatenate(gv[0::2]), np.concatenate(gv[1::2]), limit)
             m *= np.concatenate([wsel[rows, slot] for _, rows, slot in small])[:, None]
             cuts = np.cumsum([len(rows) for _, rows, _ in small])[:-1]
-            types = [de.type_id] * len(small)
-            ws = [de.expert(e).data for e, _, _ in small]
-            xs2 = [np.ascontiguousarray(p) for p in np.split(m, cuts)]
-        if shared:
-            types, ws, xs2 = [Q.Q8_0] + types, [lw.sh_down.data] + ws, [np.ascontiguousarray(m_sh, np.float32)] + xs2
-        ds = K.matmul_q8_mixed(types, ws, xs2)
+            down += [(de.type_id, de.expert(e).data, np.ascontiguousarray(p))
+                     for (e, _, _), p in zip(small, np.split(m, cuts))]
+        ds = K.matmul_q8_mixed(*zip(*down))
         if shared:
             y_sh, ds = ds[0], ds[1:]
         for (_, rows, _), d in zip(small, ds):

@@ -4,6 +4,8 @@ on random inputs of small but realistic shapes; the whole-forward agreement of t
 largest reference magnitude and sized for float32 rounding (measured errors are ~1e-7..1e-6)."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -291,6 +293,16 @@ def test_attention_in_c(T, H, D):
         assert np.array_equal(CpuOps.attention(q, segs, sinks, 0.7), got, equal_nan=True)
     finally:
         kernels.set_threads(prev)
+    # the portable build has no attention kernel: the backend falls back to FastOps' form
+    C = kernels._K
+    prev_isa = C.set_isa("generic")
+    try:
+        assert kernels.attention(q, segs, sinks, 0.7) is None
+        with warnings.catch_warnings():        # FastOps' -inf - -inf (the sink-only query), on its threads too
+            warnings.simplefilter("ignore", RuntimeWarning)
+            check(f"attention fallback T={T}", CpuOps.attention(q, segs, sinks, 0.7), ref)
+    finally:
+        C.set_isa(prev_isa)
 
 
 def test_swiglu_bit_identical():
@@ -309,7 +321,6 @@ def test_store_kv_in_c():
     """The cpu backend's C KV storage rounding (FP8 E4M3 blocks of 64 on the non-RoPE dims, then
     F16) is numerics.py's, bit for bit: block scales across magnitudes, zero and signed-zero blocks,
     ties on both grids, F16 overflow at 65520, inf and NaN values."""
-    import warnings
     from engine import kernels
     from engine import numerics as N
     from engine.ops_cpu import CpuOps
