@@ -223,7 +223,9 @@ async def test_edit_approved_shows_diff_and_feeds_result(env, project):
             await send(pilot, "fix the typo in hello.py")
             await until(pilot, lambda: app.approval is not None, "the approval prompt")
             assert "edit hello.py" in str(app.approval.content)
-            assert app.focused is app.approval
+            # the bar takes the focus once mounted (a later event: on a loaded machine the check
+            # could run between the two)
+            await until(pilot, lambda: app.focused is app.approval, "the approval prompt to take the focus")
             await pilot.pause(ApprovalBar.GUARD_S + 0.05)
             await press(pilot, "y")
             await idle(pilot, 1)
