@@ -30,11 +30,12 @@
 
 #include "csrc/kern.h"
 
-enum { ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_N };
+enum { ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512VBMI, ISA_N };
 
 static kern_isa g_isa[ISA_N];
 static int g_have[ISA_N];
 static int g_cur = ISA_GENERIC;
+static int g_min_t0[ISA_N][KT_MAX]; /* each build's default q8g_min_t, for q8_gemm_min_t(type, 0) */
 static int g_threads = 1;
 /* batch invariance: T = 1 takes the in-register exact-weight path (mvt) instead of mv1, so every
  * path sums each (row, token) product in the same order and a token's result does not depend on
@@ -1123,7 +1124,8 @@ static PyObject *py_mvt_max(PyObject *self, PyObject *args) {
 }
 
 /* q8_gemm_min_t(type[, n]) -> the smallest T the integer GEMM form takes (0: none for this type
- * and instruction set, or batch-invariant mode); n sets it for every instruction set */
+ * and instruction set, or batch-invariant mode); n >= 1 sets it for every instruction set, n = 0
+ * puts back each build's own default (they differ: kern_iq2_vbmi.h) */
 static PyObject *py_q8_gemm_min_t(PyObject *self, PyObject *args) {
     int type, n = -1;
     if (!PyArg_ParseTuple(args, "i|i", &type, &n)) return NULL;
@@ -1131,6 +1133,8 @@ static PyObject *py_q8_gemm_min_t(PyObject *self, PyObject *args) {
     const int prev = g_isa[g_cur].q8g[type] && !g_invariant ? g_isa[g_cur].q8g_min_t[type] : 0;
     if (n >= 1) {
         for (int i = 0; i < ISA_N; i++) g_isa[i].q8g_min_t[type] = n;
+    } else if (n == 0) {
+        for (int i = 0; i < ISA_N; i++) g_isa[i].q8g_min_t[type] = g_min_t0[i][type];
     }
     return PyLong_FromLong(prev);
 }
@@ -1192,10 +1196,16 @@ PyMODINIT_FUNC PyInit__kernels(void) {
             kern_fill_avx512(&g_isa[ISA_AVX512]);
             g_have[ISA_AVX512] = 1;
             g_cur = ISA_AVX512;
+            if (__builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("gfni")) {
+                kern_fill_avx512vbmi(&g_isa[ISA_AVX512VBMI]);
+                g_have[ISA_AVX512VBMI] = 1;
+                g_cur = ISA_AVX512VBMI;
+            }
         }
     }
 #endif
     kern_q8_use(g_isa[g_cur].q8_maxmag, g_isa[g_cur].q8_codes);
+    for (int i = 0; i < ISA_N; i++) memcpy(g_min_t0[i], g_isa[i].q8g_min_t, sizeof(g_min_t0[i]));
 #ifdef _OPENMP
     g_threads = omp_get_num_procs();
 #endif

@@ -201,12 +201,17 @@ def test_round_q8_bit_exact(block, isa_guard):
 
 # ---- the GEMM form (many tokens; AVX-512 VNNI build): weight panels decoded and repacked once ----
 
+def _gemm_isas(C):
+    """the builds with the GEMM form (avx512, and avx512vbmi with its own IQ2_XXS decoder)"""
+    return [isa for isa in C.isas() if (C.set_isa(isa), K.q8_gemm_min_t(Q.Q8_0))[1]]
+
+
 @pytest.fixture
 def gemm_forced(isa_guard):
     """The GEMM form for every T (its minimum set to 1), restored afterwards; skips where this
     machine has no build with it."""
     C = isa_guard
-    have = [isa for isa in C.isas() if (C.set_isa(isa), K.q8_gemm_min_t(Q.Q8_0))[1]]
+    have = _gemm_isas(C)
     if not have:
         C.set_isa(C.isas()[-1])
         pytest.skip("no kernel build with the integer GEMM form on this machine (it needs AVX-512 VNNI)")
@@ -215,8 +220,26 @@ def gemm_forced(isa_guard):
     for t in Q8_TYPES:
         C.q8_gemm_min_t(t, 1)
     yield C
-    for t, v in prev.items():
-        C.q8_gemm_min_t(t, v)
+    for t in prev:
+        C.q8_gemm_min_t(t, 0)
+
+
+@needs_ext
+def test_q8_gemm_min_t_reset_restores_each_builds_default(isa_guard):
+    """q8_gemm_min_t(t, n) sets every build's minimum; n = 0 puts back each build's own default
+    (the builds differ: the VBMI IQ2_XXS row kernel moves its crossover)."""
+    C = isa_guard
+    have = _gemm_isas(C)
+    if not have:
+        pytest.skip("no kernel build with the integer GEMM form on this machine (it needs AVX-512 VNNI)")
+    before = {(isa, t): (C.set_isa(isa), C.q8_gemm_min_t(t))[1] for isa in have for t in Q8_TYPES}
+    assert all(v >= 1 for v in before.values())
+    for t in Q8_TYPES:
+        C.q8_gemm_min_t(t, 3)
+    assert all((C.set_isa(isa), C.q8_gemm_min_t(t))[1] == 3 for isa in have for t in Q8_TYPES)
+    for t in Q8_TYPES:
+        C.q8_gemm_min_t(t, 0)
+    assert {(isa, t): (C.set_isa(isa), C.q8_gemm_min_t(t))[1] for isa in have for t in Q8_TYPES} == before
 
 
 @needs_ext
@@ -224,9 +247,33 @@ def gemm_forced(isa_guard):
 def test_q8_gemm_matches_rounded_reference(t, gemm_forced):
     """Row counts around the 16- and 32-row panels (tails are masked), n_in not a multiple of 64
     (Q8_0: padded codes), token counts around the 4-token tiles."""
+    C = gemm_forced
+
+    def gemm_builds():
+        for isa in _gemm_isas(C):
+            C.set_isa(isa)
+            yield isa
     _check_q8_against_reference(t, np.random.default_rng(400 + t), (1, 15, 16, 17, 33, 50),
                                 [256, 1024] + ([32, 96, 4096] if t == Q.Q8_0 else []), (1, 3, 4, 5, 9),
-                                lambda: [gemm_forced.isa()], "GEMM form")
+                                gemm_builds, "GEMM form")
+
+
+@needs_ext
+@pytest.mark.parametrize("t", Q8_TYPES, ids=NAMES.get)
+def test_q8_row_kernels_match_reference_at_many_tokens(t, isa_guard):
+    """The row kernels take 8 tokens per pass (AVX-512) and the rest in a tail; with the GEMM form
+    off they serve every T (as in batch-invariant mode)."""
+    C = isa_guard
+    C.q8_gemm_min_t(t, 1000)
+    try:
+        def every_build():
+            for isa in C.isas():
+                C.set_isa(isa)
+                yield isa
+        _check_q8_against_reference(t, np.random.default_rng(500 + t), (3, 17), [512], (8, 12, 17),
+                                    every_build, "row kernels, many tokens")
+    finally:
+        C.q8_gemm_min_t(t, 0)
 
 
 @needs_ext

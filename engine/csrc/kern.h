@@ -184,6 +184,7 @@ void kern_fill_q8_generic(kern_isa *k);
 void kern_fill_generic(kern_isa *k);
 void kern_fill_avx2(kern_isa *k);
 void kern_fill_avx512(kern_isa *k);
+void kern_fill_avx512vbmi(kern_isa *k); /* avx512 + VBMI/GFNI IQ2_XXS kernels */
 
 /* x sums needed by the T = 1 kernels: Q2_K sums of 16 values, Q4_K sums of 32 (NULL: none) */
 int64_t kern_aux_len(int type_id, int64_t n_in);

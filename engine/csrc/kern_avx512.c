@@ -104,6 +104,7 @@ KI V16 v_flip16(V16 g, const uint8_t *m) {
 #define Q8_NT 8
 #include "kern_q8_body.h"
 #include "kern_gemm_body.h"
+#include "kern_iq2_vbmi.h"
 
 void kern_fill_avx512(kern_isa *k) {
     memset(k, 0, sizeof(*k));
@@ -114,8 +115,16 @@ void kern_fill_avx512(kern_isa *k) {
     fill_gemm_avx512(k);
 }
 
+/* the same build with the VBMI + GFNI IQ2_XXS kernels (kern_iq2_vbmi.h) */
+void kern_fill_avx512vbmi(kern_isa *k) {
+    kern_fill_avx512(k);
+    k->name = "avx512vbmi";
+    fill_iq2_vbmi(k);
+}
+
 #else
 
 void kern_fill_avx512(kern_isa *k) { memset(k, 0, sizeof(*k)); }
+void kern_fill_avx512vbmi(kern_isa *k) { memset(k, 0, sizeof(*k)); }
 
 #endif

@@ -313,10 +313,10 @@ static void KSUF(fill_gemm)(kern_isa *k) {
     k->q8g[KT_Q2_K] = KSUF(q8g_q2_k);
     k->q8g_scratch = KSUF(gemm_scratch);
     /* where the GEMM form overtakes the row kernels (2-core Zen 4, 2 threads, 64 experts / a dense
-     * 4096 x 8192 matrix, best of 6: the row kernels / GEMM time ratio was 0.86 / 0.91 / 1.03 /
-     * 1.44 at T = 4 / 5 / 6 / 8 for IQ2_XXS, 0.89 / 1.03 / 1.10 at T = 4 / 5 / 6 for Q2_K (cheap
-     * to decode), 0.79 / 1.26 at T = 6 / 8 for Q8_0) */
+     * 4096 x 8192 matrix, best of 6-8: the row kernels / GEMM time ratio was 1.11 / 1.14 / 1.22 at
+     * T = 6 / 7 / 8 for IQ2_XXS, 0.95 / 0.97 / 1.13 at T = 6 / 7 / 8 for Q2_K (its row kernel keeps
+     * both sums in vector lanes), 0.79 / 1.26 at T = 6 / 8 for Q8_0; kern_iq2_vbmi.h moves IQ2_XXS) */
     k->q8g_min_t[KT_Q8_0] = 8;
     k->q8g_min_t[KT_IQ2_XXS] = 6;
-    k->q8g_min_t[KT_Q2_K] = 5;
+    k->q8g_min_t[KT_Q2_K] = 8;
 }

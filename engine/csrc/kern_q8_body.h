@@ -73,15 +73,13 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
 /* IQ2_XXS groups 2p, 2p + 1 of a block (qs = block + 2): their 64 grid bytes (unsigned magnitudes;
  * 8 row loads composed in registers: a 2-bit code table with word permutes, a gather, and scalar
  * stores to a buffer were all slower on Zen 4) and the mask of their negative values, from the
- * block's sign bytes sgq (iq2xxs_signs: bytes 8p..8p+7, one per 8 values, spread to 8 bytes each) */
+ * block's sign bytes sgq (iq2xxs_signs: bytes 8p..8p+7, one per 8 values) */
 KI __m512i KSUF(iq2_pair)(const uint8_t *qs, const long long *sgq, int p, __mmask64 *neg) {
-    /* byte 8k + j of the pair <- sign byte k (4 per group), tested against bit j */
-    const __m512i spread = _mm512_set_epi64(0x0707070707070707LL, 0x0606060606060606LL, 0x0505050505050505LL,
-                                            0x0404040404040404LL, 0x0303030303030303LL, 0x0202020202020202LL,
-                                            0x0101010101010101LL, 0x0000000000000000LL);
-    const __m512i bits = _mm512_set1_epi64((long long)0x8040201008040201ULL);
+    /* sign byte k of the pair holds the signs of its elements 8k..8k+7 in bits 0..7, so the pair's
+     * 8 sign bytes read as one 64-bit word are the mask itself (bit e = element e negative); a
+     * register shuffle + test that spelled the same mask out cost 1.25x in the row kernel */
     const uint8_t *q = qs + 16 * p;
-    *neg = _mm512_test_epi8_mask(_mm512_shuffle_epi8(_mm512_set1_epi64(sgq[p]), spread), bits);
+    *neg = _cvtu64_mask64((unsigned long long)sgq[p]);
     return _mm512_set_epi64((long long)kern_iq2xxs_grid64[q[11]], (long long)kern_iq2xxs_grid64[q[10]],
                             (long long)kern_iq2xxs_grid64[q[9]], (long long)kern_iq2xxs_grid64[q[8]],
                             (long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
@@ -173,14 +171,16 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
  * y = sum_b dx_b [ d_b sum_s (sc_s & 15) (q_s . qx_s) - dmin_b sum_s (sc_s >> 4) bsum_s ] ---- */
 #ifdef Q8_HAVE_512
 /* AVX-512 form: the 64 code bytes are one zmm; shift j yields elements 32j.. (low half) and
- * 128 + 32j.. (high half) together, with the matching halves of x and four sub-block scales */
+ * 128 + 32j.. (high half) together, with the matching halves of x and four sub-block scales;
+ * the scales go in with vpdpwssd and both sums stay in vector lanes to the end of the row (a
+ * horizontal sum of the minimums per block cost 1.2x) */
 KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                           const int16_t *xs, float *out, const int nt) {
-    __m256 acc[Q8_NT];
-    float mins[Q8_NT];
+    __m512 acc[Q8_NT];
+    __m256 mins[Q8_NT];
     for (int t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        mins[t] = 0.0f;
+        acc[t] = _mm512_setzero_ps();
+        mins[t] = _mm256_setzero_ps();
     }
     const __m512i m3 = _mm512_set1_epi8(3);
     /* int16 lane -> sub-block index: 128-bit quarter k of shift j holds sub-block
@@ -212,16 +212,15 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
                 const __m512i xv = _mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xb + 32 * j))),
                     _mm256_loadu_si256((const __m256i *)(xb + 128 + 32 * j)), 1);
-                is = _mm512_add_epi32(is, _mm512_madd_epi16(_mm512_maddubs_epi16(v[j], xv), scv[j]));
+                is = _mm512_dpwssd_epi32(is, _mm512_maddubs_epi16(v[j], xv), scv[j]);
             }
-            const __m256i is8 = _mm256_add_epi32(_mm512_castsi512_si256(is), _mm512_extracti64x4_epi64(is, 1));
             const __m256i ms = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xs + t * (n / 16) + 16 * b)));
             const float dx = xd[t * (n / 256) + b];
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is8), _mm256_set1_ps(d * dx), acc[t]);
-            mins[t] += (dmin * dx) * q8_hsum8(_mm256_cvtepi32_ps(ms));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(d * dx), acc[t]);
+            mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(dmin * dx), mins[t]);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = q8_hsum8(acc[t]) - mins[t];
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]) - q8_hsum8(mins[t]);
 }
 #else
 KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
