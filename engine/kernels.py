@@ -88,7 +88,7 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """The kernel build in use ("avx512", "avx2", "generic"), None without the extension."""
+    """The kernel build in use ("avx512vbmi", "avx512", "avx2", "generic"), None without the extension."""
     return _K.isa() if _K is not None else None
 
 

@@ -6,7 +6,8 @@
  * explicit FMA intrinsics where they want fused products.
  *
  * Three builds of the same kernels exist: generic C (any machine), AVX2+FMA+F16C and AVX-512
- * (F/BW/VL + F16C + FMA); kern_select() picks one at run time with __builtin_cpu_supports.
+ * (F/BW/VL/VNNI + F16C + FMA), the last also as "avx512vbmi" with its IQ2_XXS kernels replaced
+ * (kern_iq2_vbmi.h); the module init picks one at run time with __builtin_cpu_supports.
  */
 #ifndef DS4_KERN_H
 #define DS4_KERN_H
