@@ -163,7 +163,7 @@ class CpuOps(FastOps, NumpyOps):
                 small.append((int(e), rows, slot))
             else:
                 out[rows] += self.expert_out(lw, e, u[rows], wsel[rows, slot][:, None], limit)
-        gate_up = [(Q.Q8_0, w.data, u) for w in (lw.sh_gate, lw.sh_up)] if shared else []
+        gate_up = [(w.type_id, w.data, u) for w in (lw.sh_gate, lw.sh_up)] if shared else []
         for e, rows, _ in small:
             x = u[rows]
             gate_up += [(ge.type_id, ge.expert(e).data, x), (ue.type_id, ue.expert(e).data, x)]
@@ -172,7 +172,7 @@ class CpuOps(FastOps, NumpyOps):
         gv = K.matmul_q8_mixed(*zip(*gate_up))
         down = []
         if shared:
-            down.append((Q.Q8_0, lw.sh_down.data, self.swiglu(gv[0], gv[1], limit)))
+            down.append((lw.sh_down.type_id, lw.sh_down.data, self.swiglu(gv[0], gv[1], limit)))
             gv = gv[2:]
         if small:
             # SwiGLU and the routing weight for all batched experts at once (rows stacked)

@@ -103,19 +103,21 @@ def _check_q8_against_reference(t, rng, rows, n_ins, Ts, isas, label):
     assert worst_rel < 3e-5     # a backstop to the bound; summation order differs per build
 
 
+def _switching(C, isas):
+    """each of these kernel builds in turn, made current"""
+    for isa in isas:
+        C.set_isa(isa)
+        yield isa
+
+
 @needs_ext
 @pytest.mark.parametrize("t", Q8_TYPES, ids=NAMES.get)
 def test_matmul_q8_matches_rounded_reference(t, isa_guard):
     C = isa_guard
     assert K.has_q8(t)
-
-    def every_build():
-        for isa in C.isas():
-            C.set_isa(isa)
-            yield isa
     _check_q8_against_reference(t, np.random.default_rng(300 + t), (1, 7, 37),
                                 [256, 512, 4096] + ([32, 96] if t == Q.Q8_0 else []), (1, 2, 3, 4, 5, 9),
-                                every_build, "row kernels")
+                                lambda: _switching(C, C.isas()), "row kernels")
 
 
 @needs_ext
@@ -248,14 +250,9 @@ def test_q8_gemm_matches_rounded_reference(t, gemm_forced):
     """Row counts around the 16- and 32-row panels (tails are masked), n_in not a multiple of 64
     (Q8_0: padded codes), token counts around the 4-token tiles."""
     C = gemm_forced
-
-    def gemm_builds():
-        for isa in _gemm_isas(C):
-            C.set_isa(isa)
-            yield isa
     _check_q8_against_reference(t, np.random.default_rng(400 + t), (1, 15, 16, 17, 33, 50),
                                 [256, 1024] + ([32, 96, 4096] if t == Q.Q8_0 else []), (1, 3, 4, 5, 9),
-                                gemm_builds, "GEMM form")
+                                lambda: _switching(C, _gemm_isas(C)), "GEMM form")
 
 
 @needs_ext
@@ -266,12 +263,8 @@ def test_q8_row_kernels_match_reference_at_many_tokens(t, isa_guard):
     C = isa_guard
     C.q8_gemm_min_t(t, 1000)
     try:
-        def every_build():
-            for isa in C.isas():
-                C.set_isa(isa)
-                yield isa
         _check_q8_against_reference(t, np.random.default_rng(500 + t), (3, 17), [512], (8, 12, 17),
-                                    every_build, "row kernels, many tokens")
+                                    lambda: _switching(C, C.isas()), "row kernels, many tokens")
     finally:
         C.q8_gemm_min_t(t, 0)
 

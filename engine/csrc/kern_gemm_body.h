@@ -67,6 +67,12 @@ static void KSUF(g_row_q8_0)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel 
     }
 }
 
+/* an IQ2_XXS block's 8 group scales d * (0.5 + s) * 0.25 (as the dequantizer) into column r */
+KI void KSUF(g_iq2_scales)(const uint8_t *blk, float d, gpanel *P, int64_t b, int r) {
+    for (int g = 0; g < 8; g++)
+        P->sc[16 * (8 * b + g) + r] = d * (0.5f + (float)(kern_rd32(blk + 2 + 8 * g + 4) >> 28)) * 0.25f;
+}
+
 static void KSUF(g_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r) {
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t b = 0; b < n / 256; b++) {
@@ -80,8 +86,7 @@ static void KSUF(g_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, gpan
             const __m512i gv = KSUF(iq2_pair)(blk + 2, sgq, p, &neg);
             _mm512_storeu_si512((void *)(rm + 256 * b + 64 * p), _mm512_mask_sub_epi8(gv, neg, zero, gv));
         }
-        for (int g = 0; g < 8; g++) /* d * (0.5 + s) * 0.25, as the dequantizer */
-            P->sc[16 * (8 * b + g) + r] = d * (0.5f + (float)(kern_rd32(blk + 2 + 8 * g + 4) >> 28)) * 0.25f;
+        KSUF(g_iq2_scales)(blk, d, P, b, r);
     }
 }
 

@@ -10,7 +10,7 @@
  *    qwords, vpmultishiftqb moves code j into the low bits of byte j, and one gf2p8affineqb maps
  *    the 2-bit code c to its value: with b0, b1 the bits of c (never both set), 8 + 17 c + (c > 1)
  *    is bit0 = b0 ^ b1, bit1 = b1, bit4 = b0, bit5 = b1, plus the constant 0x08 -- linear over GF(2);
- *  - the 7-bit sign fields go through a 128-entry table (index | parity << 7) with one vpermi2b.
+ *  - the 7-bit sign fields go through the 128-entry kern_ksigns table with one vpermi2b.
  * The row kernel (decode, T <= a few tokens) orders each block's 256 values as 4 vectors whose
  * qword k is group k's index p: the 8 groups then sit in fixed lanes, so the group scales apply
  * once per block (one vpmulld) instead of once per group pair, and the products accumulate
@@ -24,7 +24,6 @@
 /* tables, built once by iq2v_init (module init, one thread) */
 static uint8_t iq2v_lo[256] __attribute__((aligned(64))); /* codes of coordinates 0..3 of each grid row */
 static uint8_t iq2v_hi[256] __attribute__((aligned(64))); /* 4..7 */
-static uint8_t iq2v_ks[128] __attribute__((aligned(64))); /* 7-bit sign field -> 8 sign bits (even parity) */
 static uint8_t iq2v_pq[4][64] __attribute__((aligned(64))); /* row kernel: vector p, qword k <- index (group k, p) */
 static uint8_t iq2v_pe[4][64] __attribute__((aligned(64))); /* element order: vector p = values 64p..64p+63 */
 static uint8_t iq2v_tr[64] __attribute__((aligned(64)));    /* byte 8p + k <- byte 8k + p (8 x 8 transpose) */
@@ -41,7 +40,6 @@ static void iq2v_init(void) {
         iq2v_lo[i] = (uint8_t)code;
         iq2v_hi[i] = (uint8_t)(code >> 8);
     }
-    for (int i = 0; i < 128; i++) iq2v_ks[i] = (uint8_t)(i | ((__builtin_popcount((unsigned)i) & 1) << 7));
     /* a block's 64 bytes after its scale: group g = bytes 8g..8g+7, indices at 8g + l (l < 4), then
      * the aux word (4 sign fields of 7 bits, the scale in the top 4 bits); a permute control's
      * bit 6 picks the second table (the high codes) */
@@ -64,10 +62,12 @@ static void iq2v_init(void) {
  * its 8 sign bits.  The other bytes hold junk from the aux words (never selected). */
 IQ2V_I void iq2v_block(const __m512i q, __m512i *lc, __m512i *hc, __m512i *ks) {
     const __mmask64 top = _mm512_movepi8_mask(q);
-    const __m512i *L = (const __m512i *)iq2v_lo, *H = (const __m512i *)iq2v_hi, *S = (const __m512i *)iq2v_ks;
+    const __m512i *L = (const __m512i *)iq2v_lo, *H = (const __m512i *)iq2v_hi;
+    /* the sign fields' table: kern_ksigns (7-bit field -> 8 sign bits, even parity) */
+    const __m512i S0 = _mm512_loadu_si512((const void *)kern_ksigns), S1 = _mm512_loadu_si512((const void *)(kern_ksigns + 64));
     *lc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(L[0], q, L[1]), _mm512_permutex2var_epi8(L[2], q, L[3]));
     *hc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(H[0], q, H[1]), _mm512_permutex2var_epi8(H[2], q, H[3]));
-    *ks = _mm512_permutex2var_epi8(S[0], _mm512_multishift_epi64_epi8(_mm512_load_si512(iq2v_sf), q), S[1]);
+    *ks = _mm512_permutex2var_epi8(S0, _mm512_multishift_epi64_epi8(_mm512_load_si512(iq2v_sf), q), S1);
 }
 
 /* 64 grid bytes (unsigned magnitudes): qword k = the grid row of the index ctl points at */
@@ -140,7 +140,7 @@ static void iq2v_reorder(const int8_t *xq, int64_t n, int64_t T, int8_t *xr) {
         }
 }
 
-#define IQ2V_CALL(k) iq2v_rows(row, stride, 1, nb, n, xr + t0 * n, xd + t0 * (n / 256), out, k)
+#define IQ2V_CALL(k) iq2v_rows(row, stride, 1, nb, n, xqt, xdt, out, k)
 /* kern_q8_fn; falls back to the plain kernel when the reorder buffer cannot be had */
 IQ2V_T static void iq2v_q8k(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
                             const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy) {
@@ -159,24 +159,7 @@ IQ2V_T static void iq2v_q8k(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
             y[r] = out[0];
             y[r + 1] = out[1];
         }
-    for (; r < r1; r++) {
-        const uint8_t *row = W + r * stride;
-        for (int64_t t0 = 0; t0 < T; t0 += Q8_NT) {
-            const int64_t left = T - t0;
-            const int nt = left >= Q8_NT ? Q8_NT : (int)left;
-            switch (nt) {
-            case 1: IQ2V_CALL(1); break;
-            case 2: IQ2V_CALL(2); break;
-            case 3: IQ2V_CALL(3); break;
-            case 4: IQ2V_CALL(4); break;
-            case 5: IQ2V_CALL(5); break;
-            case 6: IQ2V_CALL(6); break;
-            case 7: IQ2V_CALL(7); break;
-            default: IQ2V_CALL(Q8_NT); break;
-            }
-            for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = out[t];
-        }
-    }
+    Q8_ROWS(r, r1, xr, 256, IQ2V_CALL)
     free(xr);
 }
 
@@ -196,8 +179,7 @@ IQ2V_T static void KSUF(g_row_iq2_xxs_vbmi)(const uint8_t *row, int64_t n, uint8
             const __m512i gv = iq2v_grid(lc, hc, ctl[p]);
             _mm512_storeu_si512((void *)(rm + 256 * b + 64 * p), _mm512_mask_sub_epi8(gv, _cvtu64_mask64(neg[p]), zero, gv));
         }
-        for (int g = 0; g < 8; g++) /* d * (0.5 + s) * 0.25, as the dequantizer */
-            P->sc[16 * (8 * b + g) + r] = d * (0.5f + (float)(kern_rd32(blk + 2 + 8 * g + 4) >> 28)) * 0.25f;
+        KSUF(g_iq2_scales)(blk, d, P, b, r);
     }
 }
 

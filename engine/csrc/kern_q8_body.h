@@ -66,13 +66,15 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
 
 /* ---- IQ2_XXS weights x Q8_K activations: y = 1/8 sum_b (d_b dx_b) sum_g (2 s_g + 1) (grid.sign . qx) ----
  * Decode cost dominates here (8 bytes carry 32 weights), so per block the 32 sign bytes are
- * computed for all 8 groups at once in vector registers (iq2xxs_signs), and each group expands
- * its 4 bytes to a byte mask with one broadcast + shuffle + compare; the 4 grid rows of a group
- * are 4 loads (a 4-lane gather measured slower: 16.6 vs 11.4 ms for 24 experts). */
+ * computed for all 8 groups at once in vector registers (iq2xxs_signs); the AVX-512 form takes a
+ * group pair's 8 sign bytes as its mask register, the AVX2 form expands a group's 4 bytes to a byte
+ * mask with one broadcast + shuffle + compare; the grid rows are loads (a gather measured slower:
+ * 16.6 vs 11.4 ms for 24 experts).  With VBMI + GFNI, kern_iq2_vbmi.h replaces both kernels. */
 #ifdef Q8_HAVE_512
 /* IQ2_XXS groups 2p, 2p + 1 of a block (qs = block + 2): their 64 grid bytes (unsigned magnitudes;
- * 8 row loads composed in registers: a 2-bit code table with word permutes, a gather, and scalar
- * stores to a buffer were all slower on Zen 4) and the mask of their negative values, from the
+ * 8 row loads composed in registers: with only F/BW/VL/VNNI, a 2-bit code table with word
+ * permutes, a gather, and scalar stores to a buffer were all slower on Zen 4; the byte-permute
+ * tables of kern_iq2_vbmi.h need VBMI) and the mask of their negative values, from the
  * block's sign bytes sgq (iq2xxs_signs: bytes 8p..8p+7, one per 8 values) */
 KI __m512i KSUF(iq2_pair)(const uint8_t *qs, const long long *sgq, int p, __mmask64 *neg) {
     /* sign byte k of the pair holds the signs of its elements 8k..8k+7 in bits 0..7, so the pair's
@@ -268,32 +270,37 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
 
 #endif
 
+/* rows [R0, R1) of a kern_q8_fn (W, stride, n, T, xd, xs, y, ldy in scope): tokens in passes of up
+ * to Q8_NT, CALL(k) fills out[0..k) for `row` from the pass's codes xqt (taken from XQ), scales xdt
+ * (ABLK values each) and sums of 16 xst */
+#define Q8_ROWS(R0, R1, XQ, ABLK, CALL)                                                                         \
+    for (int64_t r = (R0); r < (R1); r++) {                                                                     \
+        const uint8_t *row = W + r * stride;                                                                     \
+        for (int64_t t0 = 0; t0 < T; t0 += Q8_NT) {                                                              \
+            const int64_t left = T - t0;                                                                         \
+            const int8_t *xqt = (XQ) + t0 * n;                                                                   \
+            const float *xdt = xd + t0 * (n / (ABLK));                                                           \
+            const int16_t *xst = xs ? xs + t0 * (n / 16) : NULL;                                                 \
+            (void)xst;                                                                                           \
+            switch (left >= Q8_NT ? Q8_NT : (int)left) {                                                         \
+            case 1: CALL(1); break;                                                                              \
+            case 2: CALL(2); break;                                                                              \
+            case 3: CALL(3); break;                                                                              \
+            Q8_MORE_CASES(CALL)                                                                                  \
+            default: CALL(Q8_NT); break;                                                                         \
+            }                                                                                                    \
+            const int nt = left >= Q8_NT ? Q8_NT : (int)left;                                                    \
+            for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = out[t];                                         \
+        }                                                                                                        \
+    }
+
 #define Q8_KERNEL(fmt, CALL)                                                                                     \
     static void KSUF(q8k_##fmt)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,          \
                                 const int8_t *xq, const float *xd, const int16_t *xs, int64_t T, float *y,       \
                                 int64_t ldy) {                                                                   \
-        (void)xs;                                                                                                \
         const int64_t nb = n / kern_block_elems(KT_##fmt##_ID);                                                  \
         float out[Q8_NT];                                                                                        \
-        for (int64_t r = r0; r < r1; r++) {                                                                      \
-            const uint8_t *row = W + r * stride;                                                                 \
-            for (int64_t t0 = 0; t0 < T; t0 += Q8_NT) {                                                          \
-                const int64_t left = T - t0;                                                                     \
-                const int8_t *xqt = xq + t0 * n;                                                                 \
-                const float *xdt = xd + t0 * (n / kern_q8_block(KT_##fmt##_ID));                                  \
-                const int16_t *xst = xs ? xs + t0 * (n / 16) : NULL;                                             \
-                (void)xst;                                                                                       \
-                switch (left >= Q8_NT ? Q8_NT : (int)left) {                                                     \
-                case 1: CALL(1); break;                                                                          \
-                case 2: CALL(2); break;                                                                          \
-                case 3: CALL(3); break;                                                                          \
-                Q8_MORE_CASES(CALL)                                                                              \
-                default: CALL(Q8_NT); break;                                                                     \
-                }                                                                                                \
-                const int nt = left >= Q8_NT ? Q8_NT : (int)left;                                                \
-                for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = out[t];                                     \
-            }                                                                                                    \
-        }                                                                                                        \
+        Q8_ROWS(r0, r1, xq, kern_q8_block(KT_##fmt##_ID), CALL)                                                  \
     }
 
 #if Q8_NT == 8
