@@ -383,6 +383,14 @@ def matmul_q8_mixed(types, ws, xs) -> list[np.ndarray]:
     return ys
 
 
+def matmul_q8_into(types, ws, xs, ys) -> None:
+    """matmul_q8_mixed into given outputs (C-contiguous float32 [T, n_rows] each, e.g. the rows of
+    one buffer), for callers whose arrays are already right: the extension checks every argument
+    (ValueError naming it) but nothing is converted here. Needs the extension and a kernel for
+    every type (has_q8)."""
+    _K.matmul_q8_batch(types, ws, xs, ys)
+
+
 def matmul(type_id: int, w: np.ndarray, x: np.ndarray, *, method: str = "auto") -> np.ndarray:
     """y = x @ W.T: w uint8 [n_rows, row_bytes] (packed rows of ``type_id``), x float32 [T, n_in]
     C-contiguous -> float32 [T, n_rows] (C-contiguous).

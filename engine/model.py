@@ -218,7 +218,7 @@ class Model:
         tot = np.maximum(tot, np.float32(2.0 ** -14)) if ops.ds4 else tot + np.float32(1e-20)
         wsel = (wsel / tot * np.float32(c.expert_weights_scale)).astype(np.float32)
         if self.pager and len(tokens) <= 16:     # (a long chunk picks most experts: more than fits)
-            self.pager([t.expert(e).data for e in np.unique(sel) for t in (lw.gate_exps, lw.up_exps, lw.down_exps)])
+            self.pager([t.expert_data(e) for e in np.unique(sel) for t in (lw.gate_exps, lw.up_exps, lw.down_exps)])
         y = ops.moe(lw, u, sel, wsel, np.float32(self.c.swiglu_clamp[lw.il]))      # routed + shared
         return self._hc_post(y, X, post, C)
 

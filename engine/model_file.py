@@ -40,10 +40,14 @@ class QTensor:
         return Q.type_name(self.type_id)
 
     def expert(self, e: int) -> "QTensor":
+        return QTensor(f"{self.name}[{e}]", self.type_id, self.dims[:2], self.expert_data(e))
+
+    def expert_data(self, e: int) -> np.ndarray:
+        """expert(e).data without building the QTensor (decode asks for 18-24 a layer)."""
         if len(self.dims) != 3:
             raise ValueError(f"{self.name} is not an expert tensor")
         n_out = self.dims[1]
-        return QTensor(f"{self.name}[{e}]", self.type_id, self.dims[:2], self.data[e * n_out:(e + 1) * n_out])
+        return self.data[e * n_out:(e + 1) * n_out]
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """float32 [stop-start, n_in], decoding only those rows."""
