@@ -29,12 +29,17 @@ class PosRing:
         self.rows = np.full((cap, width), fill, dtype=np.float32)
         self.avail_lo = 0  # positions >= avail_lo (and >= written_hi - cap) are readable
 
+    # (read and write as at most two slices: at decode these run several times a layer, and each
+    # NumPy call there runs cold -- an index array, its modulo and a gather cost 3 calls)
     def write(self, p0: int, rows: np.ndarray):
         n = rows.shape[0]
         if n > self.cap:  # only the newest cap rows survive
             rows, p0, n = rows[-self.cap:], p0 + n - self.cap, self.cap
-        idx = (np.arange(p0, p0 + n)) % self.cap
-        self.rows[idx] = rows
+        a = p0 % self.cap
+        k = min(n, self.cap - a)              # rows up to the end of the ring, the rest from slot 0
+        self.rows[a:a + k] = rows[:k]
+        if k < n:
+            self.rows[:n - k] = rows[k:]
 
     def read(self, p0: int, p1: int) -> np.ndarray:
         if p1 <= p0:
@@ -42,7 +47,10 @@ class PosRing:
         if p0 < self.avail_lo or p1 - p0 > self.cap:
             # a caller asked for rows the ring no longer holds: stale data must never be used
             raise RuntimeError(f"KV ring holds positions from {self.avail_lo} (cap {self.cap}), asked {p0}..{p1}")
-        return self.rows[np.arange(p0, p1) % self.cap]
+        a, n = p0 % self.cap, p1 - p0
+        if a + n <= self.cap:
+            return self.rows[a:a + n].copy()
+        return np.concatenate((self.rows[a:], self.rows[:a + n - self.cap]))
 
     def holds(self, p0: int, end: int) -> bool:
         """Whether positions [p0, end) are all still in the ring when the timeline ends at `end`."""

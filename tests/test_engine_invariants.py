@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from engine import ContextFull, Engine, Session, SnapshotError
-from engine.kv_state import frontier_start
+from engine.kv_state import PosRing, frontier_start
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +147,26 @@ def test_kv_bytes_grow_with_ctx(eng):
 def test_frontier_start():
     assert frontier_start(0, 4) == 0 and frontier_start(9, 4) == 4 and frontier_start(3, 4) == 0
     assert frontier_start(300, 128) == 256
+
+
+def test_pos_ring_reads_and_writes_by_position():
+    """The ring against a plain position-indexed model: writes that wrap, that exceed the ring
+    (only the newest cap rows survive), reads that wrap; a read returns a copy."""
+    rng = np.random.default_rng(0)
+    cap, width = 7, 3
+    ring, model, pos = PosRing(cap, width), {}, 0
+    for _ in range(200):
+        n = int(rng.integers(1, 2 * cap + 2))
+        rows = rng.standard_normal((n, width)).astype(np.float32)
+        ring.write(pos, rows)
+        model.update({pos + i: rows[i] for i in range(n)})
+        pos += n
+        lo = int(rng.integers(max(0, pos - cap), pos + 1))
+        got = ring.read(lo, pos)
+        want = np.array([model[p] for p in range(lo, pos)], np.float32).reshape(-1, width)
+        assert np.array_equal(got, want), (lo, pos)
+        if len(got):
+            got[:] = 0                        # a copy: the ring keeps its rows
+            assert np.array_equal(ring.read(lo, pos), want)
+    with pytest.raises(RuntimeError):
+        ring.read(pos - cap - 1, pos)
