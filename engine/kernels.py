@@ -233,8 +233,10 @@ def q8_beats_float(type_id: int, T: int) -> bool:
     otherwise the float kernels over the rounded activations are faster."""
     if not has_q8(type_id):
         return False
+    if T <= Q8_MAX_T:                         # (decode asks ~20 times a token: no more calls)
+        return True
     g = q8_gemm_min_t(type_id)
-    return T <= Q8_MAX_T or (g > 0 and T >= g) or batch_invariant()
+    return (g > 0 and T >= g) or batch_invariant()
 
 
 def round_q8(x: np.ndarray, block: int) -> np.ndarray:

@@ -53,7 +53,9 @@ class CpuOps(FastOps, NumpyOps):
         squeeze = x.ndim == 1
         x2 = x[None] if squeeze else x
         if self._int_path(w.type_id, x2.shape[0]):
-            y = K.matmul_q8(w.type_id, w.data if rows is None else w.data[rows], x2)
+            data = w.data if rows is None else w.data[rows]
+            y = np.empty((x2.shape[0], data.shape[0]), dtype=np.float32)
+            K.matmul_q8_into([w.type_id], [data], [x2], [y])
             return y[0] if squeeze else y
         y = self._mm(w, K.round_q8(x2, K.Q8_ACT_BLOCK[w.type_id]), rows)   # Q8_0: q8_0, experts: q8_k
         return y[0] if squeeze else y
@@ -103,7 +105,9 @@ class CpuOps(FastOps, NumpyOps):
         if not (all(w.type_id == Q.Q8_0 for w in ws) and self._int_path(Q.Q8_0, x.shape[0])):
             return super().linears(ws, x)
         x = np.ascontiguousarray(x, dtype=np.float32)
-        return K.matmul_q8_batch(Q.Q8_0, [w.data for w in ws], [x] * len(ws))
+        ys = [np.empty((x.shape[0], w.data.shape[0]), dtype=np.float32) for w in ws]
+        K.matmul_q8_into([Q.Q8_0] * len(ws), [w.data for w in ws], [x] * len(ws), ys)
+        return ys
 
     def grouped_linear(self, w: QTensor, x: np.ndarray, groups: int) -> np.ndarray:
         # ds4 mode, few tokens: all groups in one batched integer-kernel call (one parallel region
@@ -111,9 +115,14 @@ class CpuOps(FastOps, NumpyOps):
         if not (w.type_id == Q.Q8_0 and self._int_path(Q.Q8_0, x.shape[0])):
             return super().grouped_linear(w, x, groups)
         gi, gr = x.shape[1] // groups, w.data.shape[0] // groups
-        ys = K.matmul_q8_batch(w.type_id, [w.data[g * gr:(g + 1) * gr] for g in range(groups)],
-                               [np.ascontiguousarray(x[:, g * gi:(g + 1) * gi], dtype=np.float32) for g in range(groups)])
-        return np.concatenate(ys, axis=1)
+        x = np.asarray(x, dtype=np.float32)
+        ws = [w.data[g * gr:(g + 1) * gr] for g in range(groups)]
+        xs = [np.ascontiguousarray(x[:, g * gi:(g + 1) * gi]) for g in range(groups)]
+        if x.shape[0] == 1:                   # one token: the groups' outputs are slices of one row
+            y = np.empty((1, groups * gr), dtype=np.float32)
+            K.matmul_q8_into([w.type_id] * groups, ws, xs, [y[:, g * gr:(g + 1) * gr] for g in range(groups)])
+            return y
+        return np.concatenate(K.matmul_q8_batch(w.type_id, ws, xs), axis=1)
 
     def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         # the rounding of weights with an integer kernel is done by expert_linear (per expert,
