@@ -22,11 +22,16 @@ NEG_INF_SCORE = np.float32(-1e30)  # ds4's "no contribution" gate score for an e
 
 
 class PosRing:
-    """Rows addressed by absolute position, in a ring of `cap` slots."""
+    """Rows addressed by absolute position, in a ring of `cap` slots.
 
-    def __init__(self, cap: int, width: int, fill=0.0):
-        self.cap, self.width = cap, width
-        self.rows = np.full((cap, width), fill, dtype=np.float32)
+    `mirror` more rows repeat slots 0..mirror-1 after the last slot, so any `mirror + 1` rows in a
+    row are one slice of the storage: `window` hands a decode step its attention window (the last
+    n_swa raw rows) or its compressor frontier as a view instead of a copy (two copies of 256 KB a
+    layer a token for the raw rows, each from memory the previous kernel call had evicted)."""
+
+    def __init__(self, cap: int, width: int, fill=0.0, mirror: int = 0):
+        self.cap, self.width, self.mirror = cap, width, min(mirror, cap)
+        self.rows = np.full((cap + self.mirror, width), fill, dtype=np.float32)
         self.avail_lo = 0  # positions >= avail_lo (and >= written_hi - cap) are readable
 
     # (read and write as at most two slices: at decode these run several times a layer, and each
@@ -37,20 +42,55 @@ class PosRing:
             rows, p0, n = rows[-self.cap:], p0 + n - self.cap, self.cap
         a = p0 % self.cap
         k = min(n, self.cap - a)              # rows up to the end of the ring, the rest from slot 0
-        self.rows[a:a + k] = rows[:k]
+        self._put(a, rows[:k])
         if k < n:
-            self.rows[:n - k] = rows[k:]
+            self._put(0, rows[k:])
 
-    def read(self, p0: int, p1: int) -> np.ndarray:
-        if p1 <= p0:
-            return np.zeros((0, self.width), np.float32)
+    def _put(self, a: int, rows: np.ndarray):
+        self.rows[a:a + len(rows)] = rows
+        m = min(a + len(rows), self.mirror)   # the mirrored slots among them
+        if m > a:
+            self.rows[self.cap + a:self.cap + m] = rows[:m - a]
+
+    def _check(self, p0: int, p1: int):
         if p0 < self.avail_lo or p1 - p0 > self.cap:
             # a caller asked for rows the ring no longer holds: stale data must never be used
             raise RuntimeError(f"KV ring holds positions from {self.avail_lo} (cap {self.cap}), asked {p0}..{p1}")
+
+    def read(self, p0: int, p1: int) -> np.ndarray:
+        """A copy of the rows of positions [p0, p1)."""
+        if p1 <= p0:
+            return np.zeros((0, self.width), np.float32)
+        self._check(p0, p1)
         a, n = p0 % self.cap, p1 - p0
         if a + n <= self.cap:
             return self.rows[a:a + n].copy()
-        return np.concatenate((self.rows[a:], self.rows[:a + n - self.cap]))
+        return np.concatenate((self.rows[a:self.cap], self.rows[:a + n - self.cap]))
+
+    def window(self, p0: int, p1: int) -> np.ndarray:
+        """The rows of positions [p0, p1), read-only: a view of the storage where they lie in one
+        slice (always, for at most mirror + 1 rows), else a copy. Valid until the next write."""
+        if p1 <= p0:
+            return np.zeros((0, self.width), np.float32)
+        self._check(p0, p1)
+        a, n = p0 % self.cap, p1 - p0
+        if a + n > self.cap + self.mirror:
+            return self.read(p0, p1)
+        v = self.rows[a:a + n]
+        v.flags.writeable = False
+        return v
+
+    def write_window(self, lo: int, p0: int, rows: np.ndarray) -> np.ndarray:
+        """Write rows at positions p0.. and return the rows of positions [lo, p0 + len(rows)), the
+        new ones included (what an attention or compressor step reads): a read-only view where the
+        ring holds them all in one slice, else a copy."""
+        p1 = p0 + rows.shape[0]
+        if p1 - lo <= self.cap:               # the older rows survive the write
+            self.write(p0, rows)
+            return self.window(lo, p1)
+        out = np.concatenate([self.read(lo, p0), rows])
+        self.write(p0, rows)
+        return out
 
     def holds(self, p0: int, end: int) -> bool:
         """Whether positions [p0, end) are all still in the ring when the timeline ends at `end`."""
@@ -69,7 +109,8 @@ def frontier_start(n_tokens: int, ratio: int) -> int:
 class LayerState:
     def __init__(self, c: ModelConfig, il: int, ctx: int, rewind_cap: int):
         self.ratio = r = c.ratio(il)
-        self.raw = PosRing(min(c.n_swa, ctx) + rewind_cap, c.head_dim)
+        # mirrors: a decode step's window (n_swa raw rows; a frontier of up to coff * r rows) is one slice
+        self.raw = PosRing(min(c.n_swa, ctx) + rewind_cap, c.head_dim, mirror=c.n_swa)
         self.n_comp = 0
         self.n_index = 0
         if r:
@@ -77,12 +118,12 @@ class LayerState:
             coff = 2 if r == CSA_RATIO else 1
             self.comp_cap = ctx // r + 2
             self.comp = np.zeros((self.comp_cap, c.head_dim), np.float32)
-            self.proj_kv = PosRing(coff * r + rewind_cap, w)
-            self.proj_sc = PosRing(coff * r + rewind_cap, w, NEG_INF_SCORE)
+            self.proj_kv = PosRing(coff * r + rewind_cap, w, mirror=coff * r)
+            self.proj_sc = PosRing(coff * r + rewind_cap, w, NEG_INF_SCORE, mirror=coff * r)
         if r == CSA_RATIO:
             self.index = np.zeros((self.comp_cap, c.idx_head_dim), np.float32)
-            self.iproj_kv = PosRing(2 * r + rewind_cap, 2 * c.idx_head_dim)
-            self.iproj_sc = PosRing(2 * r + rewind_cap, 2 * c.idx_head_dim, NEG_INF_SCORE)
+            self.iproj_kv = PosRing(2 * r + rewind_cap, 2 * c.idx_head_dim, mirror=2 * r)
+            self.iproj_sc = PosRing(2 * r + rewind_cap, 2 * c.idx_head_dim, NEG_INF_SCORE, mirror=2 * r)
 
     def rings(self):
         out = [self.raw]

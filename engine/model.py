@@ -100,8 +100,7 @@ class Model:
 
         # raw rows this chunk can see: the n_swa-1 before it, then its own
         lo = max(0, pos0 - c.n_swa + 1)
-        raw = np.concatenate([ls.raw.read(lo, pos0), kv])                          # positions lo..pos0+T-1
-        ls.raw.write(pos0, kv)
+        raw = ls.raw.write_window(lo, pos0, kv)                                    # positions lo..pos0+T-1
 
         if lw.ratio:
             self._compress(lw.comp, ls, h, pos0, index=False)
@@ -146,10 +145,8 @@ class Model:
         scp = (ops.linear(cw.gate, h) + cw.ape[pos % r]).astype(np.float32)
         ring_kv, ring_sc = (ls.iproj_kv, ls.iproj_sc) if index else (ls.proj_kv, ls.proj_sc)
         lo = frontier_start(pos0, r)
-        all_kv = np.concatenate([ring_kv.read(lo, pos0), kvp])                     # positions lo..pos0+T-1
-        all_sc = np.concatenate([ring_sc.read(lo, pos0), scp])
-        ring_kv.write(pos0, kvp)
-        ring_sc.write(pos0, scp)
+        all_kv = ring_kv.write_window(lo, pos0, kvp)                               # positions lo..pos0+T-1
+        all_sc = ring_sc.write_window(lo, pos0, scp)
         ends = pos[(pos + 1) % r == 0]
         if len(ends) == 0:
             return

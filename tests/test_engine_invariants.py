@@ -149,24 +149,43 @@ def test_frontier_start():
     assert frontier_start(300, 128) == 256
 
 
-def test_pos_ring_reads_and_writes_by_position():
+@pytest.mark.parametrize("mirror", [0, 3, 7])
+def test_pos_ring_reads_and_writes_by_position(mirror):
     """The ring against a plain position-indexed model: writes that wrap, that exceed the ring
-    (only the newest cap rows survive), reads that wrap; a read returns a copy."""
-    rng = np.random.default_rng(0)
+    (only the newest cap rows survive), reads that wrap; read returns a copy, window a read-only
+    view wherever the rows lie in one slice (always, for mirror + 1 rows or fewer), and
+    write_window the window with the written rows at its end."""
+    rng = np.random.default_rng(mirror)
     cap, width = 7, 3
-    ring, model, pos = PosRing(cap, width), {}, 0
-    for _ in range(200):
+    ring, model, pos = PosRing(cap, width, mirror=mirror), {}, 0
+    views = 0
+    for _ in range(300):
         n = int(rng.integers(1, 2 * cap + 2))
         rows = rng.standard_normal((n, width)).astype(np.float32)
-        ring.write(pos, rows)
+        lo = int(rng.integers(max(0, pos - cap), pos + 1)) if rng.random() < 0.5 else None
+        if lo is not None:
+            got = ring.write_window(lo, pos, rows)
+        else:
+            ring.write(pos, rows)
         model.update({pos + i: rows[i] for i in range(n)})
         pos += n
+        if lo is not None:
+            want = np.array([model[p] for p in range(lo, pos)], np.float32).reshape(-1, width)
+            assert np.array_equal(got, want), (lo, pos)
         lo = int(rng.integers(max(0, pos - cap), pos + 1))
-        got = ring.read(lo, pos)
         want = np.array([model[p] for p in range(lo, pos)], np.float32).reshape(-1, width)
+        got = ring.read(lo, pos)
         assert np.array_equal(got, want), (lo, pos)
+        win = ring.window(lo, pos)
+        assert np.array_equal(win, want), (lo, pos)
         if len(got):
             got[:] = 0                        # a copy: the ring keeps its rows
             assert np.array_equal(ring.read(lo, pos), want)
+        if np.shares_memory(win, ring.rows):
+            views += 1
+            assert not win.flags.writeable
+        elif 0 < pos - lo <= mirror + 1:
+            raise AssertionError(f"{pos - lo} rows with mirror {mirror} were copied")
+    assert views > (100 if mirror == 7 else 0)
     with pytest.raises(RuntimeError):
         ring.read(pos - cap - 1, pos)
