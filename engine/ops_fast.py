@@ -17,6 +17,40 @@ from . import numerics as N
 
 _F32 = np.float32
 
+# RoPE rotations (cos + i sin as complex64) of read-only angle arrays, by the array they view: a
+# decode step rotates q, kv and the output with one pass's angles, and each rotation was ~8 NumPy
+# calls (at decode every NumPy call runs cold, after a kernel call streamed the weights through the
+# caches). Read-only roots only (Model._thetas' arrays): their values cannot change while cached;
+# the entry keeps the root alive, so its id is not reused. A few roots: one forward pass has two.
+_ROTATIONS: dict = {}
+_ROTATION_ROOTS = 4
+
+
+def _rotation(thetas, th, shape, inverse):
+    root = thetas
+    while isinstance(root, np.ndarray) and isinstance(root.base, np.ndarray):
+        root = root.base
+    cacheable = isinstance(root, np.ndarray) and not root.flags.writeable
+    if cacheable:
+        entry = _ROTATIONS.get(id(root))
+        key = (thetas.__array_interface__["data"][0], thetas.shape, thetas.strides, thetas.dtype.str, shape, inverse)
+        if entry is not None and entry[0] is root and key in entry[1]:
+            return entry[1][key]
+    t = th.reshape(shape).astype(np.float64)
+    cs = np.empty(t.shape, dtype=np.complex64)
+    cs.real = np.cos(t)                                    # float64 cos/sin rounded to float32, as the reference
+    cs.imag = np.sin(t)
+    if inverse:
+        np.conjugate(cs, out=cs)                           # the negated angle: -sin
+    if cacheable:
+        if id(root) not in _ROTATIONS:
+            while len(_ROTATIONS) >= _ROTATION_ROOTS:
+                _ROTATIONS.pop(next(iter(_ROTATIONS)))
+            _ROTATIONS[id(root)] = (root, {})
+        cs.flags.writeable = False
+        _ROTATIONS[id(root)][1][key] = cs
+    return cs
+
 
 class FastOps:
     # -- norms ---------------------------------------------------------------------------------
@@ -50,12 +84,7 @@ class FastOps:
             return N.apply_rope(x, thetas, inverse)        # raises the reference's error
         if x.ndim == 0 or x.strides[-1] != 4:
             x = np.ascontiguousarray(x)                    # the complex view needs unit-stride lanes
-        th = th.reshape(lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,)).astype(np.float64)
-        cs = np.empty(th.shape, dtype=np.complex64)
-        cs.real = np.cos(th)                               # float64 cos/sin rounded to float32, as the reference
-        cs.imag = np.sin(th)
-        if inverse:
-            np.conjugate(cs, out=cs)                       # the negated angle: -sin
+        cs = _rotation(thetas, th, lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,), inverse)
         r = x.shape[-1] - 2 * npair
         if inplace and x.flags.writeable and x.flags.c_contiguous:
             out = x                                        # (the caller drops x: no copy of the head dims)
