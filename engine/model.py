@@ -68,9 +68,11 @@ class Model:
         return self.ops.hc_post(y, X, post, C)
 
     # -- attention sublayer (§3.4) -------------------------------------------------------------
-    def _thetas(self, ratio: int, pos: np.ndarray, n_rot: int):
+    def _thetas(self, ratio: int, pos: np.ndarray, n_rot: int, heads: bool = False):
         # the same positions recur in every layer of a forward pass (two kinds: plain and
-        # compressed-layer YaRN angles): computed once per pass, read-only
+        # compressed-layer YaRN angles): computed once per pass, read-only; `heads`: the [T, 1,
+        # n_rot/2] view that broadcasts over heads, also kept, so every layer passes the same
+        # array objects (FastOps.rope keeps their rotations)
         c = self.c
         key = (ratio != 0, n_rot, pos.tobytes())
         th = self._theta_cache.get(key)
@@ -81,7 +83,8 @@ class Model:
                 th = self.ops.rope_thetas(pos, n_rot, c.compress_rope_base, self.yarn)
             th.flags.writeable = False
             self._theta_cache[key] = th
-        return th
+            self._theta_cache[key + (True,)] = th[:, None, :]
+        return self._theta_cache[key + (True,)] if heads else th
 
     def _attention(self, lw: LayerWeights, ls: LayerState, X, pos0: int):
         c, ops = self.c, self.ops
@@ -95,7 +98,8 @@ class Model:
         q = ops.rmsnorm(q, None, c.rms_eps)                                        # per head, no weight
         kv = ops.rmsnorm(kv, lw.kv_norm, c.rms_eps)
         th = self._thetas(lw.ratio, pos, c.n_rot)                                  # [T, n_rot/2]
-        q = ops.rope(q, th[:, None, :], inplace=True)
+        th_h = self._thetas(lw.ratio, pos, c.n_rot, heads=True)                   # [T, 1, n_rot/2]
+        q = ops.rope(q, th_h, inplace=True)
         kv = ops.store_kv(ops.rope(kv, th), c.n_nope)
 
         # raw rows this chunk can see: the n_swa-1 before it, then its own
@@ -107,7 +111,7 @@ class Model:
         sel = None
         if lw.ratio == CSA_RATIO:
             self._compress(lw.indexer.comp, ls, h, pos0, index=True)
-            sel = self._indexer_select(lw, ls, h, qr, pos, th_fn=lambda p: self._thetas(CSA_RATIO, p, c.n_rot))
+            sel = self._indexer_select(lw, ls, h, qr, pos, th_fn=lambda p: self._thetas(CSA_RATIO, p, c.n_rot, heads=True))
 
         o = np.empty_like(q)
         scale = 1.0 / np.sqrt(c.head_dim)
@@ -129,7 +133,7 @@ class Model:
                     segments.append((ls.comp[:nmax], np.arange(nmax)[None, :] < n_vis[:, None]))
             o[b0:b1] = ops.attention(q[b0:b1], segments, lw.sinks, scale)
 
-        o = ops.rope(o, th[:, None, :], inverse=True, inplace=True).reshape(T, c.n_head * c.head_dim)
+        o = ops.rope(o, th_h, inverse=True, inplace=True).reshape(T, c.n_head * c.head_dim)
         z = ops.grouped_linear(lw.out_a, o, c.o_groups)
         y = ops.linear(lw.out_b, z)
         return self._hc_post(y, X, post, C)
@@ -186,7 +190,7 @@ class Model:
             return None
         T = len(pos)
         qi = ops.linear(lw.indexer.q_b, qr).reshape(T, c.idx_n_head, c.idx_head_dim)
-        qi = ops.index_qat(ops.rope(qi, th_fn(pos)[:, None, :]))
+        qi = ops.index_qat(ops.rope(qi, th_fn(pos)))
         wts = ops.linear(lw.indexer.proj, h) * np.float32(1.0 / np.sqrt(c.idx_head_dim * c.idx_n_head))
         keys = ls.index[:int(n_vis[-1])]
         score = ops.indexer_scores(qi, keys, wts)                                  # [T, n rows]

@@ -17,38 +17,38 @@ from . import numerics as N
 
 _F32 = np.float32
 
-# RoPE rotations (cos + i sin as complex64) of read-only angle arrays, by the array they view: a
-# decode step rotates q, kv and the output with one pass's angles, and each rotation was ~8 NumPy
-# calls (at decode every NumPy call runs cold, after a kernel call streamed the weights through the
-# caches). Read-only roots only (Model._thetas' arrays): their values cannot change while cached;
-# the entry keeps the root alive, so its id is not reused. A few roots: one forward pass has two.
+# RoPE rotations (cos + i sin as complex64) of read-only angle arrays, by the array object passed:
+# a decode step rotates q, kv and the output of every layer with one pass's angles (Model._thetas
+# hands every layer the same objects), and each rotation was ~8 NumPy calls, cold at decode (each
+# kernel call streams the weights through the caches). Only arrays whose root is read-only are
+# kept (their values cannot change: Model._thetas' arrays); an entry holds its array, so the id
+# is not reused while it is kept. A few entries: a pass has four such arrays.
 _ROTATIONS: dict = {}
-_ROTATION_ROOTS = 4
+_ROTATION_KEEP = 8
 
 
 def _rotation(thetas, th, shape, inverse):
-    root = thetas
-    while isinstance(root, np.ndarray) and isinstance(root.base, np.ndarray):
-        root = root.base
-    cacheable = isinstance(root, np.ndarray) and not root.flags.writeable
-    if cacheable:
-        entry = _ROTATIONS.get(id(root))
-        key = (thetas.__array_interface__["data"][0], thetas.shape, thetas.strides, thetas.dtype.str, shape, inverse)
-        if entry is not None and entry[0] is root and key in entry[1]:
-            return entry[1][key]
+    entry = _ROTATIONS.get(id(thetas))
+    if entry is not None and entry[0] is thetas:
+        cs = entry[1].get((shape, inverse))
+        if cs is not None:
+            return cs
     t = th.reshape(shape).astype(np.float64)
     cs = np.empty(t.shape, dtype=np.complex64)
     cs.real = np.cos(t)                                    # float64 cos/sin rounded to float32, as the reference
     cs.imag = np.sin(t)
     if inverse:
         np.conjugate(cs, out=cs)                           # the negated angle: -sin
-    if cacheable:
-        if id(root) not in _ROTATIONS:
-            while len(_ROTATIONS) >= _ROTATION_ROOTS:
+    root = thetas
+    while isinstance(root, np.ndarray) and isinstance(root.base, np.ndarray):
+        root = root.base
+    if isinstance(thetas, np.ndarray) and thetas.dtype == _F32 and not root.flags.writeable:
+        if entry is None or entry[0] is not thetas:
+            while len(_ROTATIONS) >= _ROTATION_KEEP:
                 _ROTATIONS.pop(next(iter(_ROTATIONS)))
-            _ROTATIONS[id(root)] = (root, {})
+            entry = _ROTATIONS[id(thetas)] = (thetas, {})
         cs.flags.writeable = False
-        _ROTATIONS[id(root)][1][key] = cs
+        entry[1][(shape, inverse)] = cs
     return cs
 
 
@@ -80,7 +80,7 @@ class FastOps:
         npair = th.shape[-1]
         lead_t, lead_x = th.shape[:-1], x.shape[:-1]
         if 2 * npair > x.shape[-1] or len(lead_t) > len(lead_x) or \
-                any(a != b and a != 1 for a, b in zip(lead_t, lead_x)):
+                (lead_t != lead_x[:len(lead_t)] and any(a != b and a != 1 for a, b in zip(lead_t, lead_x))):
             return N.apply_rope(x, thetas, inverse)        # raises the reference's error
         if x.ndim == 0 or x.strides[-1] != 4:
             x = np.ascontiguousarray(x)                    # the complex view needs unit-stride lanes

@@ -194,9 +194,10 @@ def test_rope(xshape, tshape):
 
 
 def test_rope_rotations_of_read_only_angles_are_reused_and_right():
-    """Read-only angle arrays (the model's per-pass cache) have their rotations kept, looked up by the
-    root array and the view: the same values as computed afresh, for views of the root and the
-    inverse; writeable angles are never kept (they may change); the store stays small."""
+    """Read-only angle arrays (the model's per-pass angles) have their rotations kept, by the array
+    object: the same values as computed afresh, for the inverse and for another view of the same
+    angles; writeable angles, or read-only views of writeable ones, are never kept (they may
+    change); the store stays small."""
     from engine import ops_fast
     rng = _rng(31)
     x = f32(rng, 3, 4, 128)
@@ -205,22 +206,26 @@ def test_rope_rotations_of_read_only_angles_are_reused_and_right():
     fresh_kv = FAST.rope(x[:, 0], th)
     ro = th.copy()
     ro.flags.writeable = False
+    ro_h = ro[:, None, :]
     for _ in range(2):                                      # computed, then found
         for inv in (False, True):
-            assert np.array_equal(FAST.rope(x, ro[:, None, :], inverse=inv), fresh[inv])
+            assert np.array_equal(FAST.rope(x, ro_h, inverse=inv), fresh[inv])
         assert np.array_equal(FAST.rope(x[:, 0], ro), fresh_kv)
-    assert id(ro) in ops_fast._ROTATIONS and len(ops_fast._ROTATIONS[id(ro)][1]) == 3
+    assert len(ops_fast._ROTATIONS[id(ro_h)][1]) == 2 and len(ops_fast._ROTATIONS[id(ro)][1]) == 1
     assert np.array_equal(FAST.rope(x[1:], ro[1:, None, :]), fresh[False][1:])   # another view of it
     w = th.copy()
-    FAST.rope(x, w[:, None, :])
-    assert id(w) not in ops_fast._ROTATIONS
-    w += 1.0                                                # a writeable array changed: a new rotation
-    assert np.array_equal(FAST.rope(x, w[:, None, :]), FAST.rope(x, w.copy()[:, None, :]))
-    for _ in range(2 * ops_fast._ROTATION_ROOTS):
+    view = w[:, None, :]
+    view.flags.writeable = False                            # read-only view, writeable root
+    for arr in (w[:, None, :], view):
+        got = FAST.rope(x, arr)
+        assert id(arr) not in ops_fast._ROTATIONS and np.array_equal(got, fresh[False])
+    w += 1.0                                                # changed: a new rotation, not a kept one
+    assert np.array_equal(FAST.rope(x, view), FAST.rope(x, w.copy()[:, None, :]))
+    for _ in range(2 * ops_fast._ROTATION_KEEP):
         r = (rng.random((3, 32)) * 100).astype(np.float32)
         r.flags.writeable = False
         FAST.rope(x, r[:, None, :])
-    assert len(ops_fast._ROTATIONS) <= ops_fast._ROTATION_ROOTS
+    assert len(ops_fast._ROTATIONS) <= ops_fast._ROTATION_KEEP
 
 
 def test_cpu_backend_uses_fast_ops():
