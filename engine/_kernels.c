@@ -178,8 +178,12 @@ typedef struct {
 } q8_job;
 
 /* relative cost of a weight value for the work split: IQ2_XXS decoding is compute-bound (about
- * 0.27 cycles a value on a Zen 4 core), Q8_0 streams at the read rate (about 0.19), Q2_K about 0.14 */
-static int64_t q8_cost(int type) { return type == KT_IQ2_XXS ? 6 : type == KT_Q2_K ? 3 : 4; }
+ * 0.27 cycles a value on a Zen 4 core), Q8_0 streams at the read rate (about 0.19), Q2_K about 0.14;
+ * a build with faster kernels sets its own (kern_isa.q8_cost) */
+static int64_t q8_cost(const kern_isa *K, int type) {
+    if (K->q8_cost[type]) return K->q8_cost[type];
+    return type == KT_IQ2_XXS ? 6 : type == KT_Q2_K ? 3 : 4;
+}
 
 static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, int max_threads) {
     int64_t nq = 0, nd = 0, ns = 0, nu = 0, units = 0, work = 0, gscratch = 0;
@@ -235,7 +239,7 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
         const q8_job *j = &jobs[unit_job[u]];
         /* the GEMM form: decoding and packing a row costs about two tokens, and a token's products
          * about a quarter of the row kernels' */
-        unit_cum[u + 1] = unit_cum[u] + 16 * j->n_in * q8_cost(j->type) * (j->gemm ? (j->T + 3) / 4 + 2 : j->T + 2);
+        unit_cum[u + 1] = unit_cum[u] + 16 * j->n_in * q8_cost(K, j->type) * (j->gemm ? (j->T + 3) / 4 + 2 : j->T + 2);
     }
     const int nt = thread_count(units, work, 64 * 1024, max_threads);
 #pragma omp parallel num_threads(nt) if (nt > 1)

@@ -157,6 +157,7 @@ typedef struct {
     kern_q8_fn q8[KT_MAX];   /* NULL: no integer-activation kernel for this weight type */
     kern_q8g_fn q8g[KT_MAX]; /* NULL: no GEMM form; else used for T >= q8g_min_t (run-time adjustable) */
     int q8g_min_t[KT_MAX];
+    int q8_cost[KT_MAX];     /* relative cost of a weight value for the work split; 0: the default */
     kern_scratch_fn q8g_scratch;
     kern_maxmag_fn q8_maxmag; /* the quantizers' loops (NULL: portable C) */
     kern_codes_fn q8_codes;

@@ -193,4 +193,9 @@ static void fill_iq2_vbmi(kern_isa *k) {
     /* the faster row kernel moves the crossover: row / GEMM time 0.84-0.92 at T = 8, 1.08 at 9 and
      * 1.12-1.16 at 10 (64 experts, 2 threads, Zen 4) */
     k->q8g_min_t[KT_IQ2_XXS] = 9;
+    /* a value costs about what a Q8_0 value streamed by one thread costs (0.43 ms an expert matrix
+     * against 0.5 for the shared expert's Q8_0 gate): with the default 6 the thread that streams
+     * the shared expert got too many experts (a decode step's gate/up call 2.31-2.36 -> 2.20-2.22
+     * ms with 3, same process, alternating; prefill unchanged within the noise) */
+    k->q8_cost[KT_IQ2_XXS] = 3;
 }
