@@ -172,6 +172,7 @@ typedef struct {
     float *y;
     int8_t *xq; /* quantized x, filled here */
     uint8_t *xu; /* xq + 128 (GEMM form, signed weight codes) */
+    int8_t *xr; /* xq in the row kernel's order (kern_isa.q8_arrange), else NULL */
     float *xd;
     int16_t *xs;
     int gemm;   /* take the GEMM form (many tokens) */
@@ -195,7 +196,8 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
             const int64_t g = K->q8g_scratch(j->n_in);
             gscratch = g > gscratch ? g : gscratch;
             nu += j->type != KT_Q2_K ? j->T * j->n_in : 0; /* signed codes: the GEMM wants x + 128 */
-        }
+        } else if (K->q8_arrange[j->type])
+            nu += j->T * j->n_in; /* the row kernel's order */
         nq += j->T * j->n_in;
         nd += j->T * (j->n_in / bs);
         ns += bs == 256 ? j->T * (j->n_in / 16) : 0;
@@ -203,7 +205,7 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
         work += j->n_rows * (j->n_in / kern_block_elems(j->type) * kern_block_bytes(j->type)) * (j->T < 4 ? j->T : 4);
     }
     int8_t *xq = (int8_t *)malloc((size_t)nq + 1);
-    uint8_t *xu = (uint8_t *)malloc((size_t)nu + 1);
+    uint8_t *xu = (uint8_t *)malloc((size_t)nu + 1); /* a second copy of some jobs' codes: xu or xr */
     float *xd = (float *)malloc((size_t)nd * sizeof(float) + 1);
     int16_t *xs = (int16_t *)malloc((size_t)ns * sizeof(int16_t) + 1);
     int64_t *unit_job = (int64_t *)malloc((size_t)units * sizeof(int64_t) + 1);
@@ -225,7 +227,8 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
         j->xd = xd + nd;
         j->xs = bs == 256 ? xs + ns : NULL;
         j->xu = j->gemm && j->type != KT_Q2_K ? xu + nu : NULL;
-        nu += j->xu ? j->T * j->n_in : 0;
+        j->xr = !j->gemm && K->q8_arrange[j->type] ? (int8_t *)xu + nu : NULL;
+        nu += j->xu || j->xr ? j->T * j->n_in : 0;
         nq += j->T * j->n_in;
         nd += j->T * (j->n_in / bs);
         ns += bs == 256 ? j->T * (j->n_in / 16) : 0;
@@ -242,10 +245,12 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
         unit_cum[u + 1] = unit_cum[u] + 16 * j->n_in * q8_cost(K, j->type) * (j->gemm ? (j->T + 3) / 4 + 2 : j->T + 2);
     }
     const int nt = thread_count(units, work, 64 * 1024, max_threads);
+    int failed = 0; /* a GEMM job's scratch could not be had */
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int tid = OMP_TID(), nth = OMP_NTH();
-        /* quantize: jobs split over threads (each job's tokens are few) */
+        /* quantize: jobs split over threads (each job's tokens are few); codes a row kernel reads
+         * in its own order are arranged here, once a job (not once a thread and call) */
         for (int64_t i = tid; i < n_jobs; i += nth) {
             const q8_job *j = &jobs[i];
             for (int64_t t = 0; t < j->T; t++) {
@@ -257,6 +262,7 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
             }
             if (j->xu)
                 for (int64_t k = 0; k < j->T * j->n_in; k++) j->xu[k] = (uint8_t)j->xq[k] ^ 0x80u;
+            if (j->xr) K->q8_arrange[j->type](j->xq, j->n_in, j->T, j->xr);
         }
 #pragma omp barrier
         /* a contiguous run of 16-row units of all jobs per thread, equal in work */
@@ -277,11 +283,15 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
             while (last + 1 < u1 && unit_job[last + 1] == i) last++;
             const q8_job *j = &jobs[i];
             const int64_t a = (u - first) * 16, b = (last + 1 - first) * 16 < j->n_rows ? (last + 1 - first) * 16 : j->n_rows;
-            uint8_t *gs = j->gemm ? (uint8_t *)scratch((size_t)(gscratch + 3) / 4) : NULL;
-            if (gs)
-                K->q8g[j->type](j->W, j->stride, j->n_in, a, b, j->xq, j->xu, j->xd, j->xs, j->T, j->y, j->n_rows, gs);
-            else /* (also when the scratch cannot be had: the row kernels need none) */
-                K->q8[j->type](j->W, j->stride, j->n_in, a, b, j->xq, j->xd, j->xs, j->T, j->y, j->n_rows);
+            if (j->gemm) {
+                uint8_t *gs = (uint8_t *)scratch((size_t)(gscratch + 3) / 4);
+                if (gs)
+                    K->q8g[j->type](j->W, j->stride, j->n_in, a, b, j->xq, j->xu, j->xd, j->xs, j->T, j->y, j->n_rows, gs);
+                else
+#pragma omp atomic write
+                    failed = 1;
+            } else
+                K->q8[j->type](j->W, j->stride, j->n_in, a, b, j->xr ? j->xr : j->xq, j->xd, j->xs, j->T, j->y, j->n_rows);
             u = last + 1;
         }
     }
@@ -291,7 +301,7 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
     free(xs);
     free(unit_job);
     free(unit_cum);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 static void run_dequant(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, int64_t n_rows,

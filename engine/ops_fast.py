@@ -45,7 +45,7 @@ def _rotation(thetas, th, shape, inverse):
     if isinstance(thetas, np.ndarray) and thetas.dtype == _F32 and not root.flags.writeable:
         if entry is None or entry[0] is not thetas:
             while len(_ROTATIONS) >= _ROTATION_KEEP:
-                _ROTATIONS.pop(next(iter(_ROTATIONS)))
+                _ROTATIONS.pop(next(iter(_ROTATIONS)), None)   # the oldest
             entry = _ROTATIONS[id(thetas)] = (thetas, {})
         cs.flags.writeable = False
         entry[1][(shape, inverse)] = cs

@@ -126,6 +126,10 @@ typedef void (*kern_mvt_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n_in, in
 typedef void (*kern_q8_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,
                            const int8_t *xq, const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy);
 
+/* a row kernel that reads the activation codes in an order of its own (kern_isa.q8_arrange): the
+ * batch arranges each job's codes (T rows of n) once into out, and the kernel gets those as xq */
+typedef void (*kern_arrange_fn)(const int8_t *xq, int64_t n, int64_t T, int8_t *out);
+
 /* the quantizers' two loops, per instruction set (identical results; set by kern_q8_use):
  * the largest magnitude's bit pattern, and the clamped, rounded codes of x * scale */
 typedef uint32_t (*kern_maxmag_fn)(const float *x, int n);
@@ -155,6 +159,7 @@ typedef struct {
     kern_panel_fn panel;
     kern_attn_fn attn;       /* one query's attention (kern_simd_body.h); NULL: none */
     kern_q8_fn q8[KT_MAX];   /* NULL: no integer-activation kernel for this weight type */
+    kern_arrange_fn q8_arrange[KT_MAX]; /* NULL: q8 reads the codes in their natural order */
     kern_q8g_fn q8g[KT_MAX]; /* NULL: no GEMM form; else used for T >= q8g_min_t (run-time adjustable) */
     int q8g_min_t[KT_MAX];
     int q8_cost[KT_MAX];     /* relative cost of a weight value for the work split; 0: the default */

@@ -14,8 +14,9 @@
  * The row kernel (decode, T <= a few tokens) orders each block's 256 values as 4 vectors whose
  * qword k is group k's index p: the 8 groups then sit in fixed lanes, so the group scales apply
  * once per block (one vpmulld) instead of once per group pair, and the products accumulate
- * straight into one int32 vector.  That order is the activations' too: they are reordered once per
- * call (iq2v_reorder).  Measured on Zen 4, one thread, weights in L3: 7.1 against 4.4 GB/s.
+ * straight into one int32 vector.  That order is the activations' too: the batch reorders them once
+ * a job (iq2v_reorder, as kern_isa.q8_arrange).  Measured on Zen 4, one thread, weights in L3: 7.1
+ * against 4.4 GB/s.
  * Sums are exact integers up to the per-block float multiply-add, as in the plain kernel. */
 
 #define IQ2V_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c")))
@@ -141,26 +142,19 @@ static void iq2v_reorder(const int8_t *xq, int64_t n, int64_t T, int8_t *xr) {
 }
 
 #define IQ2V_CALL(k) iq2v_rows(row, stride, 1, nb, n, xqt, xdt, out, k)
-/* kern_q8_fn; falls back to the plain kernel when the reorder buffer cannot be had */
+/* kern_q8_fn: xq in iq2v_reorder's order (kern_isa.q8_arrange) */
 IQ2V_T static void iq2v_q8k(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
                             const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy) {
-    int8_t *xr = aligned_alloc(64, (size_t)((T * n + 63) & ~(int64_t)63));
-    if (!xr) {
-        KSUF(q8k_iq2_xxs)(W, stride, n, r0, r1, xq, xd, xs, T, y, ldy);
-        return;
-    }
-    iq2v_reorder(xq, n, T, xr);
     const int64_t nb = n / 256;
     float out[Q8_NT];
     int64_t r = r0;
     if (T == 1) /* decode: rows in pairs */
         for (; r + 2 <= r1; r += 2) {
-            iq2v_rows(W + r * stride, stride, 2, nb, n, xr, xd, out, 1);
+            iq2v_rows(W + r * stride, stride, 2, nb, n, xq, xd, out, 1);
             y[r] = out[0];
             y[r + 1] = out[1];
         }
-    Q8_ROWS(r, r1, xr, 256, IQ2V_CALL)
-    free(xr);
+    Q8_ROWS(r, r1, xq, 256, IQ2V_CALL)
 }
 
 /* GEMM row decoder (kern_gemm_body.h's g_row_fn): signed codes in value order and group scales */
@@ -189,6 +183,7 @@ G_KERNEL(iq2_xxs_vbmi, g_row_iq2_xxs_vbmi, 1, G_TILE_IQ2)
 static void fill_iq2_vbmi(kern_isa *k) {
     iq2v_init();
     k->q8[KT_IQ2_XXS] = iq2v_q8k;
+    k->q8_arrange[KT_IQ2_XXS] = iq2v_reorder;
     k->q8g[KT_IQ2_XXS] = KSUF(q8g_iq2_xxs_vbmi);
     /* the faster row kernel moves the crossover: row / GEMM time 0.84-0.92 at T = 8, 1.08 at 9 and
      * 1.12-1.16 at 10 (64 experts, 2 threads, Zen 4) */

@@ -175,11 +175,11 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
 /* AVX-512 form: the 64 code bytes are one zmm; shift j yields elements 32j.. (low half) and
  * 128 + 32j.. (high half) together, with the matching halves of x and four sub-block scales;
  * the scales go in with vpdpwssd and both sums stay in vector lanes to the end of the row (a
- * horizontal sum of the minimums per block cost 1.2x).  `paired`: the codes come pre-arranged
- * (q2k_pair_x: vector j of a block is one load) instead of two half loads and an insert per
- * vector (1.04-1.10x) */
+ * horizontal sum of the minimums per block cost 1.2x).  The codes come arranged by q2k_pair_x
+ * (kern_isa.q8_arrange), so vector j of a block is one load instead of two half loads and an
+ * insert (1.04-1.10x) */
 KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
-                          const int16_t *xs, float *out, const int nt, const int paired) {
+                          const int16_t *xs, float *out, const int nt) {
     __m512 acc[Q8_NT];
     __m256 mins[Q8_NT];
     for (int t = 0; t < nt; t++) {
@@ -213,10 +213,7 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
             const int8_t *xb = xq + t * n + 256 * b;
             __m512i is = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) {
-                const __m512i xv = paired ? _mm512_loadu_si512((const void *)(xb + 64 * j))
-                                          : _mm512_inserti64x4(
-                                                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xb + 32 * j))),
-                                                _mm256_loadu_si256((const __m256i *)(xb + 128 + 32 * j)), 1);
+                const __m512i xv = _mm512_loadu_si512((const void *)(xb + 64 * j));
                 is = _mm512_dpwssd_epi32(is, _mm512_maddubs_epi16(v[j], xv), scv[j]);
             }
             const __m256i ms = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xs + t * (n / 16) + 16 * b)));
@@ -320,10 +317,11 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
 #define Q8_CALL_IQ2(k) KSUF(q8_iq2_xxs_row)(row, nb, n, xqt, xdt, out, k)
 Q8_KERNEL(q8_0, Q8_CALL_Q8_0)
 Q8_KERNEL(iq2_xxs, Q8_CALL_IQ2)
+#define Q8_CALL_Q2K(k) KSUF(q8_q2_k_row)(row, nb, n, xqt, xdt, xst, out, k)
+Q8_KERNEL(q2_k, Q8_CALL_Q2K)
 #ifdef Q8_HAVE_512
-/* Q2_K: the activation codes pre-arranged once per call, block b's vector j = values 32j..32j+31
- * then 128 + 32j.. (the halves shift j of the weight codes pairs); without the buffer, the row
- * kernel pairs them itself */
+/* the AVX-512 Q2_K row kernel's code order (kern_isa.q8_arrange): block b's vector j = values
+ * 32j..32j+31 then 128 + 32j.. (the halves that shift j of the weight codes pairs) */
 static void KSUF(q2k_pair_x)(const int8_t *xq, int64_t n, int64_t T, int8_t *xr) {
     for (int64_t i = 0; i < T * n; i += 256)
         for (int j = 0; j < 4; j++) {
@@ -331,24 +329,6 @@ static void KSUF(q2k_pair_x)(const int8_t *xq, int64_t n, int64_t T, int8_t *xr)
             memcpy(xr + i + 64 * j + 32, xq + i + 128 + 32 * j, 32);
         }
 }
-
-#define Q8_CALL_Q2K_PAIRED(k) KSUF(q8_q2_k_row)(row, nb, n, xqt, xdt, xst, out, k, 1)
-#define Q8_CALL_Q2K(k) KSUF(q8_q2_k_row)(row, nb, n, xqt, xdt, xst, out, k, 0)
-static void KSUF(q8k_q2_k)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
-                           const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy) {
-    const int64_t nb = n / 256;
-    float out[Q8_NT];
-    int8_t *xr = aligned_alloc(64, (size_t)((T * n + 63) & ~(int64_t)63));
-    if (xr) {
-        KSUF(q2k_pair_x)(xq, n, T, xr);
-        Q8_ROWS(r0, r1, xr, 256, Q8_CALL_Q2K_PAIRED)
-        free(xr);
-    } else
-        Q8_ROWS(r0, r1, xq, 256, Q8_CALL_Q2K)
-}
-#else
-#define Q8_CALL_Q2K(k) KSUF(q8_q2_k_row)(row, nb, n, xqt, xdt, xst, out, k)
-Q8_KERNEL(q2_k, Q8_CALL_Q2K)
 #endif
 
 /* the quantizers' loops (kern_q8.c has the portable versions; results are identical: the same
@@ -401,4 +381,7 @@ static void KSUF(fill_q8)(kern_isa *k) {
     k->q8[KT_Q8_0] = KSUF(q8k_q8_0);
     k->q8[KT_IQ2_XXS] = KSUF(q8k_iq2_xxs);
     k->q8[KT_Q2_K] = KSUF(q8k_q2_k);
+#ifdef Q8_HAVE_512
+    k->q8_arrange[KT_Q2_K] = KSUF(q2k_pair_x);
+#endif
 }
