@@ -312,6 +312,28 @@ def test_q8_gemm_off_in_batch_invariant_mode(isa_guard):
 
 
 @needs_ext
+def test_q8_one_token_rows_equal_the_many_token_rows(isa_guard):
+    """One token (decode) takes its own row paths on some builds (AVX-512: Q8_0 block pairs; VBMI:
+    IQ2_XXS two rows packed per block): bit for bit the row kernels at more tokens, on every build,
+    odd and even row counts, row slices of a larger matrix."""
+    C = isa_guard
+    rng = np.random.default_rng(14)
+    prev = K.set_batch_invariant(True)          # the row kernels at every T
+    try:
+        for isa in C.isas():
+            C.set_isa(isa)
+            for t in Q8_TYPES:
+                for n_rows, n_in in ((1, 256), (2, 512), (7, 1024), (33, 2304)):
+                    w = weights(t, rng, n_rows + 3, n_in)[2:2 + n_rows]
+                    x = rng.standard_normal((6, n_in)).astype(np.float32)
+                    y = K.matmul_q8(t, w, x)
+                    for i in (0, 5):
+                        assert np.array_equal(K.matmul_q8(t, w, x[i:i + 1])[0], y[i]), (isa, t, n_rows, n_in, i)
+    finally:
+        K.set_batch_invariant(prev)
+
+
+@needs_ext
 def test_matmul_q8_mixed_equals_separate_calls(isa_guard):
     """Products of different weight types in one parallel region give each product's own result,
     bit for bit (rows are split over threads by unit; a unit's arithmetic does not depend on it)."""

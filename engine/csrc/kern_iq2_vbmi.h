@@ -30,6 +30,11 @@ static uint8_t iq2v_pe[4][64] __attribute__((aligned(64))); /* element order: ve
 static uint8_t iq2v_tr[64] __attribute__((aligned(64)));    /* byte 8p + k <- byte 8k + p (8 x 8 transpose) */
 static uint8_t iq2v_cp[64] __attribute__((aligned(64)));    /* byte 4g + l <- byte 8g + l (the index bytes) */
 static uint8_t iq2v_sf[64] __attribute__((aligned(64)));    /* multishift: byte 8g + l <- sign field l of group g */
+/* two rows' blocks packed into one vector (iq2v_rows2): index bytes, aux words, code words, signs */
+static uint8_t iq2v_ci[64] __attribute__((aligned(64)));  /* byte 4g + l <- index (g, l) of row A; 32 + 4g + l of B */
+static uint8_t iq2v_ca[64] __attribute__((aligned(64)));  /* dword g <- aux word g of row A; dword 8 + g of B */
+static uint8_t iq2v_cw[2][64] __attribute__((aligned(64))); /* row r: word 4g + l <- (low, high) codes of index (g, l) */
+static uint8_t iq2v_t2[64] __attribute__((aligned(64)));  /* byte 32 r + 8p + k <- sign byte of row r's index (k, p) */
 
 static void iq2v_init(void) {
     for (int i = 0; i < 256; i++) {
@@ -57,6 +62,16 @@ static void iq2v_init(void) {
             iq2v_sf[8 * a + b] = (uint8_t)(b < 4 ? 32 + 7 * b : 0);
         }
     for (int i = 0; i < 64; i++) iq2v_cp[i] = (uint8_t)(i < 32 ? 8 * (i / 4) + i % 4 : 0);
+    for (int r = 0; r < 2; r++)
+        for (int g = 0; g < 8; g++)
+            for (int l = 0; l < 4; l++) {
+                iq2v_ci[32 * r + 4 * g + l] = (uint8_t)(64 * r + 8 * g + l);
+                iq2v_ca[32 * r + 4 * g + l] = (uint8_t)(64 * r + 8 * g + 4 + l);
+                iq2v_cw[r][2 * (4 * g + l)] = (uint8_t)(32 * r + 4 * g + l);
+                iq2v_cw[r][2 * (4 * g + l) + 1] = (uint8_t)(64 + 32 * r + 4 * g + l);
+                /* the packed sign bytes (iq2v_rows2): byte 8m + b = row r's index (2m + b / 4, b % 4) */
+                iq2v_t2[32 * r + 8 * l + g] = (uint8_t)(32 * r + 8 * (g / 2) + 4 * (g % 2) + l);
+            }
 }
 
 /* a block's code bytes: lc / hc byte 8g + l = low / high codes of index (g, l); ks byte 8g + l =
@@ -130,6 +145,68 @@ IQ2V_I void iq2v_rows(const uint8_t *W, ptrdiff_t stride, const int nr, int64_t 
         for (int t = 0; t < nt; t++) out[i * nt + t] = 0.125f * _mm512_reduce_add_ps(acc[i][t]);
 }
 
+/* Decode (one token), two rows A and B (A + stride): row . x for both, bit for bit as iq2v_rows.
+ * On Intel a 512-bit loop issues vector uops to two ports only (p0, p5), and iq2v_rows spends 14 of
+ * its ~42 a block-row on block set-up whose lanes are half junk (the aux words go through the code
+ * tables, the index bytes through the sign path).  Here the two rows' blocks are packed first --
+ * their 32 + 32 index bytes into one vector, their 8 + 8 aux words into another -- so each table
+ * lookup serves both rows, and each row's 32 (low, high) code pairs land as 16-bit words in group
+ * order (qword k = group k's 4 indices), from which one vpmultishiftqb per vector p takes index
+ * (k, p)'s eight codes: no per-pair vpermi2b.  ~33 vector uops a block-row.  The same integer sums
+ * in the same lanes as iq2v_rows; the group scale goes in as float(sum) * float(2 s + 1), equal to
+ * float(sum * (2 s + 1)) because that product stays under 2^24 (|sum| <= 16 * 43 * 127, 2 s + 1 <=
+ * 31). */
+IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int8_t *xr, const float *xd,
+                       float *out) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i *L = (const __m512i *)iq2v_lo, *H = (const __m512i *)iq2v_hi;
+    const __m512i L0 = L[0], L1 = L[1], L2 = L[2], L3 = L[3], H0 = H[0], H1 = H[1], H2 = H[2], H3 = H[3];
+    const __m512i S0 = _mm512_loadu_si512((const void *)kern_ksigns), S1 = _mm512_loadu_si512((const void *)(kern_ksigns + 64));
+    const __m512i ci = _mm512_load_si512(iq2v_ci), ca = _mm512_load_si512(iq2v_ca);
+    const __m512i cw0 = _mm512_load_si512(iq2v_cw[0]), cw1 = _mm512_load_si512(iq2v_cw[1]);
+    const __m512i t2 = _mm512_load_si512(iq2v_t2);
+    /* sign fields of the packed aux words: qword m = aux words 2m, 2m + 1, fields at 7 l and 32 + 7 l */
+    const __m512i sf = _mm512_set1_epi64(0x352E2720150E0700LL);
+    /* vector p: byte j of qword k <- code j of index (k, p), bits 16 p + 2 j of the code words */
+    const __m512i sh[4] = {_mm512_set1_epi64(0x0E0C0A0806040200LL), _mm512_set1_epi64(0x1E1C1A1816141210LL),
+                           _mm512_set1_epi64(0x2E2C2A2826242220LL), _mm512_set1_epi64(0x3E3C3A3836343230LL)};
+    const __m512i map = _mm512_set1_epi64((long long)((0x03ULL << 56) | (0x02ULL << 48) | (0x01ULL << 24) | (0x02ULL << 16)));
+    /* dwords 2k, 2k + 1 (group k's lanes) <- packed dword k (row A) or 8 + k (row B) */
+    const __m512i la = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i lb = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *ba = W + 66 * b, *bb = W + stride + 66 * b;
+        PF2(ba);
+        PF2(bb);
+        const float da = KERN_F16(kern_rd16(ba)) * xd[b], db = KERN_F16(kern_rd16(bb)) * xd[b];
+        const __m512i qa = _mm512_loadu_si512((const void *)(ba + 2)), qb = _mm512_loadu_si512((const void *)(bb + 2));
+        const __m512i idx = _mm512_permutex2var_epi8(qa, ci, qb);
+        const __m512i aux = _mm512_permutex2var_epi8(qa, ca, qb);
+        const __mmask64 top = _mm512_movepi8_mask(idx);
+        const __m512i lc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(L0, idx, L1), _mm512_permutex2var_epi8(L2, idx, L3));
+        const __m512i hc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(H0, idx, H1), _mm512_permutex2var_epi8(H2, idx, H3));
+        const __m512i cwa = _mm512_permutex2var_epi8(lc, cw0, hc), cwb = _mm512_permutex2var_epi8(lc, cw1, hc);
+        unsigned long long neg[8]; /* row r, vector p: qword 4 r + p */
+        _mm512_storeu_si512((void *)neg, _mm512_permutexvar_epi8(
+                                             t2, _mm512_permutex2var_epi8(S0, _mm512_multishift_epi64_epi8(sf, aux), S1)));
+        const __m512 ls = _mm512_cvtepi32_ps(
+            _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), _mm512_set1_epi32(1)));
+        __m512i ia = zero, ib = zero;
+        for (int p = 0; p < 4; p++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xr + 256 * b + 64 * p));
+            const __m512i ga = _mm512_gf2p8affine_epi64_epi8(_mm512_multishift_epi64_epi8(sh[p], cwa), map, 0x08);
+            const __m512i gb = _mm512_gf2p8affine_epi64_epi8(_mm512_multishift_epi64_epi8(sh[p], cwb), map, 0x08);
+            ia = _mm512_dpbusd_epi32(ia, ga, _mm512_mask_sub_epi8(xv, _cvtu64_mask64(neg[p]), zero, xv));
+            ib = _mm512_dpbusd_epi32(ib, gb, _mm512_mask_sub_epi8(xv, _cvtu64_mask64(neg[4 + p]), zero, xv));
+        }
+        acc0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ia), _mm512_permutexvar_ps(la, ls)), _mm512_set1_ps(da), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ib), _mm512_permutexvar_ps(lb, ls)), _mm512_set1_ps(db), acc1);
+    }
+    out[0] = 0.125f * _mm512_reduce_add_ps(acc0);
+    out[1] = 0.125f * _mm512_reduce_add_ps(acc1);
+}
+
 /* activation codes in the row kernel's order: block b's vector p, qword k <- values 32k + 8p.. */
 static void iq2v_reorder(const int8_t *xq, int64_t n, int64_t T, int8_t *xr) {
     for (int64_t t = 0; t < T; t++)
@@ -150,7 +227,7 @@ IQ2V_T static void iq2v_q8k(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
     int64_t r = r0;
     if (T == 1) /* decode: rows in pairs */
         for (; r + 2 <= r1; r += 2) {
-            iq2v_rows(W + r * stride, stride, 2, nb, n, xq, xd, out, 1);
+            iq2v_rows2(W + r * stride, stride, nb, xq, xd, out);
             y[r] = out[0];
             y[r + 1] = out[1];
         }
@@ -188,9 +265,13 @@ static void fill_iq2_vbmi(kern_isa *k) {
     /* the faster row kernel moves the crossover: row / GEMM time 0.84-0.92 at T = 8, 1.08 at 9 and
      * 1.12-1.16 at 10 (64 experts, 2 threads, Zen 4) */
     k->q8g_min_t[KT_IQ2_XXS] = 9;
-    /* a value costs about what a Q8_0 value streamed by one thread costs (0.43 ms an expert matrix
-     * against 0.5 for the shared expert's Q8_0 gate): with the default 6 the thread that streams
-     * the shared expert got too many experts (a decode step's gate/up call 2.31-2.36 -> 2.20-2.22
-     * ms with 3, same process, alternating; prefill unchanged within the noise) */
-    k->q8_cost[KT_IQ2_XXS] = 3;
+    /* the work split's relative costs of a value (Q8_0: the default 4), measured on a decode step's
+     * two mixed calls (a layer's 12 routed gate/up matrices with the shared expert's 2, then 6 down
+     * matrices with the shared down; 6 layers cycled from DRAM, 2 threads, Sapphire Rapids):
+     * - IQ2_XXS: with iq2v_rows2 a value decodes in about half the time a Q8_0 value streams in on
+     *   one thread: 2 (3 had given the streaming thread too little: gate/up 2.56 -> 2.36-2.40 ms;
+     *   on Zen 4 3 had beaten the plain kernels' 6: 2.31-2.36 -> 2.20-2.22);
+     * - Q2_K: 2 (the default 3: down 1.15-1.17 -> 1.09 ms) */
+    k->q8_cost[KT_IQ2_XXS] = 2;
+    k->q8_cost[KT_Q2_K] = 2;
 }
