@@ -254,8 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numerics", choices=["ds4", "exact"], default="ds4")
     p.add_argument("--threads", type=_positive_int, default=None)
     p.add_argument("--backend", default="auto", help="numpy (the reference) or cpu (the C kernels)")
-    p.add_argument("--paging", default="auto", choices=["auto", "prefault", "lowmem", "none"],
-                   help="prefault the map at open, or lowmem for files larger than the memory (default: by size)")
+    p.add_argument("--paging", default="auto", choices=["auto", "resident", "prefault", "lowmem", "none"],
+                   help="resident: read the file into huge-page memory at open; prefault: populate the map; "
+                        "lowmem: files larger than the memory (default: by size and backend)")
     p.add_argument("--chunk", type=_positive_int, default=None, help="prefill chunk size")
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write an SVG chart here")
@@ -331,7 +332,9 @@ def _main(argv) -> int:
               f"weights read per token {bpt['short']} B (short) / {bpt['long']} B (long, from {long_from}); "
               f"prefill FLOPs per token {flops}", file=sys.stderr)
 
-        print(f"open: {open_s:.2f} s, paging {eng.paging}, backend {eng.backend}", file=sys.stderr)
+        res = (f" (resident copy of {eng.file.gguf.size:,} B in {eng.resident_seconds:.2f} s)"
+               if eng.resident_seconds is not None else "")
+        print(f"open: {open_s:.2f} s, paging {eng.paging}{res}, backend {eng.backend}", file=sys.stderr)
         first = []
 
         def on_row(r):

@@ -140,6 +140,7 @@ class GGUFFile:
         self.path = os.fspath(path)
         self.size = _check_path(self.path)
         self._base = None     # address of the map (willneed), taken on first use
+        self._resident = None  # the file's bytes in anonymous memory (load_resident), else None
         try:
             with open(self.path, "rb") as f:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -178,11 +179,76 @@ class GGUFFile:
             return "lowmem"
         raise ValueError(f"paging mode must be 'prefault' or 'lowmem', not {mode!r}")
 
+    def load_resident(self, threads: int = 2) -> float:
+        """Read the whole file into anonymous memory backed by transparent huge pages, once, and
+        hand out every later tensor view from there instead of from the map; returns the seconds it
+        took. The bytes and their layout are the file's (offsets unchanged), so results are
+        bit-identical; what changes is where they live. On Linux the page cache holds a file in
+        folios of mixed sizes, often not 2 MiB, scattered in physical memory; a 2 MiB anonymous
+        huge page is physically contiguous, and the same matrices stream faster from it (2 threads,
+        Sapphire Rapids: 29-30 against 34 GB/s for a layer's 36 MB Q8_0 matrices read cold, a
+        decode step 57.8 -> 55.0 ms). The file is read with pread in 64 MiB pieces over `threads`
+        threads (no SIGBUS: a file cut short since open is a ModelFileError). Costs: RSS of the
+        file's size, and the page cache may hold a second copy until the kernel reclaims it."""
+        import concurrent.futures
+        import time
+        if self._resident is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            buf = mmap.mmap(-1, max(self.size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except (OSError, ValueError) as e:
+            raise ModelFileError(self.path, f"cannot allocate {self.size:,} bytes of memory for a resident "
+                                            f"copy: {getattr(e, 'strerror', None) or e}") from None
+        try:
+            buf.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
+        except (OSError, ValueError, AttributeError):
+            pass      # no THP: still a private copy, just without the huge pages
+        view = memoryview(buf)
+        piece = 64 << 20
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            buf.close()
+            raise ModelFileError(self.path, f"cannot read: {e.strerror or e}") from None
+
+        def read(lo: int) -> None:
+            hi = min(self.size, lo + piece)
+            while lo < hi:
+                n = os.preadv(fd, [view[lo:hi]], lo)
+                if n <= 0:
+                    raise ModelFileError(self.path, f"ends at byte {lo:,}, before the {self.size:,} bytes it had "
+                                                    f"when opened: the file was truncated")
+                lo += n
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
+                for f in [ex.submit(read, lo) for lo in range(0, self.size, piece)]:
+                    f.result()
+        except OSError as e:
+            view.release()
+            buf.close()
+            raise ModelFileError(self.path, f"cannot read: {e.strerror or e}") from None
+        except BaseException:
+            view.release()
+            buf.close()
+            raise
+        finally:
+            os.close(fd)
+        view.release()
+        self._resident = np.frombuffer(buf, dtype=np.uint8)[:self.size]
+        self._resident.flags.writeable = False
+        return time.perf_counter() - t0
+
+    @property
+    def resident(self) -> bool:
+        return self._resident is not None
+
     def willneed(self, arrays) -> None:
         """Ask the kernel to read these views of the map ahead, asynchronously, in large reads
         (lowmem paging: the pages a step is about to touch, instead of faults met one readahead
         window at a time). Views not backed by this map are ignored; so are madvise failures."""
-        if self._mm is None:
+        if self._mm is None or self._resident is not None:
             return
         if self._base is None:
             self._base = np.frombuffer(self._mm, dtype=np.uint8).ctypes.data
@@ -335,11 +401,16 @@ class GGUFFile:
         return default if f is None else f.value
 
     def tensor_bytes(self, name: str) -> np.ndarray:
-        """Zero-copy uint8 view of one tensor's bytes in the map (range already checked at open)."""
+        """Zero-copy uint8 view of one tensor's bytes in the map, or in the resident copy after
+        load_resident (range already checked at open)."""
         t = self.tensors[name]
+        if self._resident is not None:
+            return self._resident[t.offset:t.offset + t.nbytes]
         return np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
     def close(self):
+        # the resident copy is freed when the last view of it goes (NumPy holds the buffer)
+        self._resident = None
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
             try:

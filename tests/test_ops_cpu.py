@@ -69,12 +69,66 @@ def test_cpu_backend_without_kernels_is_a_clear_error(small_model, monkeypatch):
 
 
 def test_paging_modes(small_model):
-    for mode in ("prefault", "lowmem", "none"):
+    for mode in ("resident", "prefault", "lowmem", "none"):
         with Engine.open(small_model, paging=mode) as e:
             assert e.paging in ({mode} if mode != "prefault" else {"prefault", "willneed"})
             assert Session(e, 64).sync([1, 2, 3])
+            assert (e.resident_seconds is not None) == (mode == "resident")
     with pytest.raises(ValueError, match="paging"):
         Engine.open(small_model, paging="sometimes")
+
+
+def test_resident_copy_is_the_file_and_changes_no_result(small_model):
+    """resident: every weight view points into one private copy of the file (not into the map),
+    byte for byte the file's, and the logits are bit-identical to the mapped run's."""
+    toks = list(range(3, 40))
+    with Engine.open(small_model, paging="none", backend="numpy") as e:
+        ref = Session(e, 64).sync(toks, keep_logits=True)
+        mapped = e.file.gguf.tensor_bytes("output.weight").copy()
+    with Engine.open(small_model, paging="resident", backend="numpy") as e:
+        g = e.file.gguf
+        assert g.resident and e.paging == "resident" and e.resident_seconds >= 0
+        out = e.model.w.output.data
+        map_view = np.frombuffer(g._mm, dtype=np.uint8)
+        assert not np.shares_memory(out, map_view)
+        assert np.array_equal(out.reshape(-1), mapped) and not out.flags.writeable
+        assert np.array_equal(np.asarray(g._resident), np.fromfile(small_model, dtype=np.uint8))
+        got = Session(e, 64).sync(toks, keep_logits=True)
+        e.model.pager = None
+        g.willneed([out])                 # no map to advise: ignored
+    assert np.array_equal(got, ref)
+
+
+def test_resident_copy_of_a_file_cut_short_after_open(small_model, tmp_path):
+    import shutil
+
+    from engine.errors import ModelFileError
+    from engine.gguf_file import GGUFFile
+    p = tmp_path / "cut.gguf"
+    shutil.copy(small_model, p)
+    g = GGUFFile(p)
+    try:
+        with open(p, "r+b") as f:
+            f.truncate(g.size // 2)
+        with pytest.raises(ModelFileError, match="truncated"):
+            g.load_resident(threads=2)
+        assert not g.resident
+    finally:
+        g.close()
+
+
+def test_auto_paging_by_size_and_backend(small_model, monkeypatch):
+    from engine import session as S
+    monkeypatch.delenv("DS4_PAGING", raising=False)
+    monkeypatch.setattr(S, "_mem_available", lambda: 1 << 40)
+    with Engine.open(small_model, backend="numpy") as e:
+        assert e.paging in ("prefault", "willneed")          # the reference: the map
+    if kernels.available():
+        with Engine.open(small_model, backend="cpu") as e:
+            assert e.paging == "resident" and e.file.gguf.resident
+    monkeypatch.setattr(S, "_mem_available", lambda: 1024)
+    with Engine.open(small_model, backend="numpy") as e:
+        assert e.paging == "lowmem" and not e.file.gguf.resident
 
 
 def test_lowmem_paging_hints(small_model):
