@@ -441,10 +441,12 @@ def test_queued_request_of_a_gone_client_is_skipped(srv, stream):
                 next(frames)
             assert shim.worker.queued() == 1 and shim.worker.busy    # B still waits, A still runs
         # A's client leaves too
-    wait_idle(shim, timeout=5.0)
-    # only A ran; B was skipped, and A stopped early
+    idle_after = wait_idle(shim, timeout=5.0)
+    # only A ran; B was skipped, and A stopped soon after its client left, far below its 2,000
+    # tokens (how many it made before depends on the machine: ~100 at 20 ms a token, 200+ at 10)
     assert shim.worker.stats["requests"] - before["requests"] == 1
-    assert shim.worker.stats["generated"] - before["generated"] < 200
+    assert idle_after < 2.0, idle_after
+    assert shim.worker.stats["generated"] - before["generated"] < 1000
     s = run_one(url, "/v1/messages", {"messages": [{"role": "user", "content": "still there?"}],
                                       "max_tokens": 3, "temperature": 0, **NO_THINK})
     assert s.finish == "max_tokens" and s.text
