@@ -37,6 +37,8 @@ class Engine:
     def __init__(self, model_file: ModelFile, backend: str, numerics: str, threads: int | None):
         self.file = model_file
         self.config = model_file.config
+        self.paging = "none"            # Engine.open sets these
+        self.resident_seconds = None
         self.backend = backend
         self.numerics = numerics
         self.threads = threads
@@ -132,6 +134,12 @@ def _paging_mode(m: ModelFile, paging: str, backend: str) -> str:
         # the cpu backend streams every weight once a token: from huge pages 5 % faster a decode
         # step (GGUFFile.load_resident); the NumPy reference is not about speed
         return "resident" if backend == "cpu" else "prefault"
+    if paging == "resident":
+        # a copy larger than the memory left would end in the OOM killer halfway through
+        avail = _mem_available()
+        if avail is not None and m.gguf.size > 0.9 * avail:
+            raise ValueError(f"paging 'resident' needs {m.gguf.size:,} bytes of memory for its copy of the file, "
+                             f"and {avail:,} are available; use paging 'prefault' or 'lowmem'")
     return paging
 
 

@@ -129,6 +129,8 @@ def test_auto_paging_by_size_and_backend(small_model, monkeypatch):
     monkeypatch.setattr(S, "_mem_available", lambda: 1024)
     with Engine.open(small_model, backend="numpy") as e:
         assert e.paging == "lowmem" and not e.file.gguf.resident
+    with pytest.raises(ValueError, match="resident.*available"):    # asked for, without the memory
+        Engine.open(small_model, backend="numpy", paging="resident")
 
 
 def test_lowmem_paging_hints(small_model):
