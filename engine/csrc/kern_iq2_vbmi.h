@@ -25,16 +25,15 @@
 /* tables, built once by iq2v_init (module init, one thread) */
 static uint8_t iq2v_lo[256] __attribute__((aligned(64))); /* codes of coordinates 0..3 of each grid row */
 static uint8_t iq2v_hi[256] __attribute__((aligned(64))); /* 4..7 */
-static uint8_t iq2v_pq[4][64] __attribute__((aligned(64))); /* row kernel: vector p, qword k <- index (group k, p) */
 static uint8_t iq2v_pe[4][64] __attribute__((aligned(64))); /* element order: vector p = values 64p..64p+63 */
-static uint8_t iq2v_tr[64] __attribute__((aligned(64)));    /* byte 8p + k <- byte 8k + p (8 x 8 transpose) */
 static uint8_t iq2v_cp[64] __attribute__((aligned(64)));    /* byte 4g + l <- byte 8g + l (the index bytes) */
 static uint8_t iq2v_sf[64] __attribute__((aligned(64)));    /* multishift: byte 8g + l <- sign field l of group g */
-/* two rows' blocks packed into one vector (iq2v_rows2): index bytes, aux words, code words, signs */
+/* two rows' blocks packed into one vector (iq2v_rows2): index bytes, aux words */
 static uint8_t iq2v_ci[64] __attribute__((aligned(64)));  /* byte 4g + l <- index (g, l) of row A; 32 + 4g + l of B */
 static uint8_t iq2v_ca[64] __attribute__((aligned(64)));  /* dword g <- aux word g of row A; dword 8 + g of B */
-static uint8_t iq2v_cw[2][64] __attribute__((aligned(64))); /* row r: word 4g + l <- (low, high) codes of index (g, l) */
-static uint8_t iq2v_t2[64] __attribute__((aligned(64)));  /* byte 32 r + 8p + k <- sign byte of row r's index (k, p) */
+
+static void iq2v_init_rows(void);
+static void iq2v_init_reorder(void);
 
 static void iq2v_init(void) {
     for (int i = 0; i < 256; i++) {
@@ -52,26 +51,20 @@ static void iq2v_init(void) {
     for (int p = 0; p < 4; p++)
         for (int k = 0; k < 8; k++)
             for (int j = 0; j < 8; j++) {
-                const int iq = 8 * k + p, ie = 8 * (2 * p + k / 4) + k % 4;
-                iq2v_pq[p][8 * k + j] = (uint8_t)(j == 0 ? iq : j == 1 ? 64 + iq : 0);
+                const int ie = 8 * (2 * p + k / 4) + k % 4;
                 iq2v_pe[p][8 * k + j] = (uint8_t)(j == 0 ? ie : j == 1 ? 64 + ie : 0);
             }
     for (int a = 0; a < 8; a++)
-        for (int b = 0; b < 8; b++) {
-            iq2v_tr[8 * a + b] = (uint8_t)(8 * b + a);
-            iq2v_sf[8 * a + b] = (uint8_t)(b < 4 ? 32 + 7 * b : 0);
-        }
+        for (int b = 0; b < 8; b++) iq2v_sf[8 * a + b] = (uint8_t)(b < 4 ? 32 + 7 * b : 0);
     for (int i = 0; i < 64; i++) iq2v_cp[i] = (uint8_t)(i < 32 ? 8 * (i / 4) + i % 4 : 0);
     for (int r = 0; r < 2; r++)
         for (int g = 0; g < 8; g++)
             for (int l = 0; l < 4; l++) {
                 iq2v_ci[32 * r + 4 * g + l] = (uint8_t)(64 * r + 8 * g + l);
                 iq2v_ca[32 * r + 4 * g + l] = (uint8_t)(64 * r + 8 * g + 4 + l);
-                iq2v_cw[r][2 * (4 * g + l)] = (uint8_t)(32 * r + 4 * g + l);
-                iq2v_cw[r][2 * (4 * g + l) + 1] = (uint8_t)(64 + 32 * r + 4 * g + l);
-                /* the packed sign bytes (iq2v_rows2): byte 8m + b = row r's index (2m + b / 4, b % 4) */
-                iq2v_t2[32 * r + 8 * l + g] = (uint8_t)(32 * r + 8 * (g / 2) + 4 * (g % 2) + l);
             }
+    iq2v_init_rows();
+    iq2v_init_reorder();
 }
 
 /* a block's code bytes: lc / hc byte 8g + l = low / high codes of index (g, l); ks byte 8g + l =
@@ -95,67 +88,107 @@ IQ2V_I __m512i iq2v_grid(const __m512i lc, const __m512i hc, const __m512i ctl) 
                                          map, 0x08);
 }
 
-/* out[i * nt + t] = row i . x_t for nr rows (W + i * stride) and nt tokens; xr = the reordered
- * activation codes (iq2v_reorder), n apart.  Two rows at a time (one token: decode) run 1.15x a
- * row at a time: the two chains of lookups overlap. */
-IQ2V_I void iq2v_rows(const uint8_t *W, ptrdiff_t stride, const int nr, int64_t nb, int64_t n, const int8_t *xr,
-                      const float *xd, float *out, const int nt) {
-    __m512 acc[2][Q8_NT];
-    for (int i = 0; i < nr; i++)
-        for (int t = 0; t < nt; t++) acc[i][t] = _mm512_setzero_ps();
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512i ctl[4] = {_mm512_load_si512(iq2v_pq[0]), _mm512_load_si512(iq2v_pq[1]),
-                            _mm512_load_si512(iq2v_pq[2]), _mm512_load_si512(iq2v_pq[3])};
-    /* dwords 2k, 2k + 1 (group k's lanes) <- group k's scale 2 s + 1, from dword 2k + 1 (its aux word) */
-    const __m512i sidx = _mm512_set_epi32(15, 15, 13, 13, 11, 11, 9, 9, 7, 7, 5, 5, 3, 3, 1, 1);
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i lc[2], hc[2], ls[2], is[2][Q8_NT];
-        float d[2];
-        unsigned long long neg[2][4]; /* vector p's sign bits: bytes 8p..8p+7 after the transpose */
-        for (int i = 0; i < nr; i++) {
-            const uint8_t *blk = W + i * stride + 66 * b;
-            PF2(blk);
-            d[i] = KERN_F16(kern_rd16(blk));
-            const __m512i q = _mm512_loadu_si512((const void *)(blk + 2));
-            __m512i ks;
-            iq2v_block(q, &lc[i], &hc[i], &ks);
-            _mm256_storeu_si256((__m256i *)neg[i],
-                                _mm512_castsi512_si256(_mm512_permutexvar_epi8(_mm512_load_si512(iq2v_tr), ks)));
-            ls[i] = _mm512_permutexvar_epi32(
-                sidx, _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(q, 28), 1), _mm512_set1_epi32(1)));
-            for (int t = 0; t < nt; t++) is[i][t] = _mm512_setzero_si512();
+/* The row kernels' order of a block's 256 values (the activations are arranged to match once a
+ * job, iq2v_reorder): 4 vectors j of 64 bytes, byte p < 32 = coordinate j of index p, byte
+ * 32 + p = coordinate 4 + j of index p, indices in group order (index (g, l) = 4 g + l).  A byte of
+ * low (high) codes holds the 2-bit codes of coordinates 0..3 (4..7) of its index, so one
+ * gf2p8affineqb per vector picks code j of every byte and maps it to its value (a matrix per j):
+ * no byte spreading before it.  The signs come out of the same order with one more
+ * gf2p8affineqb, used as an 8 x 8 bit transpose: with the unit vectors as data and a qword of 8
+ * indices' sign bytes as the matrix, output byte k holds coordinate k's signs of those 8 indices,
+ * and a byte permute turns them into each vector's 64-bit mask.  The group of byte p is (p % 32) / 4:
+ * dword m of a vpdpbusd sums group m % 8, where the group scales apply. */
+static uint8_t iq2v_l1[64] __attribute__((aligned(64))); /* one row: byte p <- low (p < 32) / high codes of index p % 32 */
+static uint8_t iq2v_l2[2][64] __attribute__((aligned(64))); /* two packed rows: row r's LH bytes */
+static uint8_t iq2v_kc[64] __attribute__((aligned(64))); /* one row: sign bytes compacted, qword q = indices 8q + 7 .. 8q */
+static uint8_t iq2v_mk[64] __attribute__((aligned(64))); /* qword 4 r + j <- row r's mask bytes of vector j */
+static uint8_t iq2v_s2[64] __attribute__((aligned(64))); /* two rows: multishift, byte 8m + 7 - b <- field of index 8m + b */
+
+static void iq2v_init_rows(void) {
+    for (int p = 0; p < 64; p++) {
+        const int i = p % 32, hi = p >= 32;
+        iq2v_l1[p] = (uint8_t)(64 * hi + 8 * (i / 4) + i % 4);
+        for (int r = 0; r < 2; r++) iq2v_l2[r][p] = (uint8_t)(64 * hi + 32 * r + i);
+    }
+    for (int q = 0; q < 8; q++)
+        for (int i = 0; i < 8; i++) {
+            const int x = 8 * q + i, g = (x % 32) / 4, l = x % 4;   /* index x of the block (q < 4) */
+            iq2v_kc[8 * q + 7 - i] = (uint8_t)(8 * g + l);
+            /* packed aux qword m = groups 2m, 2m + 1: index 8m + b has its field at 7 (b % 4) + 32 (b / 4) */
+            iq2v_s2[8 * q + 7 - i] = (uint8_t)(7 * (i % 4) + 32 * (i / 4));
         }
-        for (int p = 0; p < 4; p++) {
-            for (int i = 0; i < nr; i++) {
-                const __m512i gv = iq2v_grid(lc[i], hc[i], ctl[p]);
-                const __mmask64 m = _cvtu64_mask64(neg[i][p]);
-                for (int t = 0; t < nt; t++) {
-                    const __m512i xv = _mm512_loadu_si512((const void *)(xr + t * n + 256 * b + 64 * p));
-                    is[i][t] = _mm512_dpbusd_epi32(is[i][t], gv, _mm512_mask_sub_epi8(xv, m, zero, xv));
-                }
+    for (int r = 0; r < 2; r++)
+        for (int j = 0; j < 4; j++)
+            for (int q = 0; q < 8; q++)
+                iq2v_mk[8 * (4 * r + j) + q] = (uint8_t)(32 * r + 8 * (q % 4) + j + 4 * (q / 4));
+}
+
+/* gf2p8affineqb matrix of vector j: code bits 2j, 2j + 1 -> the value 8 + 17 c + (c > 1) (with the
+ * constant 0x08): output bit 0 = b0 ^ b1, bit 1 = b1, bit 4 = b0, bit 5 = b1 (the row of output bit
+ * i is byte 7 - i) */
+IQ2V_I __m512i iq2v_map(int j) {
+    const unsigned long long b0 = 1ULL << (2 * j), b1 = 2ULL << (2 * j);
+    return _mm512_set1_epi64((long long)(((b0 | b1) << 56) | (b1 << 48) | (b0 << 24) | (b1 << 16)));
+}
+
+/* the 4 sign masks of a row's block from its 32 sign bytes: ks qword q = indices 8q + 7 .. 8q
+ * (byte 8q + 7 - i = index 8q + i); neg[j] = mask of vector j */
+IQ2V_I void iq2v_masks(__m512i ks, unsigned long long *neg) {
+    const __m512i unit = _mm512_set1_epi64((long long)0x8040201008040201ULL);
+    _mm512_storeu_si512((void *)neg, _mm512_permutexvar_epi8(_mm512_load_si512(iq2v_mk),
+                                                             _mm512_gf2p8affine_epi64_epi8(unit, ks, 0)));
+}
+
+/* out[t] = row . x_t for nt tokens; xr = the arranged activation codes (iq2v_reorder), n apart */
+IQ2V_I void iq2v_rows(const uint8_t *W, int64_t nb, int64_t n, const int8_t *xr, const float *xd, float *out,
+                      const int nt) {
+    __m512 acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i *L = (const __m512i *)iq2v_lo, *H = (const __m512i *)iq2v_hi;
+    const __m512i S0 = _mm512_loadu_si512((const void *)kern_ksigns), S1 = _mm512_loadu_si512((const void *)(kern_ksigns + 64));
+    /* dword m (group m % 8) <- the scale 2 s + 1 of group m % 8, from dword 2 (m % 8) + 1 (its aux word) */
+    const __m512i sidx = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = W + 66 * b;
+        PF2(blk);
+        const float d = KERN_F16(kern_rd16(blk));
+        const __m512i q = _mm512_loadu_si512((const void *)(blk + 2));
+        const __mmask64 top = _mm512_movepi8_mask(q);
+        const __m512i lc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(L[0], q, L[1]), _mm512_permutex2var_epi8(L[2], q, L[3]));
+        const __m512i hc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(H[0], q, H[1]), _mm512_permutex2var_epi8(H[2], q, H[3]));
+        const __m512i lh = _mm512_permutex2var_epi8(lc, _mm512_load_si512(iq2v_l1), hc);
+        const __m512i ks = _mm512_permutex2var_epi8(S0, _mm512_multishift_epi64_epi8(_mm512_load_si512(iq2v_sf), q), S1);
+        unsigned long long neg[8];
+        iq2v_masks(_mm512_permutexvar_epi8(_mm512_load_si512(iq2v_kc), ks), neg);
+        const __m512i ls = _mm512_permutexvar_epi32(
+            sidx, _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(q, 28), 1), _mm512_set1_epi32(1)));
+        __m512i is[Q8_NT];
+        for (int t = 0; t < nt; t++) is[t] = zero;
+        for (int j = 0; j < 4; j++) {
+            const __m512i gv = _mm512_gf2p8affine_epi64_epi8(lh, iq2v_map(j), 0x08);
+            const __mmask64 m = _cvtu64_mask64(neg[j]);
+            for (int t = 0; t < nt; t++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(xr + t * n + 256 * b + 64 * j));
+                is[t] = _mm512_dpbusd_epi32(is[t], gv, _mm512_mask_sub_epi8(xv, m, zero, xv));
             }
         }
         /* |lane| <= 16 * 43 * 127 before the scale (<= 31): exact in int32 and in float */
-        for (int i = 0; i < nr; i++)
-            for (int t = 0; t < nt; t++)
-                acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(is[i][t], ls[i])),
-                                            _mm512_set1_ps(d[i] * xd[t * (n / 256) + b]), acc[i][t]);
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(is[t], ls)),
+                                     _mm512_set1_ps(d * xd[t * (n / 256) + b]), acc[t]);
     }
-    for (int i = 0; i < nr; i++)
-        for (int t = 0; t < nt; t++) out[i * nt + t] = 0.125f * _mm512_reduce_add_ps(acc[i][t]);
+    for (int t = 0; t < nt; t++) out[t] = 0.125f * _mm512_reduce_add_ps(acc[t]);
 }
 
 /* Decode (one token), two rows A and B (A + stride): row . x for both, bit for bit as iq2v_rows.
- * On Intel a 512-bit loop issues vector uops to two ports only (p0, p5), and iq2v_rows spends 14 of
- * its ~42 a block-row on block set-up whose lanes are half junk (the aux words go through the code
- * tables, the index bytes through the sign path).  Here the two rows' blocks are packed first --
- * their 32 + 32 index bytes into one vector, their 8 + 8 aux words into another -- so each table
- * lookup serves both rows, and each row's 32 (low, high) code pairs land as 16-bit words in group
- * order (qword k = group k's 4 indices), from which one vpmultishiftqb per vector p takes index
- * (k, p)'s eight codes: no per-pair vpermi2b.  ~33 vector uops a block-row.  The same integer sums
- * in the same lanes as iq2v_rows; the group scale goes in as float(sum) * float(2 s + 1), equal to
- * float(sum * (2 s + 1)) because that product stays under 2^24 (|sum| <= 16 * 43 * 127, 2 s + 1 <=
- * 31). */
+ * On Intel a 512-bit loop issues vector uops to two ports only (p0, p5), and a one-row block set-up
+ * spends half its lanes on junk (the aux words go through the code tables, the index bytes through
+ * the sign path).  Here the two rows' blocks are packed first -- their 32 + 32 index bytes into one
+ * vector, their 8 + 8 aux words into another -- so each table lookup and the sign transpose serve
+ * both rows (~27 vector uops a block-row, against ~42 for the one-row set-up of the earlier order).
+ * The group scale goes in as float(sum) * float(2 s + 1), equal to float(sum * (2 s + 1)) because
+ * that product stays under 2^24 (|sum| <= 16 * 43 * 127, 2 s + 1 <= 31). */
 IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int8_t *xr, const float *xd,
                        float *out) {
     const __m512i zero = _mm512_setzero_si512();
@@ -163,17 +196,12 @@ IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int
     const __m512i L0 = L[0], L1 = L[1], L2 = L[2], L3 = L[3], H0 = H[0], H1 = H[1], H2 = H[2], H3 = H[3];
     const __m512i S0 = _mm512_loadu_si512((const void *)kern_ksigns), S1 = _mm512_loadu_si512((const void *)(kern_ksigns + 64));
     const __m512i ci = _mm512_load_si512(iq2v_ci), ca = _mm512_load_si512(iq2v_ca);
-    const __m512i cw0 = _mm512_load_si512(iq2v_cw[0]), cw1 = _mm512_load_si512(iq2v_cw[1]);
-    const __m512i t2 = _mm512_load_si512(iq2v_t2);
-    /* sign fields of the packed aux words: qword m = aux words 2m, 2m + 1, fields at 7 l and 32 + 7 l */
-    const __m512i sf = _mm512_set1_epi64(0x352E2720150E0700LL);
-    /* vector p: byte j of qword k <- code j of index (k, p), bits 16 p + 2 j of the code words */
-    const __m512i sh[4] = {_mm512_set1_epi64(0x0E0C0A0806040200LL), _mm512_set1_epi64(0x1E1C1A1816141210LL),
-                           _mm512_set1_epi64(0x2E2C2A2826242220LL), _mm512_set1_epi64(0x3E3C3A3836343230LL)};
-    const __m512i map = _mm512_set1_epi64((long long)((0x03ULL << 56) | (0x02ULL << 48) | (0x01ULL << 24) | (0x02ULL << 16)));
-    /* dwords 2k, 2k + 1 (group k's lanes) <- packed dword k (row A) or 8 + k (row B) */
-    const __m512i la = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i lb = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    const __m512i l2a = _mm512_load_si512(iq2v_l2[0]), l2b = _mm512_load_si512(iq2v_l2[1]);
+    const __m512i s2 = _mm512_load_si512(iq2v_s2);
+    const __m512i map[4] = {iq2v_map(0), iq2v_map(1), iq2v_map(2), iq2v_map(3)};
+    /* dword m (group m % 8) <- packed dword m % 8 (row A) or 8 + m % 8 (row B) */
+    const __m512i la = _mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lb = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 15, 14, 13, 12, 11, 10, 9, 8);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *ba = W + 66 * b, *bb = W + stride + 66 * b;
@@ -186,19 +214,18 @@ IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int
         const __mmask64 top = _mm512_movepi8_mask(idx);
         const __m512i lc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(L0, idx, L1), _mm512_permutex2var_epi8(L2, idx, L3));
         const __m512i hc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(H0, idx, H1), _mm512_permutex2var_epi8(H2, idx, H3));
-        const __m512i cwa = _mm512_permutex2var_epi8(lc, cw0, hc), cwb = _mm512_permutex2var_epi8(lc, cw1, hc);
-        unsigned long long neg[8]; /* row r, vector p: qword 4 r + p */
-        _mm512_storeu_si512((void *)neg, _mm512_permutexvar_epi8(
-                                             t2, _mm512_permutex2var_epi8(S0, _mm512_multishift_epi64_epi8(sf, aux), S1)));
+        const __m512i lha = _mm512_permutex2var_epi8(lc, l2a, hc), lhb = _mm512_permutex2var_epi8(lc, l2b, hc);
+        unsigned long long neg[8]; /* row r, vector j: qword 4 r + j */
+        iq2v_masks(_mm512_permutex2var_epi8(S0, _mm512_multishift_epi64_epi8(s2, aux), S1), neg);
         const __m512 ls = _mm512_cvtepi32_ps(
             _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), _mm512_set1_epi32(1)));
         __m512i ia = zero, ib = zero;
-        for (int p = 0; p < 4; p++) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(xr + 256 * b + 64 * p));
-            const __m512i ga = _mm512_gf2p8affine_epi64_epi8(_mm512_multishift_epi64_epi8(sh[p], cwa), map, 0x08);
-            const __m512i gb = _mm512_gf2p8affine_epi64_epi8(_mm512_multishift_epi64_epi8(sh[p], cwb), map, 0x08);
-            ia = _mm512_dpbusd_epi32(ia, ga, _mm512_mask_sub_epi8(xv, _cvtu64_mask64(neg[p]), zero, xv));
-            ib = _mm512_dpbusd_epi32(ib, gb, _mm512_mask_sub_epi8(xv, _cvtu64_mask64(neg[4 + p]), zero, xv));
+        for (int j = 0; j < 4; j++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xr + 256 * b + 64 * j));
+            const __m512i ga = _mm512_gf2p8affine_epi64_epi8(lha, map[j], 0x08);
+            const __m512i gb = _mm512_gf2p8affine_epi64_epi8(lhb, map[j], 0x08);
+            ia = _mm512_dpbusd_epi32(ia, ga, _mm512_mask_sub_epi8(xv, _cvtu64_mask64(neg[j]), zero, xv));
+            ib = _mm512_dpbusd_epi32(ib, gb, _mm512_mask_sub_epi8(xv, _cvtu64_mask64(neg[4 + j]), zero, xv));
         }
         acc0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ia), _mm512_permutexvar_ps(la, ls)), _mm512_set1_ps(da), acc0);
         acc1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ib), _mm512_permutexvar_ps(lb, ls)), _mm512_set1_ps(db), acc1);
@@ -207,18 +234,33 @@ IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int
     out[1] = 0.125f * _mm512_reduce_add_ps(acc1);
 }
 
-/* activation codes in the row kernel's order: block b's vector p, qword k <- values 32k + 8p.. */
-static void iq2v_reorder(const int8_t *xq, int64_t n, int64_t T, int8_t *xr) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t b = 0; b < n / 256; b++) {
-            const int8_t *s = xq + t * n + 256 * b;
-            int8_t *o = xr + t * n + 256 * b;
-            for (int p = 0; p < 4; p++)
-                for (int k = 0; k < 8; k++) memcpy(o + 64 * p + 8 * k, s + 32 * k + 8 * p, 8);
+/* activation codes in the row kernels' order: block b's vector j, byte p <- value 32 g + 8 l + c of
+ * index p % 32 = (g, l), coordinate c = j (p < 32) or 4 + j: two vpermi2b over the block's halves
+ * and a blend on g >= 4 (byte p % 32 >= 16) per vector */
+static uint8_t iq2v_xo[4][64] __attribute__((aligned(64)));
+
+static void iq2v_init_reorder(void) {
+    for (int j = 0; j < 4; j++)
+        for (int p = 0; p < 64; p++) {
+            const int i = p % 32;
+            iq2v_xo[j][p] = (uint8_t)((32 * (i / 4) + 8 * (i % 4) + j + 4 * (p / 32)) % 128);
         }
 }
 
-#define IQ2V_CALL(k) iq2v_rows(row, stride, 1, nb, n, xqt, xdt, out, k)
+IQ2V_T static void iq2v_reorder(const int8_t *xq, int64_t n, int64_t T, int8_t *xr) {
+    const __mmask64 upper = 0xFFFF0000FFFF0000ULL; /* bytes whose value lies in the block's second half */
+    for (int64_t o = 0; o < T * n; o += 256) {
+        const __m512i z0 = _mm512_loadu_si512((const void *)(xq + o)), z1 = _mm512_loadu_si512((const void *)(xq + o + 64));
+        const __m512i z2 = _mm512_loadu_si512((const void *)(xq + o + 128)), z3 = _mm512_loadu_si512((const void *)(xq + o + 192));
+        for (int j = 0; j < 4; j++) {
+            const __m512i c = _mm512_load_si512(iq2v_xo[j]);
+            _mm512_storeu_si512((void *)(xr + o + 64 * j),
+                                _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(z0, c, z1), _mm512_permutex2var_epi8(z2, c, z3)));
+        }
+    }
+}
+
+#define IQ2V_CALL(k) iq2v_rows(row, nb, n, xqt, xdt, out, k)
 /* kern_q8_fn: xq in iq2v_reorder's order (kern_isa.q8_arrange) */
 IQ2V_T static void iq2v_q8k(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
                             const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy) {
