@@ -85,7 +85,12 @@ class Engine:
         try:
             # the resident copy comes before the weights are bound: their views point into it
             paging = _paging_mode(m, paging, backend)
-            resident_s = m.gguf.load_resident(_read_threads(threads)) if paging == "resident" else None
+            resident_s = None
+            if paging == "resident":
+                # page cache + copy over the available memory: drop the cache as the copy grows
+                avail = _mem_available()
+                drop = avail is not None and 2 * m.gguf.size > avail
+                resident_s = m.gguf.load_resident(_read_threads(threads), drop_cache=drop)
             eng = cls(m, backend, numerics, threads)
             eng.resident_seconds = resident_s
             eng.paging = "resident" if paging == "resident" else _advise(m, paging)

@@ -99,6 +99,15 @@ def test_resident_copy_is_the_file_and_changes_no_result(small_model):
     assert np.array_equal(got, ref)
 
 
+def test_resident_copy_dropping_the_page_cache_is_the_same_copy(small_model):
+    from engine.gguf_file import GGUFFile
+    with GGUFFile(small_model) as a, GGUFFile(small_model) as b:
+        a.load_resident(threads=1)
+        b.load_resident(threads=3, drop_cache=True)
+        assert np.array_equal(np.asarray(a._resident), np.asarray(b._resident))
+        assert np.array_equal(a.tensor_bytes("output.weight"), b.tensor_bytes("output.weight"))
+
+
 def test_resident_copy_of_a_file_cut_short_after_open(small_model, tmp_path):
     import shutil
 
