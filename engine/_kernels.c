@@ -176,7 +176,17 @@ typedef struct {
     float *xd;
     int16_t *xs;
     int gemm;   /* take the GEMM form (many tokens) */
+    int64_t same; /* an earlier job whose activation codes this one reads (the same x, quantized and
+                   * arranged the same way: a decode step's experts all take one token), else -1 */
 } q8_job;
+
+/* the codes of jobs i and k are the same: the same x, block size and arrangement */
+static int q8_same_codes(const kern_isa *K, const q8_job *a, const q8_job *b) {
+    if (a->x != b->x || a->T != b->T || a->n_in != b->n_in || a->gemm != b->gemm) return 0;
+    if (kern_q8_block(a->type) != kern_q8_block(b->type)) return 0;
+    if (a->gemm) return (a->type != KT_Q2_K) == (b->type != KT_Q2_K); /* x + 128 or not */
+    return K->q8_arrange[a->type] == K->q8_arrange[b->type];
+}
 
 /* relative cost of a weight value for the work split: IQ2_XXS decoding is compute-bound (about
  * 0.27 cycles a value on a Zen 4 core), Q8_0 streams at the read rate (about 0.19), Q2_K about 0.14;
@@ -192,6 +202,15 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
         q8_job *j = &jobs[i];
         const int bs = kern_q8_block(j->type);
         j->gemm = K->q8g[j->type] && !g_invariant && j->T >= K->q8g_min_t[j->type];
+        units += (j->n_rows + 15) / 16;
+        work += j->n_rows * (j->n_in / kern_block_elems(j->type) * kern_block_bytes(j->type)) * (j->T < 4 ? j->T : 4);
+        j->same = -1;
+        for (int64_t k = i - 1; k >= 0 && k >= i - 64; k--)   /* (a decode batch's 26-28 jobs) */
+            if (jobs[k].same < 0 && q8_same_codes(K, &jobs[k], j)) {
+                j->same = k;
+                break;
+            }
+        if (j->same >= 0) continue;
         if (j->gemm) {
             const int64_t g = K->q8g_scratch(j->n_in);
             gscratch = g > gscratch ? g : gscratch;
@@ -201,8 +220,6 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
         nq += j->T * j->n_in;
         nd += j->T * (j->n_in / bs);
         ns += bs == 256 ? j->T * (j->n_in / 16) : 0;
-        units += (j->n_rows + 15) / 16;
-        work += j->n_rows * (j->n_in / kern_block_elems(j->type) * kern_block_bytes(j->type)) * (j->T < 4 ? j->T : 4);
     }
     int8_t *xq = (int8_t *)malloc((size_t)nq + 1);
     uint8_t *xu = (uint8_t *)malloc((size_t)nu + 1); /* a second copy of some jobs' codes: xu or xr */
@@ -223,6 +240,16 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
     for (int64_t i = 0, u = 0; i < n_jobs; i++) {
         q8_job *j = &jobs[i];
         const int bs = kern_q8_block(j->type);
+        for (int64_t r = 0; r < j->n_rows; r += 16) unit_job[u++] = i;
+        if (j->same >= 0) {
+            const q8_job *k = &jobs[j->same];
+            j->xq = k->xq;
+            j->xd = k->xd;
+            j->xs = k->xs;
+            j->xu = k->xu;
+            j->xr = k->xr;
+            continue;
+        }
         j->xq = xq + nq;
         j->xd = xd + nd;
         j->xs = bs == 256 ? xs + ns : NULL;
@@ -232,7 +259,6 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
         nq += j->T * j->n_in;
         nd += j->T * (j->n_in / bs);
         ns += bs == 256 ? j->T * (j->n_in / 16) : 0;
-        for (int64_t r = 0; r < j->n_rows; r += 16) unit_job[u++] = i;
     }
     /* the units' work (rows x values x (tokens + 2): decoding a row costs about two tokens'
      * products, times the format's cost), summed: the threads split the work, not the unit count
@@ -253,6 +279,7 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
          * in its own order are arranged here, once a job (not once a thread and call) */
         for (int64_t i = tid; i < n_jobs; i += nth) {
             const q8_job *j = &jobs[i];
+            if (j->same >= 0) continue;
             for (int64_t t = 0; t < j->T; t++) {
                 if (kern_q8_block(j->type) == 32)
                     kern_quant_q8_0(j->x + t * j->n_in, j->n_in, j->xq + t * j->n_in, j->xd + t * (j->n_in / 32));
@@ -426,12 +453,19 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 }
 
 /* matmul_q8_batch(types, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T for every i, in one
- * parallel region; types: one ggml type id for all, or one per product */
+ * parallel region; types: one ggml type id for all, or one per product.  One token a product (a
+ * decode step) may pass xs as one float32 array [1 or n, n_in] (every product's input, or product
+ * i's in row i) and ys as one array [n, n_rows] (product i's output in row i): no list of row
+ * views to build, and a shared input is quantized once per format */
 static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
     int threads = 0;
     PyObject *to, *wl, *xl, *yl;
     if (!PyArg_ParseTuple(args, "OOOO|i", &to, &wl, &xl, &yl, &threads)) return NULL;
     const kern_isa *K = &g_isa[g_cur];
+    const int x2d = !PyList_Check(xl) && !PyTuple_Check(xl), y2d = !PyList_Check(yl) && !PyTuple_Check(yl);
+    Py_buffer xb2, yb2; /* the 2-D forms */
+    memset(&xb2, 0, sizeof(xb2));
+    memset(&yb2, 0, sizeof(yb2));
     PyObject *tf = NULL; /* one type per product; NULL: `to` is the type of all */
     if (!PyLong_Check(to)) {
         tf = PySequence_Fast(to, "types must be an int or a sequence of ints");
@@ -442,8 +476,8 @@ static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
         Py_XDECREF(tf);
         return NULL;
     }
-    xf = PySequence_Fast(xl, "xs must be a sequence");
-    yf = xf ? PySequence_Fast(yl, "ys must be a sequence") : NULL;
+    xf = x2d ? (Py_INCREF(xl), xl) : PySequence_Fast(xl, "xs must be a sequence or a 2-D float32 array");
+    yf = !xf ? NULL : y2d ? (Py_INCREF(yl), yl) : PySequence_Fast(yl, "ys must be a sequence or a 2-D float32 array");
     if (!xf || !yf) {
         Py_XDECREF(xf);
         Py_XDECREF(tf);
@@ -454,12 +488,18 @@ static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     Py_buffer *bufs = NULL;
     q8_job *jobs = NULL;
-    Py_ssize_t got = 0; /* jobs whose three buffers are held */
-    if (PySequence_Fast_GET_SIZE(xf) != n || PySequence_Fast_GET_SIZE(yf) != n ||
+    Py_ssize_t got = 0; /* jobs whose three buffers are held (the 2-D forms' slots stay empty) */
+    if ((!x2d && PySequence_Fast_GET_SIZE(xf) != n) || (!y2d && PySequence_Fast_GET_SIZE(yf) != n) ||
         (tf && PySequence_Fast_GET_SIZE(tf) != n)) {
         PyErr_SetString(PyExc_ValueError, "types, ws, xs and ys must have the same length");
         goto done;
     }
+    if (x2d && get_f32(xl, &xb2, 0, "xs", -1, -1) < 0) goto done;
+    if (x2d && xb2.shape[0] != 1 && xb2.shape[0] != n) {
+        PyErr_Format(PyExc_ValueError, "xs as one array must have 1 or %zd rows, not %zd", n, xb2.shape[0]);
+        goto done;
+    }
+    if (y2d && get_f32(yl, &yb2, 1, "ys", n, -1) < 0) goto done;
     bufs = (Py_buffer *)calloc((size_t)(3 * n + 1), sizeof(Py_buffer));
     jobs = (q8_job *)calloc((size_t)(n + 1), sizeof(q8_job));
     if (!bufs || !jobs) {
@@ -479,19 +519,41 @@ static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
         }
         j->type = type;
         if (get_weight(PySequence_Fast_GET_ITEM(wf, got), type, &b[0], &j->n_rows, &j->n_in, &j->stride) < 0) goto done;
-        if (get_f32(PySequence_Fast_GET_ITEM(xf, got), &b[1], 0, "x", -1, j->n_in) < 0) {
-            PyBuffer_Release(&b[0]);
-            goto done;
+        if (x2d) {
+            if (xb2.shape[1] != j->n_in) {
+                PyErr_Format(PyExc_ValueError, "xs has %zd columns, product %zd takes %lld", xb2.shape[1], got,
+                             (long long)j->n_in);
+                PyBuffer_Release(&b[0]);
+                goto done;
+            }
+            j->T = 1;
+            j->x = (const float *)xb2.buf + (xb2.shape[0] == 1 ? 0 : got * j->n_in);
+        } else {
+            if (get_f32(PySequence_Fast_GET_ITEM(xf, got), &b[1], 0, "x", -1, j->n_in) < 0) {
+                PyBuffer_Release(&b[0]);
+                goto done;
+            }
+            j->T = b[1].shape[0];
+            j->x = (const float *)b[1].buf;
         }
-        j->T = b[1].shape[0];
-        if (get_f32(PySequence_Fast_GET_ITEM(yf, got), &b[2], 1, "y", j->T, j->n_rows) < 0) {
-            PyBuffer_Release(&b[0]);
-            PyBuffer_Release(&b[1]);
-            goto done;
+        if (y2d) {
+            if (j->T != 1 || yb2.shape[1] != j->n_rows) {
+                PyErr_Format(PyExc_ValueError, "ys as one array takes one token and %zd rows a product; product %zd "
+                             "has %lld tokens and %lld rows", yb2.shape[1], got, (long long)j->T, (long long)j->n_rows);
+                PyBuffer_Release(&b[0]);
+                PyBuffer_Release(&b[1]);
+                goto done;
+            }
+            j->y = (float *)yb2.buf + got * j->n_rows;
+        } else {
+            if (get_f32(PySequence_Fast_GET_ITEM(yf, got), &b[2], 1, "y", j->T, j->n_rows) < 0) {
+                PyBuffer_Release(&b[0]);
+                PyBuffer_Release(&b[1]);
+                goto done;
+            }
+            j->y = (float *)b[2].buf;
         }
         j->W = (const uint8_t *)b[0].buf;
-        j->x = (const float *)b[1].buf;
-        j->y = (float *)b[2].buf;
         if (j->n_in == 0 || j->T == 0) { /* nothing to multiply: zeros, and no rows to schedule */
             memset(j->y, 0, (size_t)(j->T * j->n_rows) * sizeof(float));
             j->n_rows = 0;
@@ -511,7 +573,9 @@ static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
     Py_INCREF(ret);
 done:
     for (Py_ssize_t i = 0; i < got; i++)
-        for (int k = 0; k < 3; k++) PyBuffer_Release(&bufs[3 * i + k]);
+        for (int k = 0; k < 3; k++) PyBuffer_Release(&bufs[3 * i + k]);   /* (empty slots: no-ops) */
+    PyBuffer_Release(&xb2);
+    PyBuffer_Release(&yb2);
     free(bufs);
     free(jobs);
     Py_XDECREF(tf);

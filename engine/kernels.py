@@ -389,7 +389,10 @@ def matmul_q8_into(types, ws, xs, ys) -> None:
     """matmul_q8_mixed into given outputs (C-contiguous float32 [T, n_rows] each, e.g. the rows of
     one buffer), for callers whose arrays are already right: the extension checks every argument
     (ValueError naming it) but nothing is converted here. Needs the extension and a kernel for
-    every type (has_q8)."""
+    every type (has_q8). One token a product: xs may be one C-contiguous float32 array [1, n_in]
+    (every product's input) or [n, n_in] (product i's in row i), and ys one [n, n_rows] (product
+    i's output in row i). Products that read the same input in the same format share its
+    quantization."""
     _K.matmul_q8_batch(types, ws, xs, ys)
 
 

@@ -219,20 +219,20 @@ class CpuOps(FastOps, NumpyOps):
         experts = sel[0][order].tolist()
         h = 1 if shared else 0
         k = h + len(experts)
-        G = np.empty((k, n_ff), dtype=np.float32)
-        V = np.empty((k, n_ff), dtype=np.float32)
         gu_t = [w.type_id for w in sh[:2]]
         gu_w = [w.data for w in sh[:2]]
         for e in experts:
             gu_t += (ge.type_id, ue.type_id)
             gu_w += (ge.expert_data(e), ue.expert_data(e))
-        K.matmul_q8_into(gu_t, gu_w, [u] * (2 * k), [a[i:i + 1] for i in range(k) for a in (G, V)])
-        m = self.swiglu(G, V, limit)
+        # the one-token forms of the batch: u is every product's input (quantized once a format),
+        # product i's output is row i of GV (gate, up, gate, up, ...): no row views to build
+        GV = np.empty((2 * k, n_ff), dtype=np.float32)
+        K.matmul_q8_into(gu_t, gu_w, u, GV)
+        m = self.swiglu(GV[0::2], GV[1::2], limit)
         m[h:] *= wsel[0][order][:, None]
         D = np.empty((k, n_out), dtype=np.float32)
         K.matmul_q8_into([w.type_id for w in sh[2:]] + [de.type_id] * len(experts),
-                         [w.data for w in sh[2:]] + [de.expert_data(e) for e in experts],
-                         [m[i:i + 1] for i in range(k)], [D[i:i + 1] for i in range(k)])
+                         [w.data for w in sh[2:]] + [de.expert_data(e) for e in experts], m, D)
         out = np.add.reduce(D[h:], axis=0, keepdims=True)   # row by row, as out[rows] += d
         return out + D[:1] if shared else out
 

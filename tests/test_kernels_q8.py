@@ -334,6 +334,41 @@ def test_q8_one_token_rows_equal_the_many_token_rows(isa_guard):
 
 
 @needs_ext
+def test_matmul_q8_batch_one_token_array_forms(isa_guard):
+    """One token a product: xs as one array (shared [1, n_in] or a row each) and ys as one array
+    (a row each) give each product's own result bit for bit, on every build; a shared input is
+    quantized once a format (Q8_0 / Q8_K, and each row kernel's order), which changes nothing."""
+    C = isa_guard
+    rng = np.random.default_rng(15)
+    types = [Q.Q8_0, Q.Q8_0, Q.IQ2_XXS, Q.IQ2_XXS, Q.Q2_K, Q.IQ2_XXS, Q.Q2_K, Q.Q8_0]
+    ws = [weights(t, rng, 24, 512) for t in types]
+    x1 = rng.standard_normal((1, 512)).astype(np.float32)
+    xn = rng.standard_normal((len(types), 512)).astype(np.float32)
+    for isa in C.isas():
+        C.set_isa(isa)
+        for thr in (1, 2):
+            C.set_threads(thr)
+            for xs in (x1, xn):
+                ref = [K.matmul_q8(t, w, xs[min(i, len(xs) - 1):][:1]) for i, (t, w) in enumerate(zip(types, ws))]
+                Y = np.full((len(types), 24), np.nan, np.float32)
+                K.matmul_q8_into(types, ws, xs, Y)
+                assert all(np.array_equal(Y[i], r[0]) for i, r in enumerate(ref)), (isa, thr, len(xs))
+                ys = [np.empty((1, 24), np.float32) for _ in types]
+                K.matmul_q8_into(types, ws, [xs[min(i, len(xs) - 1):][:1] for i in range(len(types))], ys)
+                assert all(np.array_equal(y, r) for y, r in zip(ys, ref)), (isa, thr, len(xs))
+    with pytest.raises(ValueError, match="1 or 8 rows"):
+        K.matmul_q8_into(types, ws, xn[:3], np.empty((8, 24), np.float32))
+    with pytest.raises(ValueError, match="columns"):
+        K.matmul_q8_into(types, ws, np.zeros((1, 256), np.float32), np.empty((8, 24), np.float32))
+    with pytest.raises(ValueError, match="ys"):
+        K.matmul_q8_into(types, ws, x1, np.empty((8, 23), np.float32))
+    with pytest.raises(ValueError, match="ys"):          # a list of inputs of 2 tokens into one array
+        K.matmul_q8_into(types, ws, [np.zeros((2, 512), np.float32)] * 8, np.empty((8, 24), np.float32))
+    with pytest.raises(ValueError, match="xs"):
+        K.matmul_q8_into(types, ws, np.zeros((1, 512), np.float64), np.empty((8, 24), np.float32))
+
+
+@needs_ext
 def test_matmul_q8_mixed_equals_separate_calls(isa_guard):
     """Products of different weight types in one parallel region give each product's own result,
     bit for bit (rows are split over threads by unit; a unit's arithmetic does not depend on it)."""
