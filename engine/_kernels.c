@@ -887,6 +887,64 @@ done:
     return ret;
 }
 
+/* hc_pre_mix(pre, X, out): NumpyOps.hc_pre_mix in its arithmetic: out[t] = float32(sum_i
+ * float64(pre[t, i]) * X[t*n + i]) with the sum over the streams in float64, in order (pre [T, n],
+ * X [T*n, E], out [T, E]). FastOps' float32 np.matmul cost ~25 us a decode call (BLAS set-up for a
+ * 1 x 4 x 4096 product); one thread is enough at decode, the tokens split over threads at prefill */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "default")))
+#endif
+static void hc_pre_mix_row(const float *P, const float *Xt, int64_t n, int64_t E, float *o) {
+    int64_t e = 0;
+    for (; e + 8 <= E; e += 8) { /* 8 columns at a time in registers: no float64 row buffer */
+        double a[8];
+        for (int q = 0; q < 8; q++) a[q] = (double)P[0] * (double)Xt[e + q];
+        for (int64_t i = 1; i < n; i++)
+            for (int q = 0; q < 8; q++) a[q] += (double)P[i] * (double)Xt[i * E + e + q];
+        for (int q = 0; q < 8; q++) o[e + q] = (float)a[q];
+    }
+    for (; e < E; e++) {
+        double a = (double)P[0] * (double)Xt[e];
+        for (int64_t i = 1; i < n; i++) a += (double)P[i] * (double)Xt[i * E + e];
+        o[e] = (float)a;
+    }
+}
+
+static PyObject *py_hc_pre_mix(PyObject *self, PyObject *args) {
+    PyObject *po, *xo, *oo;
+    int threads = 0;
+    if (!PyArg_ParseTuple(args, "OOO|i", &po, &xo, &oo, &threads)) return NULL;
+    Py_buffer pb, xb, ob;
+    if (get_f32(po, &pb, 0, "pre", -1, -1) < 0) return NULL;
+    const int64_t T = pb.shape[0], n = pb.shape[1];
+    if (n < 1 || n > 16) {
+        PyBuffer_Release(&pb);
+        PyErr_SetString(PyExc_ValueError, "hc_pre_mix: 1..16 streams");
+        return NULL;
+    }
+    if (get_f32(xo, &xb, 0, "X", T * n, -1) < 0) {
+        PyBuffer_Release(&pb);
+        return NULL;
+    }
+    const int64_t E = xb.shape[1];
+    if (get_f32(oo, &ob, 1, "out", T, E) < 0) {
+        PyBuffer_Release(&pb);
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    const float *P = (const float *)pb.buf, *X = (const float *)xb.buf;
+    float *out = (float *)ob.buf;
+    Py_BEGIN_ALLOW_THREADS
+    const int nt = thread_count(T, T * n * E, 256 * 1024, threads);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t t = 0; t < T; t++) hc_pre_mix_row(P + t * n, X + t * n * E, n, E, out + t * E);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&ob);
+    Py_RETURN_NONE;
+}
+
 /* ---- the KV rows' storage rounding (numerics.fp8_e4m3_roundtrip + f16_round), float32 ops in
  * numerics.py's order, so bit-identical to it (this file is compiled with -ffp-contract=off) ---- */
 
@@ -1241,6 +1299,7 @@ static PyMethodDef methods[] = {
     {"attention", py_attention, METH_VARARGS, "attention(q, sinks, out, segments[, threads]): per-query softmax attention"},
     {"store_kv", py_store_kv, METH_VARARGS, "store_kv(rows, n_nope, out[, threads]): FP8 + F16 rounding of KV rows"},
     {"hc_post", py_hc_post, METH_VARARGS, "hc_post(y, X, post, C, out[, threads]): hyper-connection post mix"},
+    {"hc_pre_mix", py_hc_pre_mix, METH_VARARGS, "hc_pre_mix(pre, X, out[, threads]): hyper-connection pre mix"},
     {"hc_split", py_hc_split, METH_VARARGS,
      "hc_split(mix, n, scale, base, eps, iters, pre, post, c): hyper-connection weights (float32)"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, w_or_None, eps, out[, threads]): row RMS norm (float64 sums)"},

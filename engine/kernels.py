@@ -296,6 +296,18 @@ def hc_post(y: np.ndarray, X: np.ndarray, post: np.ndarray, C: np.ndarray):
     return out
 
 
+def hc_pre_mix(pre: np.ndarray, X: np.ndarray):
+    """NumpyOps.hc_pre_mix (float64 sums over the streams, in order, one rounding) in C; pre
+    [T, n], X [T, n, E] -> [T, E]; None without the extension."""
+    if _K is None:
+        return None
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    T, n, E = X.shape
+    out = np.empty((T, E), np.float32)
+    _K.hc_pre_mix(np.ascontiguousarray(pre, dtype=np.float32).reshape(T, n), X.reshape(T * n, E), out)
+    return out
+
+
 def attention(q: np.ndarray, segments, sinks: np.ndarray, scale: float):
     """FastOps.attention (q [T, H, D]; segments: (keys [K, D] or [T, K, D], mask [T, K] bool);
     the sink logit in the denominator only; K = V) in C: per query and 4 heads, the attended keys'

@@ -229,8 +229,9 @@ def test_rope_rotations_of_read_only_angles_are_reused_and_right():
 
 
 def test_cpu_backend_uses_fast_ops():
+    # (hc_pre_mix, hc_post, rmsnorm and attention have C forms of their own, tested above)
     from engine.ops_cpu import CpuOps
-    assert CpuOps.rope is FastOps.rope and CpuOps.hc_pre_mix is FastOps.hc_pre_mix
+    assert CpuOps.rope is FastOps.rope and CpuOps.swiglu is FastOps.swiglu
 
 
 def test_a_tokens_result_does_not_depend_on_the_batch():
@@ -382,6 +383,24 @@ def test_store_kv_in_c():
     assert CpuOps("exact").store_kv(x, 448) is x
     with pytest.raises(ValueError, match="multiple of 64"):
         ops.store_kv(x, 100)
+
+
+@pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (9, 4, 300), (3, 1, 7), (2, 16, 65), (70, 4, 1031)])
+def test_hc_pre_mix_in_c(T, n, E):
+    """The cpu backend's C hc_pre_mix takes the reference's arithmetic (float64 products summed
+    over the streams in order, one rounding): bit for bit the reference's result."""
+    from engine import kernels
+    from engine.ops_cpu import CpuOps
+    if not kernels.available():
+        pytest.skip("engine._kernels is not built")
+    rng = _rng(7 * T + n + E)
+    X, pre = f32(rng, T, n, E) * 3, 2 * rng.random((T, n)).astype(np.float32)
+    got, ref = CpuOps.hc_pre_mix(pre, X), REF.hc_pre_mix(pre, X)
+    check(f"C hc_pre_mix T={T} n={n} E={E}", got, ref)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    assert not np.array_equal(CpuOps.hc_pre_mix(pre[:, ::-1].copy(), X), ref) or n == 1   # stream order counts
+    with pytest.raises(ValueError, match="X"):
+        kernels._K.hc_pre_mix(pre, X.reshape(T * n, E)[:-1], np.empty((T, E), np.float32))
 
 
 @pytest.mark.parametrize("T,n,E", [(1, 4, 4096), (9, 4, 300), (3, 1, 7), (2, 16, 65)])
