@@ -133,8 +133,12 @@ def test_auto_paging_by_size_and_backend(small_model, monkeypatch):
     with Engine.open(small_model, backend="numpy") as e:
         assert e.paging in ("prefault", "willneed")          # the reference: the map
     if kernels.available():
+        monkeypatch.setattr(S, "_thp_available", lambda: True)
         with Engine.open(small_model, backend="cpu") as e:
             assert e.paging == "resident" and e.file.gguf.resident
+        monkeypatch.setattr(S, "_thp_available", lambda: False)    # no huge pages: the map
+        with Engine.open(small_model, backend="cpu") as e:
+            assert e.paging in ("prefault", "willneed") and not e.file.gguf.resident
     monkeypatch.setattr(S, "_mem_available", lambda: 1024)
     with Engine.open(small_model, backend="numpy") as e:
         assert e.paging == "lowmem" and not e.file.gguf.resident
