@@ -180,7 +180,7 @@ typedef struct {
                    * arranged the same way: a decode step's experts all take one token), else -1 */
 } q8_job;
 
-/* the codes of jobs i and k are the same: the same x, block size and arrangement */
+/* jobs a and b read the same activation codes: the same x, block size and arrangement */
 static int q8_same_codes(const kern_isa *K, const q8_job *a, const q8_job *b) {
     if (a->x != b->x || a->T != b->T || a->n_in != b->n_in || a->gemm != b->gemm) return 0;
     if (kern_q8_block(a->type) != kern_q8_block(b->type)) return 0;
@@ -805,13 +805,8 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* hc_post(y, X, post, C, out[, threads]): NumpyOps.hc_post in the same arithmetic: per token t
- * and stream k, out[t*n + k] = float32(float32(post[t, k] * y[t]) + sum_j C[t, j, k] * X[t*n + j])
- * with the sum over j in float64 (y [T, E], X and out [T*n, E], post [T, n], C [T, n*n]). At a
- * 512-token prefill the NumPy float32 form cost ~40 ms a call (a batched 4 x 5 x 4096 matmul per
- * token); this is one pass over X. */
 /* one (token, stream) of hc_post: elementwise over E, so the AVX-512 clone vectorizes it with the
- * same float64 operations per element (no reassociation): a decode step's call 31 -> ~10 us */
+ * same float64 operations per element (no reassociation): a decode call 23 -> 12.5 us, hot */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx512f", "default")))
 #endif
@@ -826,6 +821,11 @@ static void hc_post_row(const float *Xt, const float *Ct, int64_t n, int64_t k, 
     for (int64_t e = 0; e < E; e++) o[e] = (float)((double)(pk * yt[e]) + acc[e]);
 }
 
+/* hc_post(y, X, post, C, out[, threads]): NumpyOps.hc_post in the same arithmetic: per token t
+ * and stream k, out[t*n + k] = float32(float32(post[t, k] * y[t]) + sum_j C[t, j, k] * X[t*n + j])
+ * with the sum over j in float64 (y [T, E], X and out [T*n, E], post [T, n], C [T, n*n]). At a
+ * 512-token prefill the NumPy float32 form cost ~40 ms a call (a batched 4 x 5 x 4096 matmul per
+ * token); this is one pass over X. */
 static PyObject *py_hc_post(PyObject *self, PyObject *args) {
     PyObject *yo, *xo, *po, *co, *oo;
     int threads = 0;
@@ -889,8 +889,8 @@ done:
 
 /* hc_pre_mix(pre, X, out): NumpyOps.hc_pre_mix in its arithmetic: out[t] = float32(sum_i
  * float64(pre[t, i]) * X[t*n + i]) with the sum over the streams in float64, in order (pre [T, n],
- * X [T*n, E], out [T, E]). FastOps' float32 np.matmul cost ~25 us a decode call (BLAS set-up for a
- * 1 x 4 x 4096 product); one thread is enough at decode, the tokens split over threads at prefill */
+ * X [T*n, E], out [T, E]). FastOps' float32 np.matmul cost 31.8 us a call inside a decode step (BLAS
+ * set-up for a 1 x 4 x 4096 product), this 10.8; the tokens split over threads at prefill */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx512f", "default")))
 #endif

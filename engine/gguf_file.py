@@ -199,13 +199,13 @@ class GGUFFile:
             return 0.0
         t0 = time.perf_counter()
         try:
-            buf = mmap.mmap(-1, max(self.size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # (size > 0: open checked)
         except (OSError, ValueError) as e:
             raise ModelFileError(self.path, f"cannot allocate {self.size:,} bytes of memory for a resident "
                                             f"copy: {getattr(e, 'strerror', None) or e}") from None
         try:
             buf.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError):
             pass      # no THP: still a private copy, just without the huge pages
         view = memoryview(buf)
         piece = 64 << 20
@@ -230,13 +230,11 @@ class GGUFFile:
             with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
                 for f in [ex.submit(read, lo) for lo in range(0, self.size, piece)]:
                     f.result()
-        except OSError as e:
+        except BaseException as e:
             view.release()
             buf.close()
-            raise ModelFileError(self.path, f"cannot read: {e.strerror or e}") from None
-        except BaseException:
-            view.release()
-            buf.close()
+            if isinstance(e, OSError):
+                raise ModelFileError(self.path, f"cannot read: {e.strerror or e}") from None
             raise
         finally:
             os.close(fd)

@@ -387,8 +387,8 @@ def rope_thetas_ds4(pos, n_rot: int, base: float, *, yarn: dict | None = None) -
 @functools.lru_cache(maxsize=16)
 def _ds4_rope_consts(n_rot: int, base: float, yarn: tuple | None):
     """The position-independent half of rope_thetas_ds4: theta_scale and the YaRN blend per pair
-    (None without YaRN), computed once per (n_rot, base, yarn) -- a decode step asks for angles of
-    one new position twice a pass, and these float32 steps were most of its ~90 us; read-only."""
+    (None without YaRN), computed once per (n_rot, base, yarn): a decode step asks for angles of
+    one new position twice a pass (a call 19 -> 3.7 us, hot); the blend is read-only."""
     npair = n_rot // 2
     theta_scale = _F32(float(_F32(base)) ** float(_F32(-2.0) / _F32(n_rot)))
     if yarn is None:

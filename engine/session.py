@@ -60,7 +60,8 @@ class Engine:
     def open(cls, path, *, backend: str = "auto", numerics: str = DS4, threads: int | None = None,
              paging: str = "auto") -> "Engine":
         """paging: "auto" (when the file fits in 80 % of the available memory: resident with the
-        cpu backend, prefault with numpy; else lowmem), "resident" (the file read once into
+        cpu backend where the kernel offers transparent huge pages, else prefault; else lowmem),
+        "resident" (the file read once into
         anonymous huge-page memory, GGUFFile.load_resident), "prefault", "lowmem" or "none" (leave
         the kernel's defaults). `resident_seconds` is the copy's time (None without one)."""
         if backend == "auto":
@@ -84,11 +85,11 @@ class Engine:
         m = ModelFile.open(path)
         try:
             # the resident copy comes before the weights are bound: their views point into it
-            paging = _paging_mode(m, paging, backend)
+            avail = _mem_available()
+            paging = _paging_mode(m, paging, backend, avail)
             resident_s = None
             if paging == "resident":
                 # page cache + copy over the available memory: drop the cache as the copy grows
-                avail = _mem_available()
                 drop = avail is not None and 2 * m.gguf.size > avail
                 resident_s = m.gguf.load_resident(_read_threads(threads), drop_cache=drop)
             eng = cls(m, backend, numerics, threads)
@@ -125,15 +126,14 @@ def _mem_available() -> int | None:
     return None
 
 
-def _paging_mode(m: ModelFile, paging: str, backend: str) -> str:
+def _paging_mode(m: ModelFile, paging: str, backend: str, avail: int | None) -> str:
     """The mode "auto" stands for here (DS4_PAGING first, then the file's size against the
-    available memory); other modes as given."""
+    available memory `avail`, None where unknown); other modes as given."""
     if paging == "auto":
         paging = os.environ.get("DS4_PAGING") or "auto"
         if paging not in PAGING:
             paging = "auto"
     if paging == "auto":
-        avail = _mem_available()
         if avail is None or m.gguf.size > 0.8 * avail:
             return "lowmem"
         # the cpu backend streams every weight once a token: from huge pages 5 % faster a decode
@@ -142,7 +142,6 @@ def _paging_mode(m: ModelFile, paging: str, backend: str) -> str:
         return "resident" if backend == "cpu" and _thp_available() else "prefault"
     if paging == "resident":
         # a copy larger than the memory left would end in the OOM killer halfway through
-        avail = _mem_available()
         if avail is not None and m.gguf.size > 0.9 * avail:
             raise ValueError(f"paging 'resident' needs {m.gguf.size:,} bytes of memory for its copy of the file, "
                              f"and {avail:,} are available; use paging 'prefault' or 'lowmem'")

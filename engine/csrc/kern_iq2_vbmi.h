@@ -187,7 +187,7 @@ IQ2V_I void iq2v_rows(const uint8_t *W, int64_t nb, int64_t n, const int8_t *xr,
  * spends half its lanes on junk (the aux words go through the code tables, the index bytes through
  * the sign path).  Here the two rows' blocks are packed first -- their 32 + 32 index bytes into one
  * vector, their 8 + 8 aux words into another -- so each table lookup and the sign transpose serve
- * both rows (~27 vector uops a block-row, against ~42 for the one-row set-up of the earlier order).
+ * both rows (by count ~27 vector uops a block-row, against ~42 for the one-row set-up of the earlier order).
  * The group scale goes in as float(sum) * float(2 s + 1), equal to float(sum * (2 s + 1)) because
  * that product stays under 2^24 (|sum| <= 16 * 43 * 127, 2 s + 1 <= 31). */
 IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int8_t *xr, const float *xd,
