@@ -23,6 +23,7 @@ DEPENDS = [
     "engine/csrc/kern_simd_body.h",
     "engine/csrc/kern_q8_body.h",
     "engine/csrc/kern_gemm_body.h",
+    "engine/csrc/kern_gemm_avx2.h",
     "engine/csrc/kern_iq2_vbmi.h",
 ]
 

@@ -126,6 +126,7 @@ KI V16 v_flip16(V16 g, const uint8_t *m) { return mk(flip8(g.a, m[0]), flip8(g.b
  * operands: |u| <= 128, |s| <= 127) then madd by 1 */
 #define Q8_DOT_U8S8(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
 #include "kern_q8_body.h"
+#include "kern_gemm_avx2.h"
 
 void kern_fill_avx2(kern_isa *k) {
     memset(k, 0, sizeof(*k));
@@ -133,6 +134,7 @@ void kern_fill_avx2(kern_isa *k) {
     fill_dq_avx2(k);
     fill_simd_avx2(k);
     fill_q8_avx2(k);
+    fill_gemm_avx2(k);
 }
 
 #else
