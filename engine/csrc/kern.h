@@ -184,6 +184,7 @@ int kern_q8_block(int type_id);
 void kern_quant_q8_0(const float *x, int64_t n, int8_t *q, float *d);
 void kern_quant_q8_k(const float *x, int64_t n, int8_t *q, float *d, int16_t *bsums);
 extern uint64_t kern_iq2xxs_grid64[256]; /* grid rows as 8 bytes */
+extern uint64_t kern_iq2xxs_sign64[128]; /* IQ2_XXS sign fields as 8 bytes of +1 / -1 (ksigns' bit j -> byte j) */
 void kern_q8_tables_init(void);
 void kern_q8_use(kern_maxmag_fn maxmag, kern_codes_fn codes);
 void kern_fill_q8_generic(kern_isa *k);

@@ -70,24 +70,19 @@ static void KSUF(g2_row_q8_0)(const uint8_t *row, int64_t n, uint8_t *rm, g2pane
 }
 
 static void KSUF(g2_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, g2panel *P, int r) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
-                                            3, 3, 3, 3, 3, 3, 3);
-    const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     for (int64_t b = 0; b < n / 256; b++) {
         const uint8_t *blk = row + 66 * b;
         const float d = KERN_F16(kern_rd16(blk));
-        __m256i a0, a1;
-        uint32_t sgw[8];
-        _mm256_storeu_si256((__m256i *)sgw, KSUF(iq2xxs_signs)(blk + 2, &a0, &a1));
         for (int g = 0; g < 8; g++) {
             const uint8_t *q = blk + 2 + 8 * g;
+            const uint32_t aux = kern_rd32(q + 4);
             const __m256i gv = _mm256_set_epi64x((long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
                                                  (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
-            /* 0xFF in the bytes of negative values: (g ^ m) - m negates them */
-            const __m256i m = _mm256_cmpeq_epi8(
-                _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)sgw[g]), spread), bits), bits);
-            _mm256_storeu_si256((__m256i *)(rm + 256 * b + 32 * g), _mm256_sub_epi8(_mm256_xor_si256(gv, m), m));
-            P->sc[8 * (8 * b + g) + r] = d * (0.5f + (float)(kern_rd32(q + 4) >> 28)) * 0.25f;
+            /* the sign rows as +1 / -1 bytes, as the row kernel (kern_q8_body.h) */
+            const __m256i sv = KSUF(iq2_rows4)(kern_iq2xxs_sign64, aux & 127, (aux >> 7) & 127, (aux >> 14) & 127,
+                                               (aux >> 21) & 127);
+            _mm256_storeu_si256((__m256i *)(rm + 256 * b + 32 * g), _mm256_sign_epi8(gv, sv));
+            P->sc[8 * (8 * b + g) + r] = d * (0.5f + (float)(aux >> 28)) * 0.25f;
         }
     }
 }

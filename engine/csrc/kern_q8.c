@@ -13,8 +13,15 @@
 #include "kern.h"
 
 uint64_t kern_iq2xxs_grid64[256];
+uint64_t kern_iq2xxs_sign64[128];
+
 void kern_q8_tables_init(void) {
     for (int i = 0; i < 256; i++) memcpy(&kern_iq2xxs_grid64[i], kern_iq2xxs_grid + 8 * i, 8);
+    for (int i = 0; i < 128; i++) {
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)((kern_ksigns[i] >> j) & 1 ? 0xFFu : 0x01u) << (8 * j);
+        kern_iq2xxs_sign64[i] = v;
+    }
 }
 
 int kern_q8_block(int type_id) {

@@ -70,11 +70,11 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
 }
 
 /* ---- IQ2_XXS weights x Q8_K activations: y = 1/8 sum_b (d_b dx_b) sum_g (2 s_g + 1) (grid.sign . qx) ----
- * Decode cost dominates here (8 bytes carry 32 weights), so per block the 32 sign bytes are
- * computed for all 8 groups at once in vector registers (iq2xxs_signs); the AVX-512 form takes a
- * group pair's 8 sign bytes as its mask register, the AVX2 form expands a group's 4 bytes to a byte
- * mask with one broadcast + shuffle + compare; the grid rows are loads (a gather measured slower:
- * 16.6 vs 11.4 ms for 24 experts).  With VBMI + GFNI, kern_iq2_vbmi.h replaces both kernels. */
+ * Decode cost dominates here (8 bytes carry 32 weights).  The AVX-512 form computes a block's 32
+ * sign bytes for all 8 groups at once in vector registers (iq2xxs_signs) and takes a group pair's 8
+ * sign bytes as its mask register; the AVX2 form looks a group's sign rows up in a table (below);
+ * the grid rows are loads (a gather measured slower: 16.6 vs 11.4 ms for 24 experts on Zen 4, and
+ * 1.2x slower on Zen 3).  With VBMI + GFNI, kern_iq2_vbmi.h replaces both kernels. */
 #ifdef Q8_HAVE_512
 /* IQ2_XXS groups 2p, 2p + 1 of a block (qs = block + 2): their 64 grid bytes (unsigned magnitudes;
  * 8 row loads composed in registers: with only F/BW/VL/VNNI, a 2-bit code table with word
@@ -137,33 +137,41 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
     for (int t = 0; t < nt; t++) out[t] = 0.125f * q8_hsum8(acc[t]);
 }
 #else
+/* AVX2 form: a group's 4 grid rows are loads composed into a ymm, and so are its 4 sign fields, as
+ * rows of +1 / -1 bytes (kern_iq2xxs_sign64) that vpsignb applies to the activations.  Zen 3 runs
+ * this kernel at about 4 instructions a cycle: it is bound by their count, so the sign rows come
+ * from a table (a load and a blend each, the indices shifted out of the group's aux word) instead of
+ * being spread from the block's sign bytes in vector registers (broadcast, shuffle, and, compare,
+ * or: 1.22-1.3x against that form, T = 1..4, Zen 3, one thread). */
+KI __m256i KSUF(iq2_rows4)(const uint64_t *tab, uint64_t i0, uint64_t i1, uint64_t i2, uint64_t i3) {
+    __m256i r = _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(tab + i0)));
+    r = _mm256_blend_epi32(r, _mm256_set1_epi64x((long long)tab[i1]), 0x0C);
+    r = _mm256_blend_epi32(r, _mm256_set1_epi64x((long long)tab[i2]), 0x30);
+    return _mm256_blend_epi32(r, _mm256_set1_epi64x((long long)tab[i3]), 0xC0);
+}
+
 KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                              float *out, const int nt) {
     __m256 acc[Q8_NT];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
-                                            3, 3, 3, 3, 3, 3, 3);
-    const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + 66 * b;
         PF2(blk);
         const float d = KERN_F16(kern_rd16(blk));
-        __m256i a0, a1;
-        const __m256i sg = KSUF(iq2xxs_signs)(blk + 2, &a0, &a1);
         __m256i is[Q8_NT];
         for (int t = 0; t < nt; t++) is[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int g = 0; g < 8; g++) {
             const uint8_t *q = blk + 2 + 8 * g;
+            const uint32_t aux = kern_rd32(q + 4);
             const __m256i gv = _mm256_set_epi64x((long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
                                                  (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
-            /* 0xFF in the bytes of negative values */
-            const __m256i m = _mm256_cmpeq_epi8(
-                _mm256_and_si256(_mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sg, _mm256_set1_epi32(g)), spread), bits),
-                bits);
-            const __m256i ls = _mm256_set1_epi16((short)(2 * (q[7] >> 4) + 1));
+            const __m256i sv = KSUF(iq2_rows4)(kern_iq2xxs_sign64, aux & 127, (aux >> 7) & 127, (aux >> 14) & 127,
+                                               (aux >> 21) & 127);
+            const __m256i ls = _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
             for (int t = 0; t < nt; t++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + t * n + 256 * b + 32 * g));
-                is[t] = q8_dot_scaled(is[t], gv, _mm256_sub_epi8(_mm256_xor_si256(xv, m), m), ls);
+                is[t] = q8_dot_scaled(is[t], gv, _mm256_sign_epi8(xv, sv), ls);
             }
         }
         for (int t = 0; t < nt; t++)
