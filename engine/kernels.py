@@ -28,8 +28,9 @@ Paths (``method``):
 
 matmul_q8 / matmul_q8_batch (ds4 numerics) quantize x to Q8_0 / Q8_K blocks and take exact
 integer dot products: row kernels for a few tokens (a weight block decoded in registers, up to 8
-tokens per pass), and on the AVX-512 VNNI build a GEMM form from q8_gemm_min_t(type) tokens (16-row
-panels decoded once, repacked with rows in the lanes, one vpdpbusd per 64 products).
+tokens per pass), and on the AVX-512 VNNI and AVX2 builds a GEMM form from q8_gemm_min_t(type)
+tokens (16-row panels decoded once, repacked with rows in the lanes: one vpdpbusd per 64 products,
+or maddubs + madd per 32 on AVX2).
 
 Without the extension (no C compiler at install time) available() is False and both functions
 still work, through quants.dequantize + np.matmul.

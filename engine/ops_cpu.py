@@ -5,7 +5,7 @@ The matmuls change, and a few float32 ops (FastOps; rmsnorm and the hyper-connec
 post mix in C). In ds4 mode the inputs ds4 quantizes (Q8_0 weights: Q8_0 blocks; the routed
 experts' Q2_K / IQ2_XXS weights: Q8_K blocks) go to the integer kernels, which quantize them
 exactly as engine/numerics.py does and take exact integer dot products (ds4's own arithmetic):
-row kernels for a few tokens, the GEMM form for many (AVX-512 VNNI); where neither beats the float
+row kernels for a few tokens, the GEMM form for many (AVX-512 VNNI, AVX2); where neither beats the float
 kernels (other builds, 9+ tokens) the reference rounding runs first and the float kernels follow.
 The kernels accumulate in float32 where the reference accumulates in float64, so results differ
 from the reference by rounding only (tests/test_ops_cpu.py measures it on whole forward passes).
@@ -148,8 +148,8 @@ class CpuOps(FastOps, NumpyOps):
 
     def routed(self, lw, u, sel, wsel, limit):
         """ds4 mode with integer kernels for the expert weights: the experts up to
-        routed_q8_max_t tokens picked, and with the integer GEMM form (AVX-512 VNNI) every expert,
-        run as two batched calls, gate+up of all of them, then down of all of them, each one
+        routed_q8_max_t tokens picked, and with the integer GEMM form (AVX-512 VNNI, AVX2) every
+        expert, run as two batched calls, gate+up of all of them, then down of all of them, each one
         parallel region; other experts take the per-expert path (float panel kernels)."""
         if not self._batched_experts(lw):
             return super().routed(lw, u, sel, wsel, limit)

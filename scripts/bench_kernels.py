@@ -13,8 +13,8 @@ Prints, per weight format:
 * for the formats with integer-activation kernels (ds4 numerics: Q8_0, Q2_K, IQ2_XXS), the same
   figures for matmul_q8 (x quantized inside the call) and the largest T at which it beats the
   float kernels (kernels.Q8_MAX_T is set from it); where the build has the integer GEMM form
-  (AVX-512 VNNI), the row kernels and the GEMM form each forced, and the first T at which the
-  GEMM form wins (its default minimum, kern_gemm_body.h, is set from it).
+  (AVX-512 VNNI, AVX2), the row kernels and the GEMM form each forced, and the first T at which the
+  GEMM form wins (its default minimum, kern_gemm_body.h / kern_gemm_avx2.h, is set from it).
 
 Timings are the best of several samples, counting only samples during which other processes
 were (nearly) idle: the machine may be shared (medians are printed too).

@@ -201,7 +201,7 @@ def test_round_q8_bit_exact(block, isa_guard):
         K.round_q8(x, 64)
 
 
-# ---- the GEMM form (many tokens; AVX-512 VNNI build): weight panels decoded and repacked once ----
+# ---- the GEMM form (many tokens; AVX-512 VNNI and AVX2 builds): weight panels decoded and repacked once ----
 
 def _gemm_isas(C):
     """the builds with the GEMM form (avx512, and avx512vbmi with its own IQ2_XXS decoder)"""
@@ -216,7 +216,7 @@ def gemm_forced(isa_guard):
     have = _gemm_isas(C)
     if not have:
         C.set_isa(C.isas()[-1])
-        pytest.skip("no kernel build with the integer GEMM form on this machine (it needs AVX-512 VNNI)")
+        pytest.skip("no kernel build with the integer GEMM form on this machine (it needs AVX2 or AVX-512 VNNI)")
     C.set_isa(have[0])
     prev = {t: C.q8_gemm_min_t(t) for t in Q8_TYPES}
     for t in Q8_TYPES:
@@ -233,7 +233,7 @@ def test_q8_gemm_min_t_reset_restores_each_builds_default(isa_guard):
     C = isa_guard
     have = _gemm_isas(C)
     if not have:
-        pytest.skip("no kernel build with the integer GEMM form on this machine (it needs AVX-512 VNNI)")
+        pytest.skip("no kernel build with the integer GEMM form on this machine (it needs AVX2 or AVX-512 VNNI)")
     before = {(isa, t): (C.set_isa(isa), C.q8_gemm_min_t(t))[1] for isa in have for t in Q8_TYPES}
     assert all(v >= 1 for v in before.values())
     for t in Q8_TYPES:

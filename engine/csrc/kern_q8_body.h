@@ -238,13 +238,16 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
     for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]) - q8_hsum8(mins[t]);
 }
 #else
+/* AVX2 form: the sub-block scales of a shift j go to their int16 lanes with one shuffle of the 16
+ * scale bytes (0x80 control bytes zero-extend them), and the minimums stay in vector lanes to the
+ * end of the row, as the AVX-512 form: 1.6-2.0x the former scalar scale set-up and per-block
+ * horizontal sum (T = 1..4, Zen 3, one thread, interleaved A/B in one process) */
 KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                           const int16_t *xs, float *out, const int nt) {
-    __m256 acc[Q8_NT];
-    float mins[Q8_NT];
+    __m256 acc[Q8_NT], mins[Q8_NT];
     for (int t = 0; t < nt; t++) {
         acc[t] = _mm256_setzero_ps();
-        mins[t] = 0.0f;
+        mins[t] = _mm256_setzero_ps();
     }
     const __m256i m3 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < nb; b++) {
@@ -252,33 +255,39 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
         PF2(blk);
         const float d = KERN_F16(kern_rd16(blk + 80)), dmin = KERN_F16(kern_rd16(blk + 82));
         const __m128i sc = _mm_loadu_si128((const __m128i *)blk);
-        const __m128i lo = _mm_and_si128(sc, _mm_set1_epi8(15));
+        const __m256i lo2 = _mm256_broadcastsi128_si256(_mm_and_si128(sc, _mm_set1_epi8(15)));
         const __m256i hi16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
-        /* scale of sub-block s in the int16 lanes of its 16 values: low 128 bits = sub-block 2k,
-         * high 128 bits = 2k + 1 (maddubs pairs lanes in order within each 128-bit half) */
-        __m256i scv[8];
-        uint8_t l8[16];
-        _mm_storeu_si128((__m128i *)l8, lo);
-        for (int k = 0; k < 8; k++)
-            scv[k] = _mm256_setr_m128i(_mm_set1_epi16((short)l8[2 * k]), _mm_set1_epi16((short)l8[2 * k + 1]));
         const __m256i q0 = _mm256_loadu_si256((const __m256i *)(blk + 16));
         const __m256i q1 = _mm256_loadu_si256((const __m256i *)(blk + 48));
-        for (int t = 0; t < nt; t++) {
-            const int8_t *xb = xq + t * n + 256 * b;
-            __m256i is = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                const __m256i v0 = _mm256_and_si256(_mm256_srli_epi16(q0, 2 * j), m3);
-                const __m256i v1 = _mm256_and_si256(_mm256_srli_epi16(q1, 2 * j), m3);
-                is = q8_dot_scaled(is, v0, _mm256_loadu_si256((const __m256i *)(xb + 32 * j)), scv[j]);
-                is = q8_dot_scaled(is, v1, _mm256_loadu_si256((const __m256i *)(xb + 128 + 32 * j)), scv[4 + j]);
+        __m256i is[Q8_NT];
+        for (int t = 0; t < nt; t++) is[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            /* shift j of q0 holds sub-blocks 2j (low 128 bits: values 32j..) and 2j + 1 (high), of
+             * q1 sub-blocks 8 + 2j and 9 + 2j (values 128 + 32j..): maddubs pairs lanes in order
+             * within each 128-bit half, so a half's 8 int16 lanes take one scale */
+            const __m256i c0 = _mm256_setr_epi8(2 * j, -128, 2 * j, -128, 2 * j, -128, 2 * j, -128, 2 * j, -128, 2 * j,
+                                                -128, 2 * j, -128, 2 * j, -128, 2 * j + 1, -128, 2 * j + 1, -128,
+                                                2 * j + 1, -128, 2 * j + 1, -128, 2 * j + 1, -128, 2 * j + 1, -128,
+                                                2 * j + 1, -128, 2 * j + 1, -128);
+            const __m256i s0 = _mm256_shuffle_epi8(lo2, c0);
+            const __m256i s1 = _mm256_shuffle_epi8(lo2, _mm256_add_epi16(c0, _mm256_set1_epi16(8)));
+            const __m256i v0 = _mm256_and_si256(_mm256_srli_epi16(q0, 2 * j), m3);
+            const __m256i v1 = _mm256_and_si256(_mm256_srli_epi16(q1, 2 * j), m3);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xb = xq + t * n + 256 * b;
+                is[t] = q8_dot_scaled(is[t], v0, _mm256_loadu_si256((const __m256i *)(xb + 32 * j)), s0);
+                is[t] = q8_dot_scaled(is[t], v1, _mm256_loadu_si256((const __m256i *)(xb + 128 + 32 * j)), s1);
             }
+        }
+        for (int t = 0; t < nt; t++) {
             const __m256i ms = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xs + t * (n / 16) + 16 * b)));
             const float dx = xd[t * (n / 256) + b];
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * dx), acc[t]);
-            mins[t] += (dmin * dx) * q8_hsum8(_mm256_cvtepi32_ps(ms));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[t]), _mm256_set1_ps(d * dx), acc[t]);
+            mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(dmin * dx), mins[t]);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = q8_hsum8(acc[t]) - mins[t];
+    for (int t = 0; t < nt; t++) out[t] = q8_hsum8(acc[t]) - q8_hsum8(mins[t]);
 }
 
 #endif
