@@ -247,8 +247,8 @@ def test_q8_gemm_min_t_reset_restores_each_builds_default(isa_guard):
 @needs_ext
 @pytest.mark.parametrize("t", Q8_TYPES, ids=NAMES.get)
 def test_q8_gemm_matches_rounded_reference(t, gemm_forced):
-    """Row counts around the 16- and 32-row panels (tails are masked), n_in not a multiple of 64
-    (Q8_0: padded codes), token counts around the 4-token tiles."""
+    """Row counts around the panels (AVX-512: 16 and 32 rows, AVX2: 8 and 16; tails are masked),
+    n_in not a multiple of 64 (Q8_0: padded codes), token counts around the tiles (4 and 2 tokens)."""
     C = gemm_forced
     _check_q8_against_reference(t, np.random.default_rng(400 + t), (1, 15, 16, 17, 33, 50),
                                 [256, 1024] + ([32, 96, 4096] if t == Q.Q8_0 else []), (1, 3, 4, 5, 9),
