@@ -76,11 +76,8 @@ static void KSUF(g2_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, g2p
         for (int g = 0; g < 8; g++) {
             const uint8_t *q = blk + 2 + 8 * g;
             const uint32_t aux = kern_rd32(q + 4);
-            const __m256i gv = _mm256_set_epi64x((long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
-                                                 (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
-            /* the sign rows as +1 / -1 bytes, as the row kernel (kern_q8_body.h) */
-            const __m256i sv = KSUF(iq2_rows4)(kern_iq2xxs_sign64, aux & 127, (aux >> 7) & 127, (aux >> 14) & 127,
-                                               (aux >> 21) & 127);
+            __m256i sv; /* the group's grid bytes and sign rows, as the row kernel (kern_q8_body.h) */
+            const __m256i gv = KSUF(iq2_group)(q, aux, &sv);
             _mm256_storeu_si256((__m256i *)(rm + 256 * b + 32 * g), _mm256_sign_epi8(gv, sv));
             P->sc[8 * (8 * b + g) + r] = d * (0.5f + (float)(aux >> 28)) * 0.25f;
         }

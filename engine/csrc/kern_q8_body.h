@@ -150,6 +150,14 @@ KI __m256i KSUF(iq2_rows4)(const uint64_t *tab, uint64_t i0, uint64_t i1, uint64
     return _mm256_blend_epi32(r, _mm256_set1_epi64x((long long)tab[i3]), 0xC0);
 }
 
+/* IQ2_XXS group g of a block (q = block + 2 + 8 g, aux its second word): its 32 grid bytes
+ * (unsigned magnitudes) and, in *sv, its sign rows as +1 / -1 bytes (vpsignb's operand) */
+KI __m256i KSUF(iq2_group)(const uint8_t *q, uint32_t aux, __m256i *sv) {
+    *sv = KSUF(iq2_rows4)(kern_iq2xxs_sign64, aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
+    return _mm256_set_epi64x((long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
+                             (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
+}
+
 KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                              float *out, const int nt) {
     __m256 acc[Q8_NT];
@@ -164,10 +172,8 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
         for (int g = 0; g < 8; g++) {
             const uint8_t *q = blk + 2 + 8 * g;
             const uint32_t aux = kern_rd32(q + 4);
-            const __m256i gv = _mm256_set_epi64x((long long)kern_iq2xxs_grid64[q[3]], (long long)kern_iq2xxs_grid64[q[2]],
-                                                 (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
-            const __m256i sv = KSUF(iq2_rows4)(kern_iq2xxs_sign64, aux & 127, (aux >> 7) & 127, (aux >> 14) & 127,
-                                               (aux >> 21) & 127);
+            __m256i sv;
+            const __m256i gv = KSUF(iq2_group)(q, aux, &sv);
             const __m256i ls = _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
             for (int t = 0; t < nt; t++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + t * n + 256 * b + 32 * g));
