@@ -204,8 +204,23 @@ def test_round_q8_bit_exact(block, isa_guard):
 # ---- the GEMM form (many tokens; AVX-512 VNNI and AVX2 builds): weight panels decoded and repacked once ----
 
 def _gemm_isas(C):
-    """the builds with the GEMM form (avx512, and avx512vbmi with its own IQ2_XXS decoder)"""
+    """the builds with the GEMM form (avx2, avx512, and avx512vbmi with its own IQ2_XXS decoder)"""
     return [isa for isa in C.isas() if (C.set_isa(isa), K.q8_gemm_min_t(Q.Q8_0))[1]]
+
+
+@needs_ext
+def test_every_simd_build_has_the_gemm_form(isa_guard):
+    """The AVX2 and AVX-512 builds carry the GEMM form for all three integer formats, with a minimum
+    past the row kernels' first tokens (the GEMM tests above skip where no build has it, so losing
+    a build's form would otherwise pass unnoticed); the portable build has none."""
+    C = isa_guard
+    for isa in C.isas():
+        C.set_isa(isa)
+        mins = {t: K.q8_gemm_min_t(t) for t in Q8_TYPES}
+        if isa == "generic":
+            assert set(mins.values()) == {0}, mins
+        else:
+            assert all(2 <= m <= 16 for m in mins.values()), (isa, mins)
 
 
 @pytest.fixture
