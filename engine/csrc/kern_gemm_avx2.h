@@ -13,8 +13,9 @@
  *  - IQ2_XXS codes (grid value times sign, |w| <= 43) meet the activation codes offset to unsigned
  *    (x + 128 <= 255: a pair is at most 2 * 255 * 43 = 21930), with 128 * sum(w) of each 32-group
  *    subtracted (precomputed per row at packing: the accumulator's start value);
- *  - Q8_0 codes (|w| <= 127) would saturate against x + 128, so they take the row kernels' sign
- *    move instead: |w| times x with w's sign (activation codes are never -128: <= 2 * 127 * 127);
+ *  - Q8_0 codes (-128..127) would saturate against x + 128, so they take the row kernels' sign
+ *    move instead: |w| (<= 128) times x with w's sign (activation codes are never -128, see
+ *    kern_q8_body.h: <= 2 * 128 * 127 = 32512);
  *  - Q2_K codes times their 4-bit sub-block scale (0..45) are unsigned against the signed codes
  *    (<= 2 * 45 * 127), and the minimums term sum_s m_s * bsum_s takes one madd per two sub-blocks.
  * Integer sums are exact; per 32-group one float multiply-add applies row scale times activation

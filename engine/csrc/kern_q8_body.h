@@ -7,8 +7,12 @@
  * int8 codes; the integer sums are exact, and one float multiply-add per block applies the weight
  * scale times the activation scale.  Signed weights (Q8_0) use |w| as the unsigned operand and
  * move the sign onto the activation (sign_epi8); activation codes are never -128 (the quantizers
- * scale the block maximum to 127), so the sign move cannot overflow.  Every weight byte is read
- * once per call whatever T: the token loop runs inside the row, which stays in L1. */
+ * scale the block maximum to 127), so the sign move cannot overflow.  The exception: a block whose
+ * largest magnitude is below about 3.7e-37, where 127 / max overflows to inf and the clamp yields
+ * -128 (and 127 for zeros, 0 * inf being NaN); ds4's own quantizer has undefined behaviour there,
+ * the products are of order 1e-37, and the builds (x + 128 forms against sign moves) may differ in
+ * them.  Every weight byte is read once per call whatever T: the token loop runs inside the row,
+ * which stays in L1. */
 
 #ifndef Q8_NT
 #define Q8_NT 4 /* tokens per pass: 16 ymm registers (AVX2); the AVX-512 build takes 8 */
