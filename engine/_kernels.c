@@ -184,7 +184,7 @@ typedef struct {
 static int q8_same_codes(const kern_isa *K, const q8_job *a, const q8_job *b) {
     if (a->x != b->x || a->T != b->T || a->n_in != b->n_in || a->gemm != b->gemm) return 0;
     if (kern_q8_block(a->type) != kern_q8_block(b->type)) return 0;
-    if (a->gemm) return (a->type != KT_Q2_K) == (b->type != KT_Q2_K); /* x + 128 or not */
+    if (a->gemm) return K->q8g_xu[a->type] == K->q8g_xu[b->type]; /* x + 128 or not */
     return K->q8_arrange[a->type] == K->q8_arrange[b->type];
 }
 
@@ -214,7 +214,7 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
         if (j->gemm) {
             const int64_t g = K->q8g_scratch(j->n_in);
             gscratch = g > gscratch ? g : gscratch;
-            nu += j->type != KT_Q2_K ? j->T * j->n_in : 0; /* signed codes: the GEMM wants x + 128 */
+            nu += K->q8g_xu[j->type] ? j->T * j->n_in : 0; /* the form reads x + 128 */
         } else if (K->q8_arrange[j->type])
             nu += j->T * j->n_in; /* the row kernel's order */
         nq += j->T * j->n_in;
@@ -253,7 +253,7 @@ static int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, 
         j->xq = xq + nq;
         j->xd = xd + nd;
         j->xs = bs == 256 ? xs + ns : NULL;
-        j->xu = j->gemm && j->type != KT_Q2_K ? xu + nu : NULL;
+        j->xu = j->gemm && K->q8g_xu[j->type] ? xu + nu : NULL;
         j->xr = !j->gemm && K->q8_arrange[j->type] ? (int8_t *)xu + nu : NULL;
         nu += j->xu || j->xr ? j->T * j->n_in : 0;
         nq += j->T * j->n_in;

@@ -317,6 +317,7 @@ static void KSUF(fill_gemm)(kern_isa *k) {
     k->q8g[KT_IQ2_XXS] = KSUF(q8g_iq2_xxs);
     k->q8g[KT_Q2_K] = KSUF(q8g_q2_k);
     k->q8g_scratch = KSUF(gemm_scratch);
+    k->q8g_xu[KT_Q8_0] = k->q8g_xu[KT_IQ2_XXS] = 1; /* signed codes against x + 128 */
     /* where the GEMM form overtakes the row kernels (2-core Zen 4, 2 threads, 64 experts / a dense
      * 4096 x 8192 matrix, best of 6-8: the row kernels / GEMM time ratio was 1.11 / 1.14 / 1.22 at
      * T = 6 / 7 / 8 for IQ2_XXS, 0.95 / 0.97 / 1.13 at T = 6 / 7 / 8 for Q2_K (its row kernel keeps
