@@ -143,10 +143,13 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
 #else
 /* AVX2 form: a group's 4 grid rows are loads composed into a ymm, and so are its 4 sign fields, as
  * rows of +1 / -1 bytes (kern_iq2xxs_sign64) that vpsignb applies to the activations.  Zen 3 runs
- * this kernel at about 4 instructions a cycle: it is bound by their count, so the sign rows come
- * from a table (a load and a blend each, the indices shifted out of the group's aux word) instead of
+ * this kernel at about 4 instructions a cycle (estimated from counts; no PMU in the VM): it is bound
+ * by their count, so the sign rows come from a table (a load and a blend each, the indices shifted
+ * out of the group's aux word) instead of
  * being spread from the block's sign bytes in vector registers (broadcast, shuffle, and, compare,
- * or: 1.22-1.3x against that form, T = 1..4, Zen 3, one thread). */
+ * or).  Against that form, on one Zen 3 core, old and new interleaved in one process: 1.21-1.32x
+ * at T = 4 with the rows in L2; at T = 1 0.82-1.32x in L2 and 0.95-1.14x streaming from DRAM (a
+ * decode step's case), so no measurable gain there. */
 KI __m256i KSUF(iq2_rows4)(const uint64_t *tab, uint64_t i0, uint64_t i1, uint64_t i2, uint64_t i3) {
     __m256i r = _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(tab + i0)));
     r = _mm256_blend_epi32(r, _mm256_set1_epi64x((long long)tab[i1]), 0x0C);
@@ -250,8 +253,9 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
 #else
 /* AVX2 form: the sub-block scales of a shift j go to their int16 lanes with one shuffle of the 16
  * scale bytes (0x80 control bytes zero-extend them), and the minimums stay in vector lanes to the
- * end of the row, as the AVX-512 form: 1.6-2.0x the former scalar scale set-up and per-block
- * horizontal sum (T = 1..4, Zen 3, one thread, interleaved A/B in one process) */
+ * end of the row, as the AVX-512 form: against the former scalar scale set-up and per-block
+ * horizontal sum, 1.56-1.85x from DRAM at T = 1..4 and 1.42-2.07x in L2 (one Zen 3 core,
+ * interleaved A/B in one process; T = 4 gains least) */
 KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                           const int16_t *xs, float *out, const int nt) {
     __m256 acc[Q8_NT], mins[Q8_NT];
