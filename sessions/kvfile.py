@@ -6,7 +6,17 @@ The payload is the engine's `Session.snapshot()`; the text is the rendered text 
 prefix (its SHA-1 names the file); the KTM trailer maps tool ids to the exact DSML blocks the model
 sampled. Writes go to a temporary name in the same folder, are fsynced and renamed over the final
 name, so a reader (or a crash) only ever sees the old file or the new one. Reads validate the whole
-file against the live session's model and context before the session is touched.
+file against the live session's model and context before the session is touched, never follow a
+symlink and never open anything but a regular file (sessions/safeio.py).
+
+ds4's format has no checksum, so a payload swapped in from another file with the same token count
+would restore silently. `read_kv` therefore checks the payload's token ids against the text: for a
+token-text key the text must be exactly the concatenated token texts of the payload's tokens (one
+table lookup per token; this holds for both writers, the shim's cache and the agent's store, since
+both write the token text of the live timeline, whatever tokenization the model sampled, where a
+re-tokenization of the text could legitimately differ). A visible-transcript key (flag bit 1 or 2)
+is the client-visible text, i.e. the token text with hidden reasoning left out, so there the text
+must be a byte subsequence of the token text.
 """
 from __future__ import annotations
 
@@ -17,7 +27,9 @@ import time
 from dataclasses import dataclass, field
 
 from engine import Session, SnapshotError
-from engine.atomic import atomic_write as _atomic_write
+
+from . import safeio
+from .safeio import UnsafeFile
 
 MAGIC = b"KVC"
 VERSION = 1
@@ -148,8 +160,9 @@ def pack_header(h: KVHeader) -> bytes:
 
 
 def atomic_write(path, chunks):
-    """Write chunks to a temp file beside `path`, fsync it, rename it over `path`, fsync the folder."""
-    _atomic_write(path, chunks, durable=True)
+    """Write chunks to a temp file beside `path`, fsync it, rename it over `path`, fsync the folder
+    (a symlink at `path` is replaced, its target never written)."""
+    safeio.write_atomic(path, chunks, durable=True)
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -157,11 +170,11 @@ def _open(path, mode: str = "rb"):
     """Open a KV file. Every reader takes all it reads (header, size, text, payload, trailer) from
     this one descriptor, so a concurrent atomic replace can never mix two versions."""
     try:
-        if os.path.isdir(path):
-            raise KVFileError(path, "is a directory, not a KV file")
-        return open(path, mode)
+        return safeio.open_regular(path, mode)
     except FileNotFoundError:
         raise KVFileError(path, "no such file") from None
+    except UnsafeFile as e:
+        raise KVFileError(path, e.strerror) from None
     except OSError as e:
         raise KVFileError(path, f"cannot read: {e.strerror or e}") from None
 
@@ -268,11 +281,74 @@ def read_kv(path, session: Session, *, expect_text: bytes | None = None, check_n
     if len(payload) >= 52 and struct.unpack_from("<13I", payload)[7] != h.tokens:
         raise KVFileError(path, corrupt=True, problem=f"KV payload token count mismatch (header {h.tokens}, "
                                 f"payload {struct.unpack_from('<13I', payload)[7]})")
+    if _payload_fits(payload, session):   # else restore names the model/context mismatch
+        check_payload_text(path, info, payload, session.engine.tokenizer.token_bytes)
     try:
         session.restore(payload)   # validates fully before replacing the session's state
     except SnapshotError as e:
         raise KVFileError(path, f"payload: {e}") from None
     return info
+
+
+def payload_tokens(payload: bytes, count: int) -> memoryview:
+    """The checkpoint token ids of a DSV4 payload (spec §3.2: u32[T] right after the 52-byte header)."""
+    return memoryview(payload)[52:52 + 4 * count].cast("I")
+
+
+def is_subsequence(small: bytes, big: bytes) -> bool:
+    """Whether `small` is `big` with some bytes left out (greedy, matching equal runs at C speed)."""
+    i = j = 0
+    while i < len(small):
+        if j >= len(big):
+            return False
+        if small[i] == big[j]:
+            n = 1                       # the length of the equal run here, found by doubling
+            while i + n < len(small) and small[i:i + 2 * n] == big[j:j + 2 * n]:
+                n *= 2
+            lo = min(n, len(small) - i, len(big) - j)
+            hi = min(2 * n, len(small) - i, len(big) - j)
+            while lo < hi:              # then bisected to the first difference
+                mid = (lo + hi + 1) // 2
+                if small[i:i + mid] == big[j:j + mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            i, j = i + lo, j + lo
+        else:
+            j = big.find(small[i], j + 1)
+            if j < 0:
+                return False
+    return True
+
+
+def _payload_fits(payload: bytes, session: Session) -> bool:
+    """Whether the payload header is for this model and fits the session's context (the checks
+    Session.restore makes first, with their own messages)."""
+    if len(payload) < 52:
+        return False
+    (magic, version, s_ctx, _p, _rc, _rw, _cc, T, n_layer, hd, ihd, vocab, _r) = struct.unpack_from("<13I", payload)
+    c = session.engine.config
+    return (magic, version) == (0x34565344, 1) and (n_layer, hd, ihd, vocab) == (
+        c.n_layer, c.head_dim, c.idx_head_dim, c.n_vocab) and s_ctx <= session.ctx and T < session.ctx
+
+
+def check_payload_text(path, info: KVFileInfo, payload: bytes, token_bytes) -> None:
+    """KVFileError unless the payload's token ids spell the file's text (module doc). Not marked
+    `corrupt`: such a file is skipped, not deleted (it may be a user's, placed by hand)."""
+    h = info.header
+    if len(payload) < 52 + 4 * h.tokens:
+        raise KVFileError(path, f"truncated payload: {len(payload)} bytes cannot hold {h.tokens} token ids")
+    try:
+        spelled = b"".join(token_bytes(int(t)) for t in payload_tokens(payload, h.tokens))
+    except (IndexError, KeyError, ValueError):
+        raise KVFileError(path, "payload holds token ids outside the vocabulary") from None
+    if h.flags & (FLAG_RESPONSES_KEY | FLAG_THINKING_KEY):
+        if not is_subsequence(info.text, spelled):
+            raise KVFileError(path, "payload tokens do not match the cached text (the "
+                              "visible transcript is not the tokens' text with parts left out)")
+    elif spelled != info.text:
+        raise KVFileError(path, "payload tokens do not match the cached text (another "
+                          "file's payload, or a damaged one)")
 
 
 def touch(path, now: int | None = None):
@@ -303,23 +379,8 @@ def replace_tool_map(path, tool_map: dict[str, str], now: int | None = None):
     atomic_write(path, [pack_header(h), body[HEADER.size:], trailer])
 
 
-def remove_stale_temps(folder, older_than_s: float = 3600.0, now: float | None = None) -> int:
-    """Delete temp files a killed writer left behind (`<name>.tmp.*`), once they are old enough
-    that no live writer can still own them. Returns how many were removed."""
-    now = time.time() if now is None else now
-    n = 0
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return 0
-    for name in names:
-        if ".tmp." not in name:
-            continue
-        p = os.path.join(folder, name)
-        try:
-            if now - os.path.getmtime(p) > older_than_s:
-                os.unlink(p)
-                n += 1
-        except OSError:
-            pass
-    return n
+def remove_stale_temps(folder, older_than_s: float = safeio.STALE_AGE_S, now: float | None = None) -> int:
+    """Delete temp files a killed writer left behind (`<name>.tmp.*`): those whose writer is gone
+    (by the pid in the name) or that are old enough that no live writer can still own them.
+    Symlinks and non-regular files are never touched. Returns how many were removed."""
+    return safeio.remove_stale_temps(folder, now=now, older_than_s=older_than_s)

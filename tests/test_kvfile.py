@@ -280,7 +280,7 @@ def corpus(eng, saved, q4_model, tmp_path_factory):
         e = Engine.open(model_path)
         s = Session(e, ctx)
         s.sync(list(range(3, 3 + n)))
-        write_kv(d / f"{name}.kv", s, f"{name} text", **kw)
+        write_kv(d / f"{name}.kv", s, token_text(e, s.tokens), **kw)   # a payload spells its text
         return d / f"{name}.kv"
 
     out["other-dims"] = (written_by(synth(tmp_path_factory, "dims.gguf", n_layer=4, head_dim=256, value_dim=256),
@@ -290,7 +290,7 @@ def corpus(eng, saved, q4_model, tmp_path_factory):
     out["other-quant"] = (written_by(q4_model, "other-quant"), r"different quantization \(4-bit experts", True)
     s = Session(eng, 2 * CTX)
     s.sync(list(range(3, 43)))
-    write_kv(d / "larger-ctx.kv", s, b"larger")
+    write_kv(d / "larger-ctx.kv", s, token_text(eng, s.tokens))
     # valid on its own (ds4-kv -m uses the header's context), too big for a 512-token session
     out["larger-ctx"] = (d / "larger-ctx.kv", r"context 1024 .*this session's context is 512", False)
     out["directory"] = (d / "a-directory.kv", r"is a directory", True)
@@ -444,8 +444,9 @@ def test_concurrent_readers_get_one_consistent_file(eng, ab, tmp_path):
     a, _ = ab
     rng = np.random.default_rng(5)
     b = Session(eng, CTX)
-    b.sync(rng.integers(0, eng.config.n_vocab, a.pos).tolist())
-    ta, tb = b"A" * 64, b"B" * 64
+    b.sync(rng.permutation(a.tokens).tolist())      # same tokens reordered: same text length
+    ta, tb = token_text(eng, a.tokens), token_text(eng, b.tokens)
+    assert len(ta) == len(tb) and ta != tb
     path = tmp_path / "same-size.kv"
     write_kv(path, a, ta, tool_map={"call_pad": PAD})
     fork = multiprocessing.get_context("fork")
@@ -464,7 +465,7 @@ def test_concurrent_readers_get_one_consistent_file(eng, ab, tmp_path):
 
 def test_touch_racing_a_writer_never_tears_the_file(eng, ab, tmp_path):
     a, b = ab
-    ta, tb = b"A" * 64, b"B" * 32                 # different T, text and payload lengths
+    ta, tb = token_text(eng, a.tokens), token_text(eng, b.tokens)   # different T, text and payload lengths
     path = tmp_path / "touched.kv"
     write_kv(path, a, ta, tool_map={"call_pad": PAD})
     fork = multiprocessing.get_context("fork")
@@ -523,7 +524,7 @@ def test_replace_tool_map_rewrites_only_the_trailer(eng, saved, tmp_path):
     assert p.read_bytes() == after
     # a file without a trailer gains one, and its flag
     plain = tmp_path / "plain.kv"
-    write_kv(plain, s, b"plain", now=NOW)
+    write_kv(plain, s, token_text(eng, s.tokens), now=NOW)
     replace_tool_map(plain, TOOLS, now=NOW + 5)
     info = read_kv(plain, Session(eng, CTX))
     assert info.tool_map == TOOLS and info.header.flags == FLAG_TOOL_MAP and info.header.last_used == NOW + 5
