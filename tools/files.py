@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from .base import MAX_RESULT_CHARS, Tool, ToolContext, ToolError, ToolResult, re
 from .fileutil import (MAX_FILE_BYTES, SKIP_DIRS, atomic_write, decode, encode, human_size,
                        is_binary, line_ending, load_text, printable, split_lines, strip_eol,
                        to_ending, unified_diff)
+from .safefs import open_inside, read_inside
 
 READ_LINES = 500          # lines a read shows when no end_line is given
 MAX_LINE_CHARS = 2000     # a longer line is cut (and is then not editable by line number)
@@ -54,17 +56,22 @@ def _numbered(n: int, line: str) -> tuple[str, bool]:
 def _read(args: dict, ctx: ToolContext) -> ToolResult:
     path = resolve_readable(ctx, args["path"])
     rel = ctx.rel(path)
-    if path.is_dir():
-        raise ToolError(f"{rel} is a directory (use list)")
-    if not path.is_file():
-        raise ToolError(f"{rel} is not a regular file")
     start = args.get("start_line", 1)
     end = args.get("end_line")
     if end is not None and end < start:
         raise ToolError(f"end_line {end} is before start_line {start}")
-    if path.stat().st_size > MAX_FILE_BYTES:
-        return _read_large(path, rel, start, end)
-    data = path.read_bytes()
+    # Opened once and checked where the descriptor really is: a symlink swapped in after
+    # resolve_readable cannot make this read an outside file.
+    fd = open_inside(ctx, path, extra_roots=ctx.state.get("readable_dirs", ()), shown=rel)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ToolError(f"{rel} is a directory (use list)" if stat.S_ISDIR(st.st_mode) else
+                        f"{rel} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > MAX_FILE_BYTES:
+            return _read_large(f, st.st_size, rel, start, end)
+        data = f.read()
     if is_binary(data):
         raise ToolError(f"{rel} is a binary file ({len(data)} bytes); read shows text files only")
     text, utf8 = decode(data)
@@ -106,37 +113,36 @@ def _read(args: dict, ctx: ToolContext) -> ToolResult:
     return ToolResult("\n".join(out), truncated=truncated)
 
 
-def _read_large(path: Path, rel: str, start: int, end: int | None) -> ToolResult:
+def _read_large(f, size: int, rel: str, start: int, end: int | None) -> ToolResult:
     """Files over MAX_FILE_BYTES (long logs): streamed, LF lines, not registered for line edits."""
     last = end if end is not None else start + READ_LINES - 1
     body: list[str] = []
     used, size_stop = 0, False
-    with open(path, "rb") as f:
-        if is_binary(f.read(8192)):
-            raise ToolError(f"{rel} is a binary file; read shows text files only")
-        f.seek(0)
-        for n, raw in enumerate(f, 1):
-            if n < start:
-                continue
-            if n > last:
-                break
-            entry, _ = _numbered(n, raw.decode("utf-8", "replace"))
-            if body and used + len(entry) + 1 > MAX_RESULT_CHARS - 300:
-                size_stop = True
-                break
-            body.append(entry)
-            used += len(entry) + 1
-        f.seek(0)
-        total, tail = 0, b""
-        while chunk := f.read(1 << 20):
-            total += chunk.count(b"\n")
-            tail = chunk[-1:]
-        if tail and tail != b"\n":
-            total += 1
+    if is_binary(f.read(8192)):
+        raise ToolError(f"{rel} is a binary file; read shows text files only")
+    f.seek(0)
+    for n, raw in enumerate(f, 1):
+        if n < start:
+            continue
+        if n > last:
+            break
+        entry, _ = _numbered(n, raw.decode("utf-8", "replace"))
+        if body and used + len(entry) + 1 > MAX_RESULT_CHARS - 300:
+            size_stop = True
+            break
+        body.append(entry)
+        used += len(entry) + 1
+    f.seek(0)
+    total, tail = 0, b""
+    while chunk := f.read(1 << 20):
+        total += chunk.count(b"\n")
+        tail = chunk[-1:]
+    if tail and tail != b"\n":
+        total += 1
     if not body:
         raise ToolError(f"start_line {start} is past the end of {rel} ({total} lines)")
     stop = start + len(body) - 1
-    out = [f"{rel}: lines {start}-{stop} of {total} (large file, {path.stat().st_size} bytes: "
+    out = [f"{rel}: lines {start}-{stop} of {total} (large file, {size} bytes: "
            f"not editable by line number)"] + body
     truncated = size_stop or (stop < total and end is None)
     if truncated:
@@ -178,14 +184,18 @@ def _write(args: dict, ctx: ToolContext) -> ToolResult:
     path = ctx.resolve(args["path"])
     rel = ctx.rel(path)
     content = args["content"]
-    if path.is_dir():
+    try:     # the old content, from a descriptor checked to be inside (it goes into the diff)
+        st, old = read_inside(ctx, path, MAX_FILE_BYTES, shown=rel)
+        existed = True
+    except FileNotFoundError:
+        existed = False
+    if existed and stat.S_ISDIR(st.st_mode):
         raise ToolError(f"{rel} is a directory")
-    if path.exists() and not path.is_file():
+    if existed and not stat.S_ISREG(st.st_mode):
         raise ToolError(f"{rel} is not a regular file")
     old_text: str | None = None
     old_lines = 0
-    if path.exists():
-        old = path.read_bytes() if path.stat().st_size <= MAX_FILE_BYTES else None
+    if existed:
         if old is not None and not is_binary(old):
             old_text = decode(old)[0]
             old_lines = len(split_lines(old_text))
@@ -194,9 +204,8 @@ def _write(args: dict, ctx: ToolContext) -> ToolResult:
                 return ToolResult(f"{rel} already has exactly this content; nothing written")
         else:
             old_text = "[binary or very large file]\n"
-    existed = path.exists()
     data = encode(content)
-    atomic_write(path, data)
+    atomic_write(ctx, path, data)
     lines = split_lines(content)
     # The model wrote every line itself: all of them may be edited by number right away.
     views.remember(ctx, path, data, lines, range(1, len(lines) + 1))
@@ -351,7 +360,7 @@ def _edit(args: dict, ctx: ToolContext) -> ToolResult:
                         "(a range of lines you have read, with new)")
 
     new_data = encode(new_text)
-    atomic_write(path, new_data)
+    atomic_write(ctx, path, new_data)
     new_lines = split_lines(new_text)
     delta = len(new_lines) - len(lines)
     n_new = max(0, b_old - a + 1 + delta)

@@ -9,10 +9,10 @@ import os
 import re
 import stat
 import subprocess
-import tempfile
 from pathlib import Path
 
 from .base import ToolContext, ToolError
+from .safefs import read_inside, write_inside
 
 MAX_FILE_BYTES = 16 * 1024 * 1024   # read/edit/search load at most this much of one file
 SNIFF_BYTES = 8192                  # a NUL byte in the first 8 KiB marks a file as binary
@@ -79,44 +79,31 @@ def to_ending(s: str, eol: str) -> str:
 
 
 def load_text(ctx: ToolContext, path: Path) -> tuple[bytes, str, bool]:
-    """A text file's bytes, text and whether it is valid UTF-8; a clear error for anything else."""
+    """A text file's bytes, text and whether it is valid UTF-8; a clear error for anything else.
+    Read through a descriptor checked to be inside the project (safefs: a symlink swapped in
+    after the path was checked cannot lead outside)."""
     rel = ctx.rel(path)
-    if not path.exists():
-        raise ToolError(f"{rel}: no such file")
-    if path.is_dir():
+    try:
+        st, data = read_inside(ctx, path, MAX_FILE_BYTES)
+    except FileNotFoundError:
+        raise ToolError(f"{rel}: no such file") from None
+    if stat.S_ISDIR(st.st_mode):
         raise ToolError(f"{rel} is a directory (use list)")
-    if not path.is_file():
+    if not stat.S_ISREG(st.st_mode):
         raise ToolError(f"{rel} is not a regular file")
-    size = path.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise ToolError(f"{rel} is too large ({size} bytes; the limit is {MAX_FILE_BYTES})")
-    data = path.read_bytes()
+    if data is None:
+        raise ToolError(f"{rel} is too large ({st.st_size} bytes; the limit is {MAX_FILE_BYTES})")
     if is_binary(data):
-        raise ToolError(f"{rel} is a binary file ({size} bytes); only text files are supported")
+        raise ToolError(f"{rel} is a binary file ({st.st_size} bytes); only text files are supported")
     text, utf8 = decode(data)
     return data, text, utf8
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(ctx: ToolContext, path: Path, data: bytes) -> None:
     """Write to a temporary file beside the target, then rename: a crash never leaves half a file.
-    The file keeps its permission bits; a new one gets the usual 0666 & ~umask."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        mode = stat.S_IMODE(path.stat().st_mode)
-    except FileNotFoundError:
-        mode = 0o666 & ~_UMASK
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    The file keeps its permission bits; a new one gets the usual 0666 & ~umask. Missing folders
+    are made; all of it relative to a folder descriptor checked to be inside the project."""
+    write_inside(ctx, path, data, 0o666 & ~_UMASK)
 
 
 def unified_diff(old: str | None, new: str, rel: str) -> str:

@@ -1,0 +1,308 @@
+"""Tool escapes (hardening item 10): a catastrophic regex in search, a bash log that grows without
+bound, background processes that leave their job's process group, and a symlink swapped in while
+read/write/edit/search open a file.
+
+Each test sets up the escape and checks that it is closed; the races run for a fixed number of
+tries (or a time bound) so that they stay fast and always end.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import tools
+from tools import ToolContext, ToolResult, call
+from tools import search as search_mod, shell
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+
+
+@pytest.fixture
+def proj(tmp_path) -> Path:
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "a.txt").write_text("hello\n")
+    git(root, "init", "-q", "-b", "main")
+    return root
+
+
+@pytest.fixture
+def ctx(proj, tmp_path):
+    c = ToolContext(root=proj, scratch=tmp_path / "scratch")
+    yield c
+    tools.close(c)
+
+
+def ok(res: ToolResult) -> str:
+    assert res.ok, res.text
+    return res.text
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def pids_running(needle: str) -> list[int]:
+    """Live processes whose command line contains needle."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if needle in cmd and alive(int(d)):
+            out.append(int(d))
+    return out
+
+
+def wait_for(pred, seconds: float = 10.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+# ---------------------------------------------------------------------------------------- search
+
+def run_isolated(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """Python code in a child process, so that a regex that never ends fails the test instead of
+    hanging the run (a regex match cannot be interrupted from another thread)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_search_catastrophic_regex_of_the_issue_returns_quickly(proj):
+    (proj / "evil.txt").write_text(("a" * 28 + "c\n") * 4)
+    code = f"""
+        import time
+        from tools import ToolContext, call
+        t = time.monotonic()
+        res = call("search", {{"pattern": "(a+)+b"}}, ToolContext(root={str(proj)!r}))
+        print(round(time.monotonic() - t, 2))
+        print(res.text)
+    """
+    try:
+        r = run_isolated(code, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("search with (a+)+b did not return within 30 s")
+    assert r.returncode == 0, r.stderr
+    took, text = r.stdout.split("\n", 1)
+    assert float(took) < getattr(search_mod, "TIME_LIMIT", 10) + 2
+    assert "No matches for /(a+)+b/" in text or "timed out" in text
+
+
+def test_search_times_out_with_partial_results(proj):
+    # a file before the evil one in path order matches; the evil one exhausts the time limit
+    (proj / "a_first.txt").write_text("xx aab yy\n")
+    (proj / "evil.txt").write_text(("a" * 60 + "c\n") * 3)
+    code = f"""
+        import time
+        from tools import ToolContext, call, search
+        search.TIME_LIMIT = 1.0
+        t = time.monotonic()
+        res = call("search", {{"pattern": "(a|aa)+b"}}, ToolContext(root={str(proj)!r}))
+        print(round(time.monotonic() - t, 2), res.ok, res.truncated)
+        print(res.text)
+    """
+    try:
+        r = run_isolated(code, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("search with (a|aa)+b did not return within 30 s")
+    assert r.returncode == 0, r.stderr
+    head, text = r.stdout.split("\n", 1)
+    took, is_ok, truncated = head.split()
+    assert float(took) < 4 and is_ok == "True" and truncated == "True"
+    assert "a_first.txt\n1:xx aab yy" in text                   # what was found before
+    assert "timed out after 1 s" in text and "evil.txt" in text  # says where it stopped, and why
+
+
+def test_search_keeps_python_regex_semantics(ctx, proj):
+    (proj / "s.py").write_text("def Foo(x):\n    return x\nfoo = Foo\n")
+    text = ok(call("search", {"pattern": r"^(?P<kw>def|class)\s+(\w+)\(", "ignore_case": True}, ctx))
+    assert "s.py\n1:def Foo(x):" in text
+    text = ok(call("search", {"pattern": r"(\w+) = \1"}, ctx))    # a backreference still works
+    assert "No matches" in text
+    text = ok(call("search", {"pattern": r"FOO\b", "ignore_case": True}, ctx))
+    assert "1:def Foo(x):" in text and "3:foo = Foo" in text
+    assert "invalid regular expression" in call("search", {"pattern": "(unclosed"}, ctx).text
+
+
+# ---------------------------------------------------------------------------------------- symlink races
+
+SECRET = "SECRET-OUTSIDE\n"
+INSIDE = "inside text\n"
+
+
+class Swapper(threading.Thread):
+    """Flips `name` in `root` between a regular file and a symlink to an outside file, each
+    change atomic (rename over it), until stopped."""
+
+    def __init__(self, root: Path, name: str, outside: Path):
+        super().__init__(daemon=True)
+        self.root, self.name, self.outside = root, name, outside
+        self.halt = threading.Event()
+
+    def run(self):
+        target, tmp = self.root / self.name, self.root / f".{self.name}.swap"
+        while not self.halt.is_set():
+            tmp.write_text(INSIDE)
+            os.replace(tmp, target)
+            time.sleep(0)         # let the tool's thread run in each state
+            os.symlink(self.outside, tmp)
+            os.replace(tmp, target)
+            time.sleep(0)
+
+    def stop(self):
+        self.halt.set()
+        self.join(5)
+
+
+class DirSwapper(Swapper):
+    """Flips folder `name` between a real folder and a symlink to an outside folder."""
+
+    def run(self):
+        d, parked = self.root / self.name, self.root / f".{self.name}.parked"
+        while not self.halt.is_set():
+            os.rename(d, parked)
+            try:
+                os.symlink(self.outside, d)
+                time.sleep(0)
+                os.unlink(d)
+            except FileExistsError:   # the tool under test made the folder anew in the gap
+                pass
+            while True:
+                try:
+                    os.rename(parked, d)
+                    break
+                except OSError:
+                    if os.path.islink(d):
+                        os.unlink(d)
+                    shutil.rmtree(d, ignore_errors=True)
+            time.sleep(0)
+
+
+@pytest.fixture
+def outside(tmp_path) -> Path:
+    d = tmp_path / "outside"
+    d.mkdir()
+    (d / "secret.txt").write_text(SECRET)
+    (d / "f.txt").write_text(INSIDE + SECRET)     # an edit meant for sub/f.txt would match here
+    return d
+
+
+def _hammer(tool: str, args: dict, ctx, seconds: float, tries: int) -> tuple[int, int, int]:
+    """(results carrying the secret, results that were successful, results)"""
+    leaks = good = n = 0
+    end = time.monotonic() + seconds
+    while n < tries and time.monotonic() < end:
+        res = call(tool, args, ctx)
+        n += 1
+        leaks += "SECRET" in res.text or "SECRET" in (res.diff or "")
+        good += res.ok
+    return leaks, good, n
+
+
+def test_read_never_returns_a_swapped_in_outside_file(ctx, proj, outside):
+    (proj / "f.txt").write_text(INSIDE)
+    sw = Swapper(proj, "f.txt", outside / "secret.txt")
+    sw.start()
+    try:
+        leaks, good, n = _hammer("read", {"path": "f.txt"}, ctx, 6, 4000)
+    finally:
+        sw.stop()
+    assert leaks == 0 and good > 0, (leaks, good, n)
+
+
+def test_read_never_follows_a_swapped_in_outside_folder(ctx, proj, outside):
+    (proj / "sub").mkdir()
+    (proj / "sub" / "f.txt").write_text(INSIDE)
+    sw = DirSwapper(proj, "sub", outside)
+    sw.start()
+    try:
+        leaks, good, n = _hammer("read", {"path": "sub/f.txt"}, ctx, 6, 4000)
+    finally:
+        sw.stop()
+    assert leaks == 0 and good > 0, (leaks, good, n)
+
+
+def test_search_never_returns_a_swapped_in_outside_file(ctx, proj, outside):
+    (proj / "f.txt").write_text(INSIDE)
+    sw = Swapper(proj, "f.txt", outside / "secret.txt")
+    sw.start()
+    try:
+        leaks, good, n = _hammer("search", {"pattern": "OUTSIDE|inside"}, ctx, 6, 1500)
+    finally:
+        sw.stop()
+    assert leaks == 0 and good > 0, (leaks, good, n)
+
+
+def test_write_never_lands_in_a_swapped_in_outside_folder(ctx, proj, outside):
+    (proj / "sub").mkdir()
+    sw = DirSwapper(proj, "sub", outside)
+    sw.start()
+    try:
+        _, good, n = _hammer("write", {"path": "sub/new.txt", "content": "x\n"}, ctx, 6, 2000)
+    finally:
+        sw.stop()
+    assert sorted(os.listdir(outside)) == ["f.txt", "secret.txt"], (good, n)
+    assert (outside / "f.txt").read_text() == INSIDE + SECRET
+    assert good > 0
+
+
+def test_edit_never_reads_or_writes_a_swapped_in_outside_file(ctx, proj, outside):
+    (proj / "sub").mkdir()
+    (proj / "sub" / "f.txt").write_text(INSIDE)
+    sw = DirSwapper(proj, "sub", outside)
+    sw.start()
+    try:
+        for _ in range(1500):      # "text" occurs once in either file, so every edit could apply
+            res = call("edit", {"path": "sub/f.txt", "old": "text", "new": "text!"}, ctx)
+            assert "SECRET" not in res.text and "SECRET" not in (res.diff or "")
+    finally:
+        sw.stop()
+    assert sorted(os.listdir(outside)) == ["f.txt", "secret.txt"]
+    assert (outside / "f.txt").read_text() == INSIDE + SECRET
+
+
+def test_reading_through_in_project_symlinks_still_works(ctx, proj, outside):
+    (proj / "real").mkdir()
+    (proj / "real" / "f.txt").write_text("via link\n")
+    os.symlink("real", proj / "alias")
+    os.symlink("real/f.txt", proj / "flink")
+    os.symlink(outside / "secret.txt", proj / "out")
+    assert "1\tvia link" in ok(call("read", {"path": "alias/f.txt"}, ctx))
+    assert "1\tvia link" in ok(call("read", {"path": "flink"}, ctx))
+    assert "outside the project" in call("read", {"path": "out"}, ctx).text
+    assert "via link" in ok(call("search", {"pattern": "via"}, ctx))
+    ok(call("write", {"path": "alias/g.txt", "content": "new\n"}, ctx))
+    assert (proj / "real" / "g.txt").read_text() == "new\n"
+    ok(call("edit", {"path": "flink", "old": "via", "new": "through"}, ctx))
+    assert (proj / "real" / "f.txt").read_text() == "through link\n"
+
+
+def test_read_refuses_a_fifo_without_hanging(ctx, proj):
+    os.mkfifo(proj / "pipe")
+    t = time.monotonic()
+    res = call("read", {"path": "pipe"}, ctx)
+    assert not res.ok and "not a regular file" in res.text
+    assert time.monotonic() - t < 5
