@@ -426,10 +426,15 @@ class Agent:
             if self.store is None:
                 return "no session store"
             rows = self.store.list("all" if arg == "all" else "project")
+            # a damaged record cannot say its project: name them here, /list all shows them
+            stray = [] if arg == "all" else [r for r in self.store.list("all") if not r.ok and r.project_dir is None]
+            note = f"\n  ({len(stray)} damaged session(s) of unknown project: /list all shows them)" if stray else ""
             if not rows:
-                return "no saved sessions" + ("" if arg == "all" else " in this project (/list all shows every project)")
+                return "no saved sessions" + ("" if arg == "all" else " in this project (/list all shows every project)") + note
             return "\n".join(f"  {r.sha[:8]}  {_age(r.updated)}  {(r.name + ': ') if r.name else ''}{r.title}  "
-                             f"[{r.tokens} tokens, {r.think_mode or '?'}]" for r in rows)
+                             f"[{r.tokens} tokens, {r.think_mode or '?'}]" +
+                             ("" if r.ok else f"  DAMAGED: {_one_line(r.error, 160)}  ({r.path})")
+                             for r in rows) + note
         if cmd == "/switch":
             if not arg:
                 return "usage: /switch ID|NAME"
@@ -443,10 +448,14 @@ class Agent:
             return (f"switched to session {info.sha[:8]} ({info.tokens} tokens)" +
                     "".join(f"\n  > {_one_line(u)}" for u in last))
         if cmd == "/resume":
-            rows = [r for r in self.store.list("project") if r.ok] if self.store is not None else []
+            every = self.store.list("project") if self.store is not None else []
+            rows = [r for r in every if r.ok]
+            # the newer damaged ones are said, not silently passed over
+            skipped = "".join(f"session {r.sha[:8]} is damaged, not resumed: {_one_line(r.error, 160)}\n"
+                              for r in every[:every.index(rows[0]) if rows else len(every)])
             if not rows:
-                return "no saved session in this directory to resume"
-            return self.command(f"/switch {rows[0].sha}")
+                return skipped + "no saved session in this directory to resume"
+            return skipped + self.command(f"/switch {rows[0].sha}")
         if cmd == "/new":
             if self.modified:
                 self.save(quiet=True)

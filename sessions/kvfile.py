@@ -15,8 +15,8 @@ token-text key the text must be exactly the concatenated token texts of the payl
 table lookup per token; this holds for both writers, the shim's cache and the agent's store, since
 both write the token text of the live timeline, whatever tokenization the model sampled, where a
 re-tokenization of the text could legitimately differ). A visible-transcript key (flag bit 1 or 2)
-is the client-visible text, i.e. the token text with hidden reasoning left out, so there the text
-must be a byte subsequence of the token text.
+is the client-visible text, i.e. the token text with hidden reasoning left out (and a sampled but
+not yet evaluated end-of-sentence added), so there the text must be a byte subsequence of it.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ REASON_NAMES = {v: k for k, v in REASONS.items()}
 # extension flags (header byte 6)
 FLAG_TOOL_MAP, FLAG_RESPONSES_KEY, FLAG_THINKING_KEY = 0x01, 0x02, 0x04
 
+EOS_TEXT = "<｜end▁of▁sentence｜>".encode()
 KTM_MAGIC = b"KTM"
 KTM_VERSION = 1
 KTM_MAX_ID = 256
@@ -343,7 +344,10 @@ def check_payload_text(path, info: KVFileInfo, payload: bytes, token_bytes) -> N
     except (IndexError, KeyError, ValueError):
         raise KVFileError(path, "payload holds token ids outside the vocabulary") from None
     if h.flags & (FLAG_RESPONSES_KEY | FLAG_THINKING_KEY):
-        if not is_subsequence(info.text, spelled):
+        # the transcript ends with the end-of-sentence the model sampled, which is not evaluated
+        # into the KV state yet (protocol.md §7.3): it need not be among the tokens
+        text = info.text[:-len(EOS_TEXT)] if info.text.endswith(EOS_TEXT) else info.text
+        if not is_subsequence(text, spelled):
             raise KVFileError(path, "payload tokens do not match the cached text (the "
                               "visible transcript is not the tokens' text with parts left out)")
     elif spelled != info.text:

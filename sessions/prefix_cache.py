@@ -25,8 +25,17 @@ evict the older last_used first. Checkpoints above cold_max tokens are single-us
 deletes it (the live session is saved again at its next evict/continued/shutdown moment); smaller
 ones are touched (hits + 1, last_used = now).
 
-A file that fails validation while scanning or loading is skipped and reported through `log`,
-never raised to the caller; a load that fails leaves the session exactly as it was.
+A file that fails validation while scanning or loading is skipped and reported as a warning, never
+raised to the caller; a load that fails leaves the session exactly as it was.
+
+The folder is indexed in memory (name -> header, by each name's lstat signature) once at start and
+kept up to date by our own stores, loads and evictions; a lookup re-lists the folder only when its
+mtime changed (another process added or removed a file), and then reads only headers it has not
+seen. So a folder holding 10,000 foreign or broken files costs one scan at start (with ONE summary
+warning) and nothing per request. Names that are not regular files (FIFOs, symlinks, devices,
+directories) are never opened (sessions/safeio.py); files are only ever written to a temp name in
+the folder and renamed, so a symlink planted under a cache name is replaced, never followed. Temp
+files count against the disk budget; those whose writer is gone are deleted at start.
 """
 from __future__ import annotations
 
@@ -35,12 +44,15 @@ import logging
 import math
 import os
 import re
+import stat
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from engine import Session
 
+from . import safeio
 from .kvfile import (KVFileError, KVFileInfo, KVHeader, encode_tool_map, kv_file_bytes, read_header, read_info,
                      read_kv, remove_stale_temps, replace_tool_map, routed_quant_bits, sha1_name, touch,
                      write_kv)
@@ -51,6 +63,7 @@ DEFAULT_SPACE_MB = 4096
 STORE_REASONS = ("cold", "continued", "evict", "shutdown")
 KEY_KINDS = ("token-text", "responses-visible", "thinking-visible")
 _NAME = re.compile(r"[0-9a-f]{40}\.kv")
+EXAMPLES_IN_SUMMARY = 3          # problems named in the one summary warning of a scan
 
 log_ = logging.getLogger("ds4agent.kvcache")
 
@@ -165,7 +178,8 @@ class PrefixCache:
     def __init__(self, dir, *, space_mb: float = DEFAULT_SPACE_MB, min_tokens: int = 512,
                  cold_max_tokens: int = 30000, continued_interval: int = 10000, boundary_trim: int = 32,
                  boundary_align: int = 2048, reject_different_quant: bool = False,
-                 now: Callable[[], float] = time.time, log: Callable[[str], object] | None = None):
+                 now: Callable[[], float] = time.time, log: Callable[[str], object] | None = None,
+                 warn: Callable[[str], object] | None = None):
         if space_mb < 0 or min_tokens < 0 or cold_max_tokens < 0 or continued_interval < 0 \
                 or boundary_trim < 0 or boundary_align < 0:
             raise ValueError("prefix cache options must not be negative")
@@ -181,9 +195,16 @@ class PrefixCache:
         self.boundary_align = boundary_align
         self.reject_different_quant = reject_different_quant
         self._now = now
-        remove_stale_temps(self.dir, now=now())
         self._log = log or log_.info
+        self._warn_to = warn
         self.last_continued = 0     # the live timeline's last continued/cold frontier (§4.2)
+        self._lock = threading.RLock()   # the worker stores/loads; request threads read tool maps
+        self._index: dict[str, CacheEntry] = {}     # name -> entry, for the lstat signature in _sigs
+        self._sigs: dict[str, tuple] = {}
+        self._bad: dict[str, tuple] = {}            # name -> signature of a file found unusable
+        self._temps: dict[str, int] = {}            # temp file name -> bytes (counts in the budget)
+        self._dir_key: tuple | None = None
+        remove_stale_temps(self.dir)     # real time: the temp files' mtimes are real
         self.evict()
 
     # -- policy, with this cache's knobs ---------------------------------------------------------
@@ -215,30 +236,122 @@ class PrefixCache:
         """A live-cache miss: the next continued frontier counts from zero again."""
         self.last_continued = 0
 
+    # -- the index -------------------------------------------------------------------------------
+    def _warn(self, msg: str):
+        """Problems with files: to `warn`, else to a caller's `log`, else our logger's warnings."""
+        if self._warn_to is not None:
+            self._warn_to(msg)
+        elif self._log == log_.info:
+            log_.warning("%s", msg)
+        else:
+            self._log(msg)
+
+    @staticmethod
+    def _sig(st) -> tuple:
+        return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_mode)
+
+    def _refresh(self, force: bool = False):
+        """Bring the index up to date: re-list the folder when its mtime moved (or `force`), read
+        the header of every name not seen before with this signature, one summary warning for all
+        the files found unusable this time."""
+        try:
+            dst = os.stat(self.dir)
+            key = (dst.st_ino, dst.st_mtime_ns)
+            if key == self._dir_key and not force:
+                return
+            listing = safeio.scan(self.dir)
+        except OSError as e:
+            self._warn(f"kv cache: cannot list {self.dir}: {e.strerror or e}")
+            return
+        seen, temps, problems = set(), {}, []
+        for name, st in listing:
+            if safeio.is_temp_name(name):
+                if stat.S_ISREG(st.st_mode):
+                    temps[name] = st.st_size
+                continue
+            if not _NAME.fullmatch(name):
+                continue                       # not a cache name: never ours to read or evict
+            seen.add(name)
+            sig = self._sig(st)
+            if self._sigs.get(name) == sig or self._bad.get(name) == sig:
+                continue
+            self._forget(name)
+            problem = self._index_one(name, st, sig)
+            if problem:
+                problems.append(problem)
+        for name in [n for n in list(self._index) + list(self._bad) if n not in seen]:
+            self._forget(name)
+        self._temps = temps
+        self._dir_key = key
+        if problems:
+            self._summary(problems)
+
+    def _index_one(self, name: str, st, sig: tuple) -> str | None:
+        """Index one cache-named entry; the problem (and the name marked bad) when unusable."""
+        path = os.path.join(self.dir, name)
+        if not stat.S_ISREG(st.st_mode):
+            self._bad[name] = sig
+            return f"{name} is {safeio.kind_of(st)} (not opened)"
+        try:
+            h, size = read_header(path)
+        except KVFileError as e:
+            self._bad[name] = sig
+            return f"{name}: {e.problem}"
+        self._index[name] = CacheEntry(path, name[:40], h, size)
+        self._sigs[name] = sig
+        return None
+
+    def _reindex(self, path: str):
+        """Re-read one entry after we changed it (touch, trailer rewrite, new file)."""
+        name = os.path.basename(path)
+        with self._lock:
+            self._forget(name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return
+            problem = self._index_one(name, st, self._sig(st))
+            if problem:
+                self._warn(f"kv cache: skipped {problem}")
+
+    def _forget(self, name: str):
+        self._index.pop(name, None)
+        self._sigs.pop(name, None)
+        self._bad.pop(name, None)
+
+    def _mark_bad(self, path: str):
+        """A file that failed to load: kept on disk, but not offered again until it changes."""
+        name = os.path.basename(path)
+        with self._lock:
+            sig = self._sigs.get(name)
+            self._forget(name)
+            if sig is not None:
+                self._bad[name] = sig
+
+    def _summary(self, problems: list[str]):
+        shown = "; ".join(problems[:EXAMPLES_IN_SUMMARY])
+        more = f"; and {len(problems) - EXAMPLES_IN_SUMMARY} more" if len(problems) > EXAMPLES_IN_SUMMARY else ""
+        self._warn(f"kv cache: skipped {len(problems)} unusable file{'s' * (len(problems) != 1)} in "
+                   f"{self.dir} (not used, not evicted): {shown}{more}")
+
     # -- scanning --------------------------------------------------------------------------------
     def entries(self) -> list[CacheEntry]:
-        """Every file of the folder that has a valid header and a SHA-1 name; others are reported
-        and skipped (as ds4's refresh does, they are neither used nor evicted)."""
-        out = []
-        try:
-            names = sorted(os.listdir(self.dir))
-        except OSError as e:
-            self._log(f"kv cache: cannot list {self.dir}: {e.strerror or e}")
-            return out
-        for fn in names:
-            if not _NAME.fullmatch(fn):
-                continue
-            path = os.path.join(self.dir, fn)
-            try:
-                h, size = read_header(path)
-            except KVFileError as e:
-                self._log(f"kv cache: skipped {e}")
-                continue
-            out.append(CacheEntry(path, fn[:40], h, size))
-        return out
+        """Every file of the folder that has a valid header and a SHA-1 name, from the index;
+        others are reported once and skipped (as ds4's refresh does, neither used nor evicted)."""
+        with self._lock:
+            self._refresh()
+            return sorted(self._index.values(), key=lambda e: e.path)
+
+    def temp_bytes(self) -> int:
+        """Bytes held by temp files (a writer's in-flight file, or one a killed writer left)."""
+        with self._lock:
+            self._refresh()
+            return sum(self._temps.values())
 
     def total_bytes(self) -> int:
-        return sum(e.size for e in self.entries())
+        """What the folder's cache files and temp files take, as the budget counts it."""
+        with self._lock:
+            return sum(e.size for e in self.entries()) + self.temp_bytes()
 
     # -- lookup and load (§5) --------------------------------------------------------------------
     def find(self, prompt_text: bytes, session: Session | None = None, *, exclude=()) -> CacheEntry | None:
@@ -271,12 +384,15 @@ class PrefixCache:
             info = read_kv(path, session, expect_text=prompt[:candidate.text_bytes], check_name=True,
                            allow_other_quant=not self.reject_different_quant)
         except KVFileError as e:
-            self._log(f"kv cache: cannot load {e}")
+            self._warn(f"kv cache: cannot load {e}")
             if e.corrupt:
                 self._unlink(path, "corrupt")      # ds4 deletes such a file
+            else:
+                self._mark_bad(path)
             return None
         except OSError as e:
-            self._log(f"kv cache: cannot load {path}: {e.strerror or e}")
+            self._warn(f"kv cache: cannot load {path}: {e.strerror or e}")
+            self._mark_bad(path)
             return None
         n = info.header.tokens
         if self.cold_max_tokens > 0 and n > self.cold_max_tokens:
@@ -285,7 +401,8 @@ class PrefixCache:
             try:
                 touch(path, int(self._now()))
             except (KVFileError, OSError) as e:
-                self._log(f"kv cache: cannot record the hit on {path}: {e}")
+                self._warn(f"kv cache: cannot record the hit on {path}: {e}")
+            self._reindex(path)
         self.last_continued = n
         return info, prompt[len(info.text):]
 
@@ -339,7 +456,8 @@ class PrefixCache:
                     try:
                         replace_tool_map(path, tool_map, now)
                     except (KVFileError, OSError) as e:
-                        self._log(f"kv cache: cannot refresh the tool map of {path}: {e}")
+                        self._warn(f"kv cache: cannot refresh the tool map of {path}: {e}")
+                    self._reindex(path)
                 self._noted(reason, n)
                 return True
             self._unlink(path, "incompatible, replaced")
@@ -354,8 +472,9 @@ class PrefixCache:
                      now=now, payload=payload)
             size = os.path.getsize(path)
         except OSError as e:
-            self._log(f"kv cache: cannot write {path}: {e.strerror or e}")
+            self._warn(f"kv cache: cannot write {path}: {e.strerror or e}")
             return False
+        self._reindex(path)
         if budget_required(size) > self.budget_bytes:   # the final size, re-checked
             self._unlink(path, "over budget")
             return False
@@ -379,10 +498,14 @@ class PrefixCache:
 
     # -- eviction (§4.3) -------------------------------------------------------------------------
     def evict(self, protect=None) -> list[str]:
-        """Unlink the lowest-scoring files until the folder fits the budget; returns their paths.
-        `protect` (the file just stored) is never chosen unless it alone exceeds the budget."""
-        entries = self.entries()
-        total = sum(e.size for e in entries)
+        """Unlink the lowest-scoring files until the folder (cache files and temp files) fits the
+        budget; returns their paths. `protect` (the file just stored) is never chosen unless it
+        alone exceeds the budget. Runs rarely (at start, after a store), so it re-checks every
+        name's signature: hits recorded in place by another process are seen."""
+        with self._lock:
+            self._refresh(force=True)
+            entries = sorted(self._index.values(), key=lambda e: e.path)
+            total = sum(e.size for e in entries) + sum(self._temps.values())
         if total <= self.budget_bytes:
             return []
         now = int(self._now())
@@ -407,12 +530,15 @@ class PrefixCache:
         return removed
 
     def _unlink(self, path: str, why: str) -> bool:
+        """Remove a name of the folder (a symlink is removed itself, its target left alone)."""
+        with self._lock:
+            self._forget(os.path.basename(path))
         try:
             os.unlink(path)
         except FileNotFoundError:
             return False
         except OSError as e:
-            self._log(f"kv cache: cannot remove {path}: {e.strerror or e}")
+            self._warn(f"kv cache: cannot remove {path}: {e.strerror or e}")
             return False
         self._log(f"kv cache: {why}: {path}")
         return True

@@ -36,11 +36,19 @@ used only when its text equals the requested prefix byte for byte and its quant 
 The root defaults to `$DS4_AGENT_HOME/sessions` or `~/.ds4-agent/sessions` (mode 0700). Sessions
 are global on disk; `list()` shows the current project directory's by default, `list("all")`
 every one.
+
+Damage. Nothing in the folder is trusted: symlinks are never followed and only regular files are
+opened (a FIFO named like a session would block a reader forever; sessions/safeio.py), a KV file
+whose payload tokens do not spell its text is refused on load (kvfile.check_payload_text), and a
+`.json` record is read with a size cap and checked against its schema (`check_meta`: field types,
+finite ranges, 40-hex lineage ids), so deep nesting, `"tokens": "many"` or `Infinity` make the
+session show as damaged, never an exception.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import time
@@ -50,6 +58,7 @@ from typing import Callable
 
 from engine import Session
 
+from . import safeio
 from .kvfile import (PREFIX_BYTES, KVFileError, KVFileInfo, atomic_write, read_header, read_info, read_kv,
                      remove_stale_temps, routed_quant_bits, write_kv)
 from .prefix_cache import token_text
@@ -63,6 +72,11 @@ USER_MARK = "<｜User｜>".encode()
 ASSISTANT_MARK = "<｜Assistant｜>".encode()
 _SHA_KV = re.compile(r"([0-9a-f]{40})\.kv")
 _HEX = re.compile(r"[0-9a-fA-F]+")
+_SHA = re.compile(r"[0-9a-f]{40}")
+META_MAX_BYTES = 1 << 20        # a record is ~1 KB (+ 256 ancestors of 43 bytes); more is not ours
+U32_MAX = 0xFFFFFFFF            # token counts and contexts are u32 in the KV header
+TIME_MAX = 253402300799.0       # 9999-12-31: a timestamp past it is damage, not a date
+_STR_FIELDS = ("title", "name", "project_dir", "think_mode", "model")
 
 
 class SessionStoreError(Exception):
@@ -170,6 +184,44 @@ def _check_name(name: str) -> str:
     return name
 
 
+def _is_int(v, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_time(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and 0 <= v <= TIME_MAX)
+
+
+def check_meta(meta: dict) -> str | None:
+    """The first field of a session record that breaks the schema (its name and why), or None.
+    Optional fields may be absent or null; present ones must have their type and range."""
+    for k in _STR_FIELDS:
+        if meta.get(k) is not None and not isinstance(meta[k], str):
+            return f"{k} (not text)"
+    if meta.get("name") is not None and (len(meta["name"]) > NAME_MAX
+                                         or any(ord(c) < 32 or ord(c) == 127 for c in meta["name"])):
+        return "name (too long or has control characters)"
+    if "version" in meta and not _is_int(meta["version"], 1, META_VERSION):
+        return f"version (not 1..{META_VERSION})"
+    for k in ("created", "updated"):
+        if k in meta and not _is_time(meta[k]):
+            return f"{k} (not a time in seconds)"
+    for k in ("tokens", "ctx"):
+        if meta.get(k) is not None and not _is_int(meta[k], 0, U32_MAX):
+            return f"{k} (not a whole number 0..{U32_MAX})"
+    q = meta.get("quant_bits")
+    if q is not None and not (_is_int(q, 2, 4) and q != 3):
+        return "quant_bits (not 2 or 4)"
+    if meta.get("parent") is not None and not (isinstance(meta["parent"], str) and _SHA.fullmatch(meta["parent"])):
+        return "parent (not a session id)"
+    anc = meta.get("ancestors", [])
+    if not isinstance(anc, list) or len(anc) > MAX_ANCESTORS or \
+            not all(isinstance(a, str) and _SHA.fullmatch(a) for a in anc):
+        return f"ancestors (not a list of at most {MAX_ANCESTORS} session ids)"
+    return None
+
+
 class SessionStore:
     def __init__(self, root=None, project_dir=None, *, now: Callable[[], float] = time.time):
         self.root = os.path.abspath(os.fspath(root) if root is not None else default_root())
@@ -179,7 +231,7 @@ class SessionStore:
             raise SessionStoreError(f"cannot create the session folder {self.root}: {e.strerror or e}") from None
         self.project_dir = os.path.realpath(os.fspath(project_dir) if project_dir is not None else os.getcwd())
         self._now = now
-        remove_stale_temps(self.root, now=now())
+        remove_stale_temps(self.root)     # real time: the temp files' mtimes are real
         self._origins: "weakref.WeakKeyDictionary[Session, _Origin]" = weakref.WeakKeyDictionary()
 
     # -- paths -----------------------------------------------------------------------------------
@@ -195,39 +247,37 @@ class SessionStore:
 
     # -- reading ---------------------------------------------------------------------------------
     def _shas(self) -> list[str]:
+        """Every `<sha>.kv` name of the folder, whatever it is (a FIFO or a symlink is listed, as
+        damaged: the user sees it and can /delete it)."""
         try:
-            names = os.listdir(self.root)
+            names = [n for n, _ in safeio.scan(self.root)]
         except OSError as e:
             raise SessionStoreError(f"cannot list {self.root}: {e.strerror or e}") from None
         return sorted(m.group(1) for m in map(_SHA_KV.fullmatch, names) if m)
 
     def _read_meta(self, sha: str) -> dict | None:
-        """The metadata record, None when there is none; SessionStoreError when it is corrupt."""
+        """The metadata record, None when there is none; SessionStoreError when it is damaged
+        (not a regular file, too big, not JSON, not this session's, or failing `check_meta`)."""
         p = self.meta_path(sha)
         try:
-            with open(p, "rb") as f:
-                raw = f.read()
+            raw = safeio.read_regular(p, META_MAX_BYTES)
         except FileNotFoundError:
             return None
+        except ValueError as e:
+            raise SessionStoreError(f"metadata {p}: too big ({e})") from None
         except OSError as e:
             raise SessionStoreError(f"metadata {p}: cannot read: {e.strerror or e}") from None
         try:
             meta = json.loads(raw)
+        except RecursionError:
+            raise SessionStoreError(f"metadata {p}: not valid JSON (nested too deeply)") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise SessionStoreError(f"metadata {p}: not valid JSON ({e})") from None
         if not isinstance(meta, dict) or meta.get("sha") != sha:
             raise SessionStoreError(f"metadata {p}: not a session record for {sha[:8]}")
-        try:
-            for k in ("title", "name", "project_dir", "think_mode", "parent", "model"):
-                if meta.get(k) is not None and not isinstance(meta[k], str):
-                    raise TypeError(k)
-            for k in ("created", "updated"):
-                float(meta.get(k, 0))
-            anc = meta.get("ancestors", [])
-            if not isinstance(anc, list) or not all(isinstance(a, str) for a in anc):
-                raise TypeError("ancestors")
-        except (TypeError, ValueError) as e:
-            raise SessionStoreError(f"metadata {p}: bad field {e}") from None
+        problem = check_meta(meta)
+        if problem:
+            raise SessionStoreError(f"metadata {p}: bad field {problem}")
         return meta
 
     def _entry(self, sha: str) -> SessionInfo:
@@ -266,7 +316,7 @@ class SessionStore:
                 e.created = float(meta.get("created", e.created))
                 e.updated = float(meta.get("updated", e.updated))
                 if hdr is None:
-                    e.tokens = int(meta.get("tokens", 0) or 0)
+                    e.tokens = meta.get("tokens") or 0
         if problems:
             e.error = "; ".join(problems)
         return e
@@ -451,7 +501,7 @@ class SessionStore:
             hdr, _ = read_header(e.path)
             if hdr.text_bytes <= n:
                 return False
-            with open(e.path, "rb") as f:
+            with safeio.open_regular(e.path) as f:
                 f.seek(PREFIX_BYTES)
                 head = f.read(n)
         except (KVFileError, OSError):
@@ -510,7 +560,7 @@ class SessionStore:
         is this model's); False, with the session untouched, otherwise."""
         want = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
         path = self.sysprompt_path
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             return False
         try:
             read_kv(path, session, expect_text=want)
