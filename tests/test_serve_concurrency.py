@@ -400,7 +400,7 @@ def _raw_post(url: str, path: str, body: dict) -> socket.socket:
     host, port = url.rsplit("/", 1)[1].split(":")
     data = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)), timeout=TIMEOUT)
-    s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
               % (path.encode(), len(data)) + data)
     return s
 

@@ -19,7 +19,7 @@ class ServerThread:
         import socket
         import threading
 
-        import uvicorn
+        from .server import make_server
         self.shim = shim
         # proto given: asyncio sets TCP_NODELAY only on IPPROTO_TCP sockets (else every keep-alive
         # request stalls ~40 ms on Nagle + delayed ACK)
@@ -27,9 +27,8 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(create_app(shim), log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        # the same server as `ds4-agent --serve`: its limits and timeouts come from shim.cfg
+        self.server = make_server(create_app(shim), shim.cfg, graceful_s=5)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True, name="ds4-http")
 

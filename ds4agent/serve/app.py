@@ -26,6 +26,7 @@ from . import events as E
 from .config import MAX_BODY_BYTES
 from .shim import Shim
 from .wire import error_body, make_wire
+from .worker import QueueFull
 
 log = logging.getLogger("ds4agent.serve")
 
@@ -109,7 +110,13 @@ def create_app(shim: Shim) -> Starlette:
                 record.update(error=ev.message)
             shim.trace(record)
 
-        shim.worker.submit(job)
+        try:
+            shim.worker.submit(job)
+        except QueueFull as e:          # past --max-queue: an answer now, not a wait with no byte sent
+            done(503)
+            busy = fail(api, 503, str(e))
+            busy.headers["Retry-After"] = str(e.retry_after)
+            return busy
         try:
             first = await _next_event(q, request, job, cfg.keepalive_s)
         except _Gone:

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from .config import ServeConfig
+from .config import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS, MAX_QUEUE, ServeConfig)
 
 
 def add_flags(p: argparse.ArgumentParser):
@@ -29,6 +29,14 @@ def add_flags(p: argparse.ArgumentParser):
     g.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
                    help="render earlier tool calls canonically instead of replaying the sampled bytes")
     g.add_argument("--max-tokens", type=int, help="cap on generated tokens per request, whatever the client asks")
+    g.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                   help=f"requests that may wait behind the running one; more get 503 (default {MAX_QUEUE})")
+    g.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help=f"open client connections, kept below the open-files limit (default {MAX_CONNECTIONS})")
+    g.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
+                   help=f"seconds for a request line and headers to arrive (default {HEADER_TIMEOUT_S:g})")
+    g.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
+                   help=f"seconds for a request body, plus 1 s per 64 KiB (default {BODY_TIMEOUT_S:g})")
     g.add_argument("--trace", help="append one JSON line per request (prompt, reuse, output) to this file")
     # test hook: answer fresh prompts that offer one of these tools with a call of it, e.g.
     # '{"Bash": {"command": "echo pong"}, "exec_command": {"cmd": "echo pong"}}'
@@ -48,6 +56,13 @@ def config_from(a, ctx: int) -> ServeConfig:
         raise ValueError("--max-tokens must be at least 1")
     if a.tool_memory_max_ids < 1:
         raise ValueError("--tool-memory-max-ids must be at least 1")
+    if a.max_queue < 0:
+        raise ValueError("--max-queue must not be negative")
+    if a.max_connections < 1:
+        raise ValueError("--max-connections must be at least 1")
+    for flag, v in (("--header-timeout", a.header_timeout), ("--body-timeout", a.body_timeout)):
+        if not 0 < v < float("inf"):
+            raise ValueError(f"{flag} must be a positive number of seconds")
     return ServeConfig(
         host=a.host, port=a.port, ctx=ctx, max_tokens=a.max_tokens, api_key=a.api_key, cors=a.cors,
         trace=os.path.expanduser(a.trace) if a.trace else None, exact_replay=not a.disable_exact_dsml_tool_replay,
@@ -59,15 +74,15 @@ def config_from(a, ctx: int) -> ServeConfig:
         kv_cache_boundary_trim_tokens=a.kv_cache_boundary_trim_tokens,
         kv_cache_boundary_align_tokens=a.kv_cache_boundary_align_tokens,
         kv_cache_reject_different_quant=a.kv_cache_reject_different_quant,
-        forced_tool_calls=forced)
+        max_queue=a.max_queue, max_connections=a.max_connections, header_timeout_s=a.header_timeout,
+        body_timeout_s=a.body_timeout, forced_tool_calls=forced)
 
 
 def serve_main(a, model: str, ctx: int) -> int:
-    import uvicorn
-
     from engine import Engine, ModelFileError
 
     from .app import create_app
+    from .server import make_server, quiet_signals
     from .shim import Shim
     try:
         cfg = config_from(a, ctx)
@@ -90,12 +105,16 @@ def serve_main(a, model: str, ctx: int) -> int:
     print(f"ds4-agent: serving {model} (context {ctx}) on {url}\n"
           f"  OpenAI:    {url}/v1  (chat/completions, completions, responses)\n"
           f"  Anthropic: {url}      (messages)", file=sys.stderr, flush=True)
+    server = make_server(create_app(shim), cfg)
+    rc = 0
     try:
-        uvicorn.run(create_app(shim), host=cfg.host, port=cfg.port, log_level="warning",
-                    lifespan="off", timeout_graceful_shutdown=10)
+        # SIGINT and SIGTERM alike end this call (a second one skips the wait for open requests)
+        server.run()
     except (OSError, SystemExit) as e:
         print(f"error: cannot serve on {url}: {e}", file=sys.stderr)
+        rc = 1
+    if server.signals:
+        print("ds4-agent: stopping: saving the live session", file=sys.stderr, flush=True)
+    with quiet_signals("ds4-agent: still saving the live session; stopping when done"):
         shim.stop()
-        return 1
-    shim.stop()
-    return 0
+    return rc

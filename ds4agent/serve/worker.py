@@ -33,6 +33,17 @@ class Cancelled(Exception):
     pass
 
 
+class QueueFull(Exception):
+    """The request would wait behind `waiting` others, the most --max-queue allows (the app
+    answers 503 with Retry-After: `retry_after` seconds, about one request's run time)."""
+
+    def __init__(self, waiting: int, retry_after: int):
+        super().__init__(f"server busy: {waiting} requests already queued (--max-queue {waiting}); "
+                         f"retry in {retry_after} s")
+        self.waiting = waiting
+        self.retry_after = retry_after
+
+
 @dataclass
 class Job:
     """One request, parsed and rendered on the client's side; the worker does the rest."""
@@ -85,6 +96,8 @@ class Worker:
         self._thread: threading.Thread | None = None
         self.busy = False
         self.closing = False
+        self._submit_lock = threading.Lock()
+        self._job_s = 1.0                      # a job's run time, smoothed: the Retry-After estimate
         self.stats = {"requests": 0, "prefilled": 0, "reused": 0, "generated": 0}
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -93,13 +106,27 @@ class Worker:
         self._thread.start()
 
     def submit(self, job: Job):
+        """Queue a job, or raise QueueFull when --max-queue live jobs already wait."""
         if self.closing:
             job.emit(E.Failure("server shutting down", 503))
             return
-        self._q.put(job)
+        with self._submit_lock:
+            waiting = self.waiting()
+            if waiting >= self.cfg.max_queue:
+                raise QueueFull(waiting, self.retry_after())
+            self._q.put(job)
 
     def queued(self) -> int:
         return self._q.qsize()
+
+    def waiting(self) -> int:
+        """Jobs queued whose client is still there (a job cancelled while queued is skipped)."""
+        with self._q.mutex:
+            return sum(1 for j in self._q.queue if j is not None and not j.cancel.is_set())
+
+    def retry_after(self) -> int:
+        """Seconds until a queue place is likely free: about one job's run time (1-60)."""
+        return int(min(60, max(1, round(self._job_s))))
 
     def stop(self, timeout: float | None = None):
         """Finish the running and queued jobs, then save the live session (the shutdown moment)."""
@@ -123,6 +150,7 @@ class Worker:
             if job.cancel.is_set():
                 continue             # the client left while queued
             self.busy = True
+            t0 = time.monotonic()
             try:
                 self._run(job)
             except Cancelled:
@@ -132,6 +160,7 @@ class Worker:
                 job.emit(E.Failure(f"inference failed: {e}", 500))
             finally:
                 self.busy = False
+                self._job_s = 0.7 * self._job_s + 0.3 * (time.monotonic() - t0)
 
     # -- live state the app asks about ---------------------------------------------------------
     def live_call_ids(self, api: str) -> frozenset:

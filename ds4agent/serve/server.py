@@ -1,0 +1,316 @@
+"""The shim's HTTP server runtime: uvicorn's h11 server with the limits a long-running server needs
+against slow or idle clients, and a shutdown that always runs (docs/serve.md, "Limits, timeouts,
+shutdown").
+
+uvicorn has a keep-alive timeout (idle time between requests) but nothing for a client that opens a
+connection and then sends its request line, headers or body slowly or not at all, and its
+`limit_concurrency` only answers requests (in plain text): idle sockets are never closed, so enough
+of them exhaust the file descriptors. `Protocol` adds per-connection deadlines and a connection cap
+that closes the oldest idle connection first; `Server` logs an accept loop at the fd limit once, and
+leaves the process's signal disposition alone on the way out (uvicorn re-raises SIGTERM after its
+shutdown, which killed the process before the shim's own shutdown save).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import resource
+import signal
+import sys
+import threading
+import time
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .config import ServeConfig
+from .wire import error_body
+
+log = logging.getLogger("ds4agent.serve")
+
+# File descriptors kept free of client sockets: the model file, KV checkpoints being written or
+# read, the trace file, logging, the event loop's own (epoll, self-pipe) and the listening socket.
+FD_RESERVE = 64
+# Connections over the cap while none is idle: answered 503 (they need their headers read first);
+# past this many more, closed at once so the fds stay bounded whatever clients do.
+OVERFLOW = 16
+ACCEPT_BACKLOG = 256         # listen() queue; also how many accepts asyncio tries per wake-up
+LOG_EVERY_S = 60.0           # one line per condition (cap reached, fd limit) at most this often
+_HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+
+def fd_soft_limit() -> int:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_cap(cfg: ServeConfig, soft_limit: int | None = None) -> int:
+    """--max-connections, kept below the open-files limit with room for the process's own files."""
+    soft = fd_soft_limit() if soft_limit is None else soft_limit
+    room = soft - FD_RESERVE - OVERFLOW
+    cap = min(cfg.max_connections, room)
+    if cap < cfg.max_connections:
+        log.warning("open files limit %d: at most %d connections (--max-connections %d)",
+                    soft, max(1, cap), cfg.max_connections)
+    return max(1, cap)
+
+
+class _Once:
+    """A log line that repeats at most every LOG_EVERY_S, saying how often it was held back."""
+
+    def __init__(self):
+        self.last = -LOG_EVERY_S
+        self.held = 0
+
+    def __call__(self, msg: str, *args):
+        now = time.monotonic()
+        if now - self.last < LOG_EVERY_S:
+            self.held += 1
+            return
+        more = f" ({self.held} more since the last report)" if self.held else ""
+        self.last, self.held = now, 0
+        log.warning(msg + more, *args)
+
+
+def _json_answer(status: int, reason: str, path: bytes, message: str,
+                 retry_after: int | None = None) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, in the API's error shape (the API is
+    guessed from the path: the request may not have been parsed)."""
+    api = "anthropic" if b"/messages" in path else "openai_chat"
+    body = error_body(api, message, status).encode()
+    head = [f"HTTP/1.1 {status} {reason}", "content-type: application/json",
+            f"content-length: {len(body)}", "connection: close"]
+    if retry_after is not None:
+        head.append(f"retry-after: {retry_after}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+async def _over_cap_app(scope, receive, send):
+    """The app a connection over the cap gets: 503 with Retry-After, then the connection closes."""
+    api = "anthropic" if "/messages" in scope.get("path", "") else "openai_chat"
+    body = error_body(api, "too many open connections; retry shortly", 503).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Protocol(H11Protocol):
+    """uvicorn's h11 protocol with deadlines: the request line and headers must be complete within
+    `header_timeout_s` of their first byte (or of the connection's opening), the body within
+    `body_timeout_s` plus one second per `body_min_rate` bytes received, and a client that reads
+    nothing of its answer for `write_timeout_s` is dropped. The subclass made by `protocol_for`
+    carries the settings and the connection cap."""
+
+    cfg: ServeConfig
+    cap: int
+    noted: _Once
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._idle_since = time.monotonic()
+        self._header_timer = self._body_timer = self._write_timer = None
+        self._body_start = 0.0
+        self._body_got = 0
+        self._arm_header_timer()
+        if len(self.connections) > self.cap:
+            self._make_room()
+
+    def connection_lost(self, exc):
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes):
+        was_idle = self._waiting_for_headers()
+        in_body = self.conn.their_state is h11.SEND_BODY
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if in_body:
+            self._body_got += len(data)
+        if was_idle and self._header_timer is None and self._waiting_for_headers():
+            self._arm_header_timer()          # the first byte of a kept-alive connection's next request
+        self._track_state()
+
+    def handle_events(self):
+        super().handle_events()
+        self._track_state()
+
+    def on_response_complete(self):
+        super().on_response_complete()
+        self._idle_since = time.monotonic()
+        self._track_state()
+
+    def pause_writing(self):
+        super().pause_writing()
+        if self._write_timer is None and self.cfg.write_timeout_s > 0:
+            self._write_timer = self.loop.call_later(self.cfg.write_timeout_s, self._drop_reader)
+
+    def resume_writing(self):
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    # -- state -------------------------------------------------------------------------------------
+    def _waiting_for_headers(self) -> bool:
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _idle(self) -> bool:
+        """Nothing in progress: waiting for a request that has not started arriving (a connection
+        with partial headers counts too: it is the slow client the cap makes room against)."""
+        return not self.transport.is_closing() and self._waiting_for_headers()
+
+    def _track_state(self):
+        if self.transport is None or self.transport.is_closing():
+            return
+        state = self.conn.their_state
+        if state is not h11.IDLE and self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        if state is h11.SEND_BODY and self._body_timer is None:
+            self._body_start = time.monotonic()
+            self._body_got = 0
+            self._body_timer = self.loop.call_later(self.cfg.body_timeout_s, self._body_deadline)
+        elif state is not h11.SEND_BODY and self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _cancel_timers(self):
+        for name in ("_header_timer", "_body_timer", "_write_timer"):
+            t = getattr(self, name, None)
+            if t is not None:
+                t.cancel()
+                setattr(self, name, None)
+
+    # -- deadlines -----------------------------------------------------------------------------------
+    def _arm_header_timer(self):
+        if self.cfg.header_timeout_s > 0:
+            self._header_timer = self.loop.call_later(self.cfg.header_timeout_s, self._header_deadline)
+
+    def _header_deadline(self):
+        self._header_timer = None
+        if self.transport.is_closing() or not self._waiting_for_headers():
+            return
+        partial = self.conn.trailing_data[0]
+        if partial:       # a request began: say why it ends (a silent connection just closes)
+            self.transport.write(_json_answer(408, "Request Timeout", partial.split(b"\r\n", 1)[0],
+                                              f"request headers not received within {self.cfg.header_timeout_s:g} s"))
+        self._close()
+
+    def _body_deadline(self):
+        self._body_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+            return
+        allowed = self.cfg.body_timeout_s + self._body_got / max(1, self.cfg.body_min_rate)
+        left = self._body_start + allowed - time.monotonic()
+        if left > 0.001:                      # keeping up the minimum rate: more time
+            self._body_timer = self.loop.call_later(left, self._body_deadline)
+            return
+        if self.cycle is not None and not self.cycle.response_started:
+            path = self.scope.get("raw_path", b"") if self.scope else b""
+            self.transport.write(_json_answer(408, "Request Timeout", path,
+                                              f"request body not received within {allowed:.0f} s"))
+        self._close()
+
+    def _drop_reader(self):
+        self._write_timer = None
+        if self.flow.write_paused and not self.transport.is_closing():
+            self._close()
+
+    def _close(self):
+        self._cancel_timers()
+        with contextlib.suppress(h11.LocalProtocolError):
+            self.conn.send(h11.ConnectionClosed())
+        self.transport.close()
+
+    # -- the cap -------------------------------------------------------------------------------------
+    def _make_room(self):
+        """Over the cap: close the connection idle the longest; with none idle, this one is answered
+        503 (or, far over, closed at once)."""
+        idle = [c for c in self.connections if c is not self and isinstance(c, Protocol) and c._idle()]
+        if idle:
+            oldest = min(idle, key=lambda c: c._idle_since)
+            self.noted("connection cap %d reached: closing the longest idle connections", self.cap)
+            oldest._close()
+            return
+        self.noted("connection cap %d reached with every connection busy: answering 503", self.cap)
+        if len(self.connections) > self.cap + OVERFLOW:
+            self._close()
+        else:
+            self.app = _over_cap_app
+
+
+def protocol_for(cfg: ServeConfig, cap: int) -> type[Protocol]:
+    return type("DS4Protocol", (Protocol,), {"cfg": cfg, "cap": cap, "noted": _Once()})
+
+
+class Server(uvicorn.Server):
+    """uvicorn.Server that records SIGINT/SIGTERM as a request to stop (a second one skips the
+    wait for open requests) and does not re-raise them once stopped: the caller's shutdown (the
+    disk-cache save) must still run, and the process exit 0."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.signals: list[int] = []
+        self._accept_noted = _Once()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {sig: signal.signal(sig, self.handle_exit) for sig in _HANDLED}
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame):
+        self.signals.append(sig)
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def startup(self, sockets=None):
+        asyncio.get_running_loop().set_exception_handler(self._loop_error)
+        await super().startup(sockets=sockets)
+
+    def _loop_error(self, loop, context):
+        exc = context.get("exception")
+        if context.get("message", "").startswith("socket.accept() out of system resource"):
+            # asyncio pauses accepting for a second, but logs a traceback for every attempt (as
+            # many as the backlog, each wake-up): one line says it all
+            self._accept_noted("cannot accept connections: %s (open files limit %d); retrying every "
+                               "second", exc, fd_soft_limit())
+            return
+        loop.default_exception_handler(context)
+
+
+def make_server(app, cfg: ServeConfig, *, graceful_s: float = 10) -> Server:
+    cap = connection_cap(cfg)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, http=protocol_for(cfg, cap), loop="asyncio",
+                            lifespan="off", log_level="warning", backlog=ACCEPT_BACKLOG,
+                            timeout_keep_alive=cfg.idle_timeout_s, timeout_graceful_shutdown=graceful_s)
+    return Server(config)
+
+
+@contextlib.contextmanager
+def quiet_signals(note: str):
+    """While the shutdown save runs: a further SIGINT/SIGTERM is noted, not fatal (the save is a
+    temp file renamed in place, but a killed process loses it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(sig, frame):
+        print(note, flush=True, file=sys.stderr)
+    old = {sig: signal.signal(sig, handler) for sig in _HANDLED}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
