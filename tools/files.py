@@ -10,10 +10,9 @@ from __future__ import annotations
 import bisect
 import os
 import stat
-import subprocess
 from pathlib import Path
 
-from . import views
+from . import gitsafe, views
 from .base import MAX_RESULT_CHARS, Tool, ToolContext, ToolError, ToolResult, register
 from .fileutil import (MAX_FILE_BYTES, SKIP_DIRS, atomic_write, decode, encode, human_size,
                        is_binary, line_ending, load_text, printable, split_lines, strip_eol,
@@ -410,16 +409,8 @@ register(Tool(
 
 def _ignored_dirs(base: Path) -> set[str]:
     """Folders git ignores under base (not expanded by a deep list)."""
-    try:
-        r = subprocess.run(["git", "-C", str(base), "ls-files", "-z", "--others", "--ignored",
-                            "--exclude-standard", "--directory"], capture_output=True, timeout=30,
-                           stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return set()
-    if r.returncode != 0:
-        return set()
-    return {os.path.normpath(base / p.rstrip("/")) for p in
-            r.stdout.decode("utf-8", "surrogateescape").split("\0") if p.endswith("/")}
+    rels = gitsafe.ls_files(base, "--others", "--ignored", "--exclude-standard", "--directory")
+    return {os.path.normpath(base / p.rstrip("/")) for p in rels or () if p.endswith("/")}
 
 
 def _list(args: dict, ctx: ToolContext) -> ToolResult:

@@ -8,9 +8,9 @@ import fnmatch
 import os
 import re
 import stat
-import subprocess
 from pathlib import Path
 
+from . import gitsafe
 from .base import ToolContext, ToolError
 from .safefs import read_inside, write_inside
 
@@ -160,15 +160,7 @@ def glob_matcher(glob: str | None):
 
 
 def _git_files(base: Path) -> list[str] | None:
-    try:
-        r = subprocess.run(["git", "-C", str(base), "ls-files", "-z", "--cached", "--others",
-                            "--exclude-standard"], capture_output=True, timeout=30,
-                           stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if r.returncode != 0:
-        return None
-    return [p for p in r.stdout.decode("utf-8", "surrogateescape").split("\0") if p]
+    return gitsafe.ls_files(base, "--cached", "--others", "--exclude-standard")
 
 
 def project_files(ctx: ToolContext, base: Path) -> tuple[list[Path], bool]:

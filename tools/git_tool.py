@@ -1,44 +1,33 @@
 """git (status, diff, log, show: read-only, no approval) and git_commit (asks approval).
 
 Two tools rather than one with a `commit` subcommand, so that approval is a property of the tool:
-the caller asks before git_commit and never before reading history. Commands run through
-GitPython's git wrapper in the project directory, without colour, pager or external diff tools.
+the caller asks before git_commit and never before reading history. Every command goes through
+tools.gitsafe (no program the repository names is ever run: fsmonitor, textconv, filters, hooks,
+pagers, gpg, transports), and every revision argument through tools.gitrevs (no file outside the
+project is shown when the project is a subfolder of a larger repository).
 """
 from __future__ import annotations
 
 import os
 
+from . import gitrevs, gitsafe
 from .base import MAX_RESULT_CHARS, Tool, ToolContext, ToolError, ToolResult, register, truncate
 
-try:
-    import git as _gitpython
-except ImportError:       # pragma: no cover - gitpython is a dependency; say so if it is missing
-    _gitpython = None
 
-GIT_TIMEOUT = 60
-
-
-def _git_cmd(ctx: ToolContext):
-    if _gitpython is None:
-        raise ToolError("the git tool needs the gitpython package, which is not installed")
+def _git_cmd(ctx: ToolContext) -> gitsafe.Git:
     try:
-        _gitpython.Repo(ctx.root, search_parent_directories=True)
-    except (_gitpython.InvalidGitRepositoryError, _gitpython.NoSuchPathError):
+        return gitsafe.Git(ctx.root)
+    except gitsafe.NotARepository:
         raise ToolError("the project directory is not inside a git repository") from None
-    except _gitpython.GitCommandNotFound:
-        raise ToolError("git is not installed") from None
-    return _gitpython.Git(str(ctx.root))
+    except gitsafe.GitError as e:
+        raise ToolError(str(e)) from None
 
 
-def _run(g, *args: str, ok=(0,)) -> tuple[int, str]:
-    cmd = ["git", "-c", "color.ui=false", "-c", "core.quotepath=false", *args]
+def _run(g: gitsafe.Git, *args: str, ok=(0,)) -> tuple[int, str]:
     try:
-        status, out, err = g.execute(cmd, with_extended_output=True, with_exceptions=False,
-                                     kill_after_timeout=GIT_TIMEOUT, stdout_as_string=True,
-                                     env={"GIT_PAGER": "cat", "GIT_TERMINAL_PROMPT": "0",
-                                          "GIT_EDITOR": "true"})
-    except _gitpython.GitCommandNotFound:
-        raise ToolError("git is not installed") from None
+        status, out, err = g.text(*args)
+    except gitsafe.GitError as e:
+        raise ToolError(str(e)) from None
     if status not in ok:
         msg = (err or out or "").strip() or f"exit status {status}"
         raise ToolError(f"git {args[0]} failed: {msg}")
@@ -61,6 +50,16 @@ def _paths(ctx: ToolContext, paths: list[str]) -> list[str]:
     return [os.path.relpath(ctx.resolve(p), root) for p in paths]
 
 
+def _scope(g: gitsafe.Git, ctx: ToolContext, args: dict) -> list[str]:
+    """The pathspec: the path asked for, else the project when it is a subfolder of the
+    repository (so diffs, logs and commits never show a file outside it)."""
+    if args.get("path"):
+        return ["--", *_paths(ctx, [args["path"]])]
+    if g.prefix and not ctx.allow_outside:
+        return ["--", "."]
+    return []
+
+
 def _clip(text: str, hint: str) -> tuple[str, bool]:
     return truncate(text, MAX_RESULT_CHARS, where=hint)
 
@@ -70,64 +69,84 @@ def _clip(text: str, hint: str) -> tuple[str, bool]:
 def _git(args: dict, ctx: ToolContext) -> ToolResult:
     g = _git_cmd(ctx)
     sub = args["subcommand"]
-    refs = _refs(args.get("ref"))
-    paths = ["--", *_paths(ctx, [args["path"]])] if args.get("path") else []
-    stat = args.get("stat", False)
+    refs, objects = gitrevs.confine(g, _refs(args.get("ref")), sub, allow_outside=ctx.allow_outside)
+    scope = _scope(g, ctx, args)
     if args.get("staged") and sub != "diff":
         raise ToolError("staged applies to subcommand=diff only")
     if args.get("max_count") is not None and sub != "log":
         raise ToolError("max_count applies to subcommand=log only")
-
     if sub == "status":
         if refs:
             raise ToolError("status takes no ref")
-        _, out = _run(g, "status", "--short", "--branch", *paths)
-        lines = out.splitlines()
-        if len(lines) <= 1:
-            out += "\n(nothing to commit: the working tree is clean)"
-        else:
-            out += ("\n(XY codes: X = staged, Y = not staged; M modified, A added, D deleted, "
-                    "R renamed, ?? untracked)")
-        text, cut = _clip(out, "give path= to narrow it")
-        return ToolResult(text, truncated=cut)
-
+        return _status(g, scope)
     if sub == "diff":
-        cmd = ["diff", "--no-ext-diff", "--no-color"]
-        if args.get("staged"):
-            cmd.append("--cached")
-        if stat:
-            cmd.append("--stat")
-        _, out = _run(g, *cmd, *refs, *paths)
-        if not out.strip():
-            what = ("the index (staged) vs HEAD" if args.get("staged") else
-                    f"the working tree vs {' '.join(refs)}" if refs else
-                    "the working tree vs the index (unstaged changes; staged=true shows staged ones)")
-            return ToolResult(f"no differences: {what}; untracked files are not shown by diff")
-        text, cut = _clip(out, "use stat=true for a summary or path= to narrow it")
-        return ToolResult(text, truncated=cut)
-
+        return _diff(g, args, refs, objects, scope)
     if sub == "log":
-        n = args.get("max_count", 20)
-        # \x1e starts each commit, so commits can be counted with or without --stat; one more
-        # than asked for is fetched to know whether there are more
-        cmd = ["log", f"--max-count={n + 1}", "--date=short", "--format=%x1e%h %ad %an%d: %s"]
-        if stat:
-            cmd.append("--stat")
-        _, out = _run(g, *cmd, *refs, *paths)
-        entries = [e.strip("\n") for e in out.split("\x1e") if e.strip()]
-        if not entries:
-            return ToolResult("no commits" + (" touching that path" if paths else ""))
-        text, cut = _clip(("\n\n" if stat else "\n").join(entries[:n]), "lower max_count or give path=")
-        if len(entries) > n:
-            text += f"\n[... truncated: older commits not shown; raise max_count (now {n}) or give ref= ...]"
-            cut = True
-        return ToolResult(text, truncated=cut)
-
-    # show
-    cmd = ["show", "--no-ext-diff", "--no-color", "--format=fuller"]
-    cmd += ["--stat"] if stat else ["--stat", "--patch"]
-    _, out = _run(g, *cmd, *(refs or ["HEAD"]), *paths)
+        if objects:
+            raise ToolError("log takes revisions, not REV:path (give path= to limit it to a file)")
+        return _log(g, args, refs, scope)
+    cmd = ["show", "--no-color", "--format=fuller"]
+    cmd += ["--stat"] if args.get("stat") else ["--stat", "--patch"]
+    _, out = _run(g, *cmd, *(refs or ["HEAD"]), *scope)
     text, cut = _clip(out, "use stat=true or path= to narrow it")
+    return ToolResult(text, truncated=cut)
+
+
+def _status(g: gitsafe.Git, scope: list[str]) -> ToolResult:
+    # the repository's status.showUntrackedFiles cannot hide untracked files (or list every one);
+    # submodules are not entered (each would be a repository with its own config)
+    _, out = _run(g, "status", "--short", "--branch", "--untracked-files=normal",
+                  "--ignore-submodules=dirty", *scope)
+    lines = out.splitlines()
+    if len(lines) <= 1:
+        out += "\n(nothing to commit: the working tree is clean)"
+    else:
+        out += ("\n(XY codes: X = staged, Y = not staged; M modified, A added, D deleted, "
+                "R renamed, ?? untracked)")
+    text, cut = _clip(out, "give path= to narrow it")
+    return ToolResult(text, truncated=cut)
+
+
+def _diff(g: gitsafe.Git, args: dict, refs: list[str], objects: int, scope: list[str]) -> ToolResult:
+    if objects:
+        # two files or folders as of revisions (REV:path REV:path) compare with each other only;
+        # a single tree would be compared with the whole work tree, outside files included
+        if objects != 2 or len(refs) != 2 or args.get("path") or args.get("staged"):
+            raise ToolError("REV:path works in diff only as a pair (ref=\"HEAD~1:a.py HEAD:a.py\"), "
+                            "without path= or staged; to compare a file with a revision give ref=REV "
+                            "and path=FILE")
+        scope = []
+    cmd = ["diff", "--no-color", "--ignore-submodules=dirty"]
+    if args.get("staged"):
+        cmd.append("--cached")
+    if args.get("stat"):
+        cmd.append("--stat")
+    _, out = _run(g, *cmd, *refs, *scope)
+    if not out.strip():
+        what = ("the index (staged) vs HEAD" if args.get("staged") else
+                f"the working tree vs {' '.join(refs)}" if refs else
+                "the working tree vs the index (unstaged changes; staged=true shows staged ones)")
+        return ToolResult(f"no differences: {what}; untracked files are not shown by diff")
+    text, cut = _clip(out, "use stat=true for a summary or path= to narrow it")
+    return ToolResult(text, truncated=cut)
+
+
+def _log(g: gitsafe.Git, args: dict, refs: list[str], scope: list[str]) -> ToolResult:
+    n = args.get("max_count", 20)
+    stat = args.get("stat", False)
+    # \x1e starts each commit, so commits can be counted with or without --stat; one more
+    # than asked for is fetched to know whether there are more
+    cmd = ["log", f"--max-count={n + 1}", "--date=short", "--format=%x1e%h %ad %an%d: %s"]
+    if stat:
+        cmd.append("--stat")
+    _, out = _run(g, *cmd, *refs, *scope)
+    entries = [e.strip("\n") for e in out.split("\x1e") if e.strip()]
+    if not entries:
+        return ToolResult("no commits" + (" touching that path" if args.get("path") else ""))
+    text, cut = _clip(("\n\n" if stat else "\n").join(entries[:n]), "lower max_count or give path=")
+    if len(entries) > n:
+        text += f"\n[... truncated: older commits not shown; raise max_count (now {n}) or give ref= ...]"
+        cut = True
     return ToolResult(text, truncated=cut)
 
 
@@ -139,7 +158,8 @@ register(Tool(
         "staged=true for staged ones; ref=REV compares the working tree with REV, ref=\"A B\" or "
         "\"A..B\" two revisions), `log` (recent commits, one line each: hash date author: "
         "subject; max_count, default 20), `show` (a commit's message, stats and patch; ref "
-        "default HEAD; ref=REV:path shows a file as of REV). path limits any of them to a file or "
+        "default HEAD; ref=REV:path shows a file as of REV: the path starts at the repository's "
+        "root, REV:./path at the project). path limits any of them to a file or "
         "folder; stat=true gives per-file change counts instead of patches. Long output is cut "
         "with a `[... truncated ...]` marker. To commit use git_commit."),
     parameters={
@@ -171,16 +191,19 @@ def _git_commit(args: dict, ctx: ToolContext) -> ToolResult:
     paths = args.get("paths") or []
     if paths:
         _run(g, "add", "--all", "--", *_paths(ctx, paths))
+    project = _scope(g, ctx, {})             # in a larger repository: only the project's files
     if args.get("all"):
-        _run(g, "add", "--update")          # every change to tracked files, no untracked ones
+        _run(g, "add", "--update", *project)   # every change to tracked files, no untracked ones
     status, _ = _run(g, "diff", "--cached", "--quiet", ok=(0, 1))
     if status == 0:
         raise ToolError("nothing is staged to commit; pass paths=[...] (files to add) or all=true "
                         "(all changes to tracked files)")
-    _run(g, "commit", f"--message={message}")
+    # no hook runs (gitsafe points core.hooksPath at nothing; --no-verify says it here too) and
+    # nothing is signed: the user approved a commit, not the repository's programs
+    _run(g, "commit", "--no-verify", f"--message={message}")
     _, head = _run(g, "log", "-1", "--format=%h %D: %s")
     _, summary = _run(g, "show", "--stat", "--format=", "HEAD")
-    _, patch = _run(g, "show", "--no-ext-diff", "--no-color", "--format=", "HEAD")
+    _, patch = _run(g, "show", "--no-color", "--format=", "HEAD", *project)
     text, cut = _clip(f"Committed {head.strip()}\n{summary.strip()}", "")
     return ToolResult(text, truncated=cut, diff=truncate(patch, 200_000)[0] or None)
 

@@ -1,0 +1,243 @@
+"""Every git command the agent and its tools run: one place that builds the command line and the
+environment, so that nothing a repository chooses is executed.
+
+A repository's own configuration (.git/config, files it includes, .gitattributes) can name programs
+git runs on its behalf: core.fsmonitor on every status, textconv and external diff drivers on diffs,
+clean/smudge/process filters when a dirty file is compared, hooks when the index or a ref is
+written, pagers, editors, gpg to check signatures, ssh/proxy/credential helpers on any transport
+(a partial clone fetches missing objects lazily, even for `show`). Opening the agent in a cloned
+repository must not run any of them, so every call here:
+
+- starts from the caller's environment minus every GIT_* variable (GIT_DIR, GIT_EXTERNAL_DIFF,
+  GIT_SSH_COMMAND, GIT_TRACE=<file> ...), keeping only the ones that choose the user's own config
+  files and identity (_KEEP_ENV);
+- overrides, at the highest precedence (GIT_CONFIG_COUNT, the environment form of `-c`, which also
+  reaches any git that git itself starts), every key that names a program, with a value that runs
+  nothing; drivers are named by the repository (filter.<name>.*, diff.<name>.*), so their names
+  are read first with `git config --list --name-only` (reading config runs nothing) and each is
+  overridden;
+- passes --no-textconv --no-ext-diff (and --no-show-signature) to the commands that make diffs;
+- sets GIT_WORK_TREE to the folder that holds `.git`, so a repository's core.worktree cannot point
+  the work tree at the user's home (a diff would then print files from there);
+- forbids every transport (protocol.allow=never), writes no optional lock (status does not rewrite
+  the index), and reads pathspecs literally (a path argument cannot smuggle `:(top)` magic).
+
+The user's global and system config are kept (identity for commits, safe.directory); the keys
+above are overridden there too. This module imports nothing of ours: tools/ stands alone.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+GIT_TIMEOUT = 60
+
+# The GIT_* variables that may pass through: they choose which of the user's own config files are
+# read, limit repository discovery, or give the commit identity. Nothing here names a program.
+_KEEP_ENV = {"GIT_CONFIG_GLOBAL", "GIT_CONFIG_SYSTEM", "GIT_CONFIG_NOSYSTEM",
+             "GIT_CEILING_DIRECTORIES", "GIT_DISCOVERY_ACROSS_FILESYSTEM",
+             "GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"}
+
+# Keys that run a program, with a value that runs none (an empty value is not always "unset" to
+# git: an empty diff.external or textconv is an attempt to run "", hence `false`/`cat` below).
+FIXED_CONFIG: tuple[tuple[str, str], ...] = (
+    ("core.fsmonitor", "false"),
+    ("core.hooksPath", os.devnull),            # no hook can be found under /dev/null/
+    ("core.pager", "cat"),
+    ("core.editor", "true"),
+    ("sequence.editor", "true"),
+    ("core.askPass", ""),                      # empty: no askpass program at all
+    ("core.sshCommand", "false"),
+    ("core.gitProxy", "none"),
+    ("core.alternateRefsCommand", "true"),
+    ("credential.helper", ""),                 # empty resets the list of helpers
+    ("protocol.allow", "never"),               # no transport: no ssh, proxy, remote helper, ext::
+    ("log.showSignature", "false"),
+    ("commit.gpgSign", "false"),
+    ("tag.gpgSign", "false"),
+    ("gpg.program", "false"),
+    ("gpg.openpgp.program", "false"),
+    ("gpg.x509.program", "false"),
+    ("gpg.ssh.program", "false"),
+    ("gpg.ssh.defaultKeyCommand", "false"),
+    ("submodule.recurse", "false"),
+    ("status.submoduleSummary", "false"),
+    ("gc.auto", "0"),                          # a commit would start `git maintenance` / gc
+    ("maintenance.auto", "false"),
+    ("color.ui", "false"),
+    ("core.quotePath", "false"),
+)
+
+# Per-driver keys found in the effective config, and what each becomes (pager.<command> becomes
+# false). An empty filter command is "no filter" to git; required=false keeps a disabled filter
+# from failing the command.
+_DRIVER_CONFIG = {
+    "filter": {"clean": "", "smudge": "", "process": "", "required": "false"},
+    "diff": {"textconv": "cat", "command": "true"},
+    "merge": {"driver": "false"},
+    "credential": {"helper": ""},
+    "remote": {"uploadpack": "false", "receivepack": "false", "vcs": "none"},
+    "difftool": {"cmd": "false"}, "mergetool": {"cmd": "false"},
+    "trailer": {"command": "false", "cmd": "false"},
+}
+
+# Commands that can show a diff: git's own flags keep textconv, external diff and gpg out.
+_DIFF_COMMANDS = {"diff": ["--no-textconv", "--no-ext-diff"],
+                  "log": ["--no-textconv", "--no-ext-diff", "--no-show-signature"],
+                  "show": ["--no-textconv", "--no-ext-diff", "--no-show-signature"]}
+
+
+class GitError(Exception):
+    """git cannot be run here; the message says why in words a user can act on."""
+
+
+class GitMissing(GitError):
+    pass
+
+
+class NotARepository(GitError):
+    pass
+
+
+class GitTimeout(GitError):
+    pass
+
+
+def find_worktree(start: Path) -> Path | None:
+    """The nearest folder at or above `start` holding a `.git` folder (with HEAD) or a `gitdir:`
+    file, the way git discovers a repository."""
+    p = Path(os.path.realpath(start))
+    for d in (p, *p.parents):
+        dotgit = d / ".git"
+        try:
+            if dotgit.is_dir() and (dotgit / "HEAD").exists():
+                return d
+            if dotgit.is_file():
+                with open(dotgit, "rb") as f:
+                    if f.read(8) == b"gitdir: ":
+                        return d
+        except OSError:
+            continue
+    return None
+
+
+def driver_overrides(names: list[str]) -> list[tuple[str, str]]:
+    """For each driver key (`section.<name>.key`, or `pager.<command>`) among the config `names`,
+    the override that disables it."""
+    out: list[tuple[str, str]] = []
+    for name in names:
+        section, _, rest = name.partition(".")
+        sub, _, key = rest.rpartition(".")
+        section, key = section.lower(), key.lower()
+        if section == "pager":
+            pairs = [] if sub else [(f"pager.{rest}", "false")]
+        elif section == "filter" and sub:
+            pairs = [(f"filter.{sub}.{k}", v) for k, v in _DRIVER_CONFIG["filter"].items()]
+        elif sub and key in (_DRIVER_CONFIG.get(section) or {}):
+            pairs = [(f"{section}.{sub}.{key}", _DRIVER_CONFIG[section][key])]
+        else:
+            pairs = []
+        out += [p for p in pairs if p not in out]
+    return out
+
+
+def _config_env(base: dict, pairs: list[tuple[str, str]]) -> dict:
+    env = dict(base)
+    env["GIT_CONFIG_COUNT"] = str(len(pairs))
+    for i, (k, v) in enumerate(pairs):
+        env[f"GIT_CONFIG_KEY_{i}"] = k
+        env[f"GIT_CONFIG_VALUE_{i}"] = v
+    return env
+
+
+def base_env(worktree: Path | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") or k in _KEEP_ENV}
+    env.update({"GIT_TERMINAL_PROMPT": "0", "GIT_PAGER": "cat", "PAGER": "cat",
+                "GIT_EDITOR": "true", "GIT_SEQUENCE_EDITOR": "true", "GIT_ASKPASS": "",
+                "GIT_OPTIONAL_LOCKS": "0", "GIT_LITERAL_PATHSPECS": "1", "GIT_NO_LAZY_FETCH": "1",
+                "GIT_PROTOCOL_FROM_USER": "0", "GIT_NO_REPLACE_OBJECTS": "1"})
+    if worktree is not None:
+        env["GIT_WORK_TREE"] = str(worktree)
+    return env
+
+
+def _spawn(args: list[str], cwd: Path, env: dict, timeout: float,
+           input: bytes | None) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE,
+                                stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                                start_new_session=True)
+    except FileNotFoundError:
+        raise GitMissing("git is not installed") from None
+    except OSError as e:
+        raise GitError(f"git could not be started: {e.strerror or e}") from None
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:                    # git and anything it started: the whole group
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.communicate()
+        raise GitTimeout(f"git {args[1] if len(args) > 1 else ''} took longer than {timeout:g} s "
+                         "and was stopped") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+class Git:
+    """git in one folder of a work tree, made safe (see the module's doc). Raises GitMissing or
+    NotARepository when there is nothing to run."""
+
+    def __init__(self, cwd: Path | str, *, timeout: float = GIT_TIMEOUT):
+        self.cwd = Path(os.path.realpath(cwd))
+        self.timeout = timeout
+        if shutil.which("git") is None:
+            raise GitMissing("git is not installed")
+        top = find_worktree(self.cwd)
+        if top is None:
+            raise NotARepository(f"{self.cwd} is not inside a git work tree")
+        self.top = top
+        rel = os.path.relpath(self.cwd, top)
+        self.prefix = "" if rel == "." else Path(rel).as_posix()   # the cwd inside the repository
+        base = base_env(top)
+        names = self._config_names(_config_env(base, list(FIXED_CONFIG)))
+        self.env = _config_env(base, [*FIXED_CONFIG, *driver_overrides(names)])
+
+    def _config_names(self, env: dict) -> list[str]:
+        r = _spawn(["git", "config", "--list", "--name-only", "-z"], self.cwd, env, self.timeout, None)
+        if r.returncode != 0:     # a broken config: run nothing rather than run unprotected
+            msg = r.stderr.decode("utf-8", "replace").strip() or f"exit status {r.returncode}"
+            raise GitError(f"git cannot read this repository's configuration: {msg}")
+        return [n for n in r.stdout.decode("utf-8", "surrogateescape").split("\0") if n]
+
+    def command(self, *args: str) -> list[str]:
+        """The full command line for `git <args>`."""
+        args = list(args)
+        if args and args[0] in _DIFF_COMMANDS:
+            args[1:1] = _DIFF_COMMANDS[args[0]]
+        return ["git", "--no-pager", *args]
+
+    def run(self, *args: str, input: bytes | None = None) -> subprocess.CompletedProcess:
+        """`git <args>` in cwd; stdout/stderr as bytes. Raises GitTimeout past the time limit."""
+        return _spawn(self.command(*args), self.cwd, self.env, self.timeout, input)
+
+    def text(self, *args: str, input: bytes | None = None) -> tuple[int, str, str]:
+        r = self.run(*args, input=input)
+        return (r.returncode, r.stdout.decode("utf-8", "replace"),
+                r.stderr.decode("utf-8", "replace"))
+
+
+def ls_files(base: Path, *args: str, timeout: float = 30) -> list[str] | None:
+    """`git ls-files -z <args>` under base: the NUL-separated names (relative to base), or None
+    when base is not in a work tree or git fails."""
+    try:
+        r = Git(base, timeout=timeout).run("ls-files", "-z", *args)
+    except GitError:
+        return None
+    if r.returncode != 0:
+        return None
+    return [p for p in r.stdout.decode("utf-8", "surrogateescape").split("\0") if p]
