@@ -302,6 +302,30 @@ def test_no_repository_program_runs(tmp_path, monkeypatch, case):
     assert "changed" in results["diff"].text
 
 
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*")}
+
+
+def test_read_only_tools_write_nothing(tmp_path):
+    """Porcelain `git diff` and `git status` rewrite .git/index when a file's stat changed."""
+    r = make_repo(tmp_path)
+    (r.root / "c.txt").write_text("same\n")
+    r.git("add", "c.txt")
+    os.utime(r.root / "c.txt", (1_500_000_000, 1_500_000_000))   # stat-dirty, content clean
+    before = snapshot(r.root)
+    ctx = ToolContext(root=r.root)
+    for args in ({"subcommand": "status"}, {"subcommand": "diff"}, {"subcommand": "diff", "ref": "HEAD"},
+                 {"subcommand": "diff", "stat": True}, {"subcommand": "diff", "staged": True},
+                 {"subcommand": "log"}, {"subcommand": "show"}):
+        assert call("git", args, ctx).ok
+        assert snapshot(r.root) == before, args
+    for name, args in (("search", {"pattern": "e"}), ("list", {"path": ".", "depth": 3}),
+                       ("outline", {"path": "."})):
+        assert call(name, args, ctx).ok
+    git_summary(r.root)
+    assert snapshot(r.root) == before
+
+
 def test_status_is_not_hidden_by_the_repository(tmp_path):
     r = make_repo(tmp_path)
     r.config("status.showUntrackedFiles", "no")

@@ -116,11 +116,15 @@ def _diff(g: gitsafe.Git, args: dict, refs: list[str], objects: int, scope: list
                             "without path= or staged; to compare a file with a revision give ref=REV "
                             "and path=FILE")
         scope = []
-    cmd = ["diff", "--no-color", "--ignore-submodules=dirty"]
-    if args.get("staged"):
-        cmd.append("--cached")
-    if args.get("stat"):
-        cmd.append("--stat")
+    # the work tree is compared by git's plumbing (diff-files, diff-index): porcelain `git diff`
+    # rewrites .git/index when a file's stat changed but not its content, and a read-only tool
+    # writes nothing
+    worktree = not args.get("staged") and (not refs or len(refs) == 1 and ".." not in refs[0])
+    if worktree and not objects:
+        cmd = ["diff-index" if refs else "diff-files", "-M"]
+    else:
+        cmd = ["diff", "--cached"] if args.get("staged") else ["diff"]
+    cmd += ["--no-color", "--ignore-submodules=dirty", "--stat" if args.get("stat") else "-p"]
     _, out = _run(g, *cmd, *refs, *scope)
     if not out.strip():
         what = ("the index (staged) vs HEAD" if args.get("staged") else

@@ -86,6 +86,8 @@ _DRIVER_CONFIG = {
 
 # Commands that can show a diff: git's own flags keep textconv, external diff and gpg out.
 _DIFF_COMMANDS = {"diff": ["--no-textconv", "--no-ext-diff"],
+                  "diff-files": ["--no-textconv", "--no-ext-diff"],
+                  "diff-index": ["--no-textconv", "--no-ext-diff"],
                   "log": ["--no-textconv", "--no-ext-diff", "--no-show-signature"],
                   "show": ["--no-textconv", "--no-ext-diff", "--no-show-signature"]}
 
