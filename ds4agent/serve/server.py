@@ -36,7 +36,10 @@ FD_RESERVE = 64
 # Connections over the cap while none is idle: answered 503 (they need their headers read first);
 # past this many more, closed at once so the fds stay bounded whatever clients do.
 OVERFLOW = 16
-ACCEPT_BACKLOG = 256         # listen() queue; also how many accepts asyncio tries per wake-up
+# listen() queue, and how many connections asyncio accepts in one go before any of them reaches
+# the cap check (which runs a loop iteration later; a closed socket is released one after that):
+# the cap leaves room for two such bursts
+ACCEPT_BACKLOG = 64
 LOG_EVERY_S = 60.0           # one line per condition (cap reached, fd limit) at most this often
 _HANDLED = (signal.SIGINT, signal.SIGTERM)
 
@@ -49,7 +52,7 @@ def fd_soft_limit() -> int:
 def connection_cap(cfg: ServeConfig, soft_limit: int | None = None) -> int:
     """--max-connections, kept below the open-files limit with room for the process's own files."""
     soft = fd_soft_limit() if soft_limit is None else soft_limit
-    room = soft - FD_RESERVE - OVERFLOW
+    room = soft - FD_RESERVE - OVERFLOW - 2 * ACCEPT_BACKLOG
     cap = min(cfg.max_connections, room)
     if cap < cfg.max_connections:
         log.warning("open files limit %d: at most %d connections (--max-connections %d)",
@@ -115,7 +118,7 @@ class Protocol(H11Protocol):
         self._body_start = 0.0
         self._body_got = 0
         self._arm_header_timer()
-        if len(self.connections) > self.cap:
+        if len(self.connections) > self.cap and self._open_count() > self.cap:
             self._make_room()
 
     def connection_lost(self, exc):
@@ -157,6 +160,10 @@ class Protocol(H11Protocol):
     # -- state -------------------------------------------------------------------------------------
     def _waiting_for_headers(self) -> bool:
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _open_count(self) -> int:
+        """Connections not already closing (one closed stays listed until its socket is gone)."""
+        return sum(1 for c in self.connections if c.transport is not None and not c.transport.is_closing())
 
     def _idle(self) -> bool:
         """Nothing in progress: waiting for a request that has not started arriving (a connection
@@ -237,7 +244,7 @@ class Protocol(H11Protocol):
             oldest._close()
             return
         self.noted("connection cap %d reached with every connection busy: answering 503", self.cap)
-        if len(self.connections) > self.cap + OVERFLOW:
+        if self._open_count() > self.cap + OVERFLOW:
             self._close()
         else:
             self.app = _over_cap_app
