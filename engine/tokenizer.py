@@ -29,6 +29,7 @@ THINK, THINK_END = "<think>", "</think>"
 DSML = "｜DSML｜"
 MARKERS = (BOS, EOS, USER, ASSISTANT, THINK, THINK_END, DSML)  # ds4's match order
 PARALLEL_FROM = 32 * 1024                  # characters; shorter text is encoded in one call
+GROUP_CHARS = 8 * PARALLEL_FROM            # characters of long text encoded together
 _SAFE_CUT = re.compile(r"(?<=\n)(?=\S)")
 
 SPLIT_PATTERNS = (
@@ -106,21 +107,48 @@ class Tokenizer:
     # -- encode --------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text: the seven markers anywhere, byte-level BPE for the rest."""
+        return self.encode_upto(text, None)[0]
+
+    def encode_upto(self, text: str, limit: int | None) -> tuple[list[int], bool]:
+        """(ids, complete): the text's tokens, or, once at least `limit` are known, only the
+        first of them (complete False). A prompt that cannot fit is refused at that point."""
         if len(text) <= PARALLEL_FROM:
-            return self._hf.encode(text, add_special_tokens=False).ids
+            return self._hf.encode(text, add_special_tokens=False).ids, True
         # Long text: cut where the pre-tokenizer always cuts (a newline followed by a character
         # that is not whitespace: no split pattern and no marker crosses that point), then let
-        # the library encode the pieces on all cores.
+        # the library encode the pieces on all cores, a group at a time: the library's
+        # per-token records cost ~200 bytes a character, so a whole 10 MB text at once peaked
+        # near 2 GB.
         parts, start = [], 0
         for m in _SAFE_CUT.finditer(text, PARALLEL_FROM // 2):
             if m.start() - start >= PARALLEL_FROM // 2:
-                parts.append(text[start:m.start()])
+                parts.append((start, m.start()))
                 start = m.start()
-        parts.append(text[start:])
+        parts.append((start, len(text)))
         out: list[int] = []
-        for e in self._hf.encode_batch(parts, add_special_tokens=False):
-            out.extend(e.ids)
-        return out
+        i = 0
+        while i < len(parts):
+            j, size = i, 0
+            while j < len(parts) and (j == i or size < GROUP_CHARS):
+                size += parts[j][1] - parts[j][0]
+                j += 1
+            for e in self._hf.encode_batch([text[a:b] for a, b in parts[i:j]], add_special_tokens=False):
+                out.extend(e.ids)
+            i = j
+            if limit is not None and len(out) >= limit and i < len(parts):
+                return out, False
+        return out, True
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for, so a text of n characters has
+        at least n / max_token_chars tokens: the longest vocabulary string's UTF-8 length (a
+        byte-level string is never shorter than the bytes it stands for, a marker is matched as
+        its own text, and a character is at least one byte). None when some byte has no token of
+        its own: BPE would then drop characters, and no such bound holds."""
+        if any(ch not in self.id_of for ch in bytes_to_unicode().values()):
+            return None
+        return max(len(s.encode("utf-8")) for s in self.tokens)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]

@@ -22,11 +22,12 @@ class RequestError(ValueError):
 
 
 class ContextLengthError(RequestError):
-    """The tokenized prompt does not leave one free slot (`n_prompt >= n_ctx`)."""
+    """The tokenized prompt does not leave one free slot (`n_prompt >= n_ctx`). `at_least`: the
+    prompt was refused before all of it was tokenized, and n_prompt_tokens is a lower bound."""
 
-    def __init__(self, n_prompt_tokens: int, n_ctx: int):
-        super().__init__(f"Prompt has {n_prompt_tokens} tokens, but the configured context size "
-                         f"is {n_ctx} tokens", 400)
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, at_least: bool = False):
+        super().__init__(f"Prompt has {'at least ' if at_least else ''}{n_prompt_tokens} tokens, "
+                         f"but the configured context size is {n_ctx} tokens", 400)
         self.n_prompt_tokens = n_prompt_tokens
         self.n_ctx = n_ctx
 

@@ -607,6 +607,80 @@ def test_fuzz_anthropic_schema(srv):
     ])
 
 
+# ------------------------------------------------------------------------------------------
+# Strings that are not Unicode: a lone UTF-16 surrogate anywhere in any body
+
+_SCHEMAS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/responses": RESPONSES,
+            "/v1/messages": ANTHROPIC}
+_LONE = ["\ud800", "\udbff", "\udc00", "\udfff", "\ud83d"]
+
+
+def _string_sites(v, prefix=()):
+    """Paths of every string in a body: values, and dict keys as (..., ("key", k))."""
+    if isinstance(v, str):
+        yield prefix
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            yield prefix + (("key", k),)
+            yield from _string_sites(x, prefix + (k,))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            yield from _string_sites(x, prefix + (i,))
+
+
+def _poison(v, site, lone: str, at: float):
+    if not site:
+        i = int(len(v) * at)
+        return v[:i] + lone + v[i:]
+    head, rest = site[0], site[1:]
+    if isinstance(head, tuple):                    # a key
+        return {(_poison(k, (), lone, at) if k == head[1] else k): x for k, x in v.items()}
+    out = dict(v) if isinstance(v, dict) else list(v)
+    out[head] = _poison(v[head], rest, lone, at)
+    return out
+
+
+@st.composite
+def surrogate_requests(draw):
+    """(path, body, ascii): a schema-shaped body with one lone surrogate put into one of its
+    strings (stop words, tool names and arguments, system and message text, model, tool_choice
+    names, keys...), streamed or not. Written as a `\\uXXXX` escape (ascii) or as the raw
+    3-byte form that is not UTF-8."""
+    path = draw(st.sampled_from(list(POSTS)))
+    body = draw(_SCHEMAS[path])
+    body["stream"] = draw(st.booleans())
+    sites = list(_string_sites(body))
+    lone = draw(st.sampled_from(_LONE))
+    if sites:
+        body = _poison(body, draw(st.sampled_from(sites)), lone, draw(st.floats(0, 1)))
+    else:
+        body["x" + lone] = 1
+    return path, body, draw(st.booleans())
+
+
+def test_fuzz_lone_surrogates_in_any_string(srv):
+    before = srv.shim.worker.stats["requests"]
+
+    @fuzz(300)
+    @given(req=surrogate_requests())
+    @example(req=("/v1/completions", {"prompt": "x", "stream": True, "stop": ["\ud800"]}, False))
+    @example(req=("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": "\ud800"}, True))
+    @example(req=("/v1/messages", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                                   "stop_sequences": ["\udfff"], "stream": True}, True))
+    def run(req):
+        path, body, ascii_ = req
+        with srv.client.stream("POST", path, content=dumps(body, ascii_)) as r:
+            data = r.read()
+        check("POST", path, r.status_code, r.headers, data)
+        assert r.status_code == 400, data[:300]
+        msg = json.loads(data)["error"]["message"]
+        assert ("surrogate" if ascii_ else "not valid UTF-8") in msg, msg
+
+    run()
+    assert srv.shim.worker.stats["requests"] == before      # none reached the worker
+    srv.healthy()
+
+
 def test_fuzz_tools_every_endpoint(srv):
     statuses: Counter = Counter()
 
@@ -765,7 +839,8 @@ _CTYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded"
 
 @st.composite
 def surface(draw):
-    method = draw(st.sampled_from(["GET", "POST", "POST", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]))
+    method = draw(st.sampled_from(["GET", "POST", "POST", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD",
+                                   "TRACE", "PROPFIND"]))
     path = draw(st.one_of(st.sampled_from(_PATHS),
                           st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7e, exclude_characters="#?%"),
                                   max_size=20).map(lambda s: "/" + s)))
@@ -777,7 +852,8 @@ def surface(draw):
         headers["content-type"] = ctype
     for k, v in draw(st.lists(st.sampled_from([("authorization", "Bearer x"), ("x-api-key", "k"),
                                                ("accept", "text/event-stream"), ("anthropic-version", "2023-06-01"),
-                                               ("accept-encoding", "gzip"), ("origin", "http://x")]),
+                                               ("accept-encoding", "gzip"), ("origin", "http://x"),
+                                               ("host", "rebind.evil.example"), ("sec-fetch-site", "cross-site")]),
                               max_size=3)):
         headers[k] = v
     chunked = draw(st.booleans())
@@ -795,6 +871,10 @@ def test_fuzz_http_surface(srv):
     @example(req=("OPTIONS", "/v1/messages", b"", {}, False))
     @example(req=("HEAD", "/v1/models", b"", {}, False))
     @example(req=("DELETE", "/nowhere", b"x", {}, False))
+    @example(req=("TRACE", "/v1/chat/completions", b"", {}, False))
+    @example(req=("HEAD", "/v1/messages", b"", {}, False))
+    @example(req=("POST", "/v1/messages", b"{}", {"host": "rebind.evil.example"}, False))
+    @example(req=("POST", "/v1/chat/completions", b"{}", {"origin": "http://x", "content-type": "text/plain"}, False))
     def run(req):
         method, path, body, headers, chunked = req
         content = iter([body[:len(body) // 2], body[len(body) // 2:]]) if chunked and method != "GET" else body
@@ -802,10 +882,15 @@ def test_fuzz_http_surface(srv):
             content = None
         st_ = send(srv, path, content, method=method, headers=headers)
         statuses[st_] += 1
-        if path == "/v1/models" and method == "GET":
+        foreign = "host" in headers or "origin" in headers or "sec-fetch-site" in headers
+        if foreign:
+            assert st_ == 403, (headers, st_)       # refused before routing (item 11)
+        elif path == "/v1/models" and method == "GET":
             assert st_ == 200
-        if method == "POST" and path.split("?")[0] not in POSTS:
+        elif method == "POST" and path.split("?")[0] not in POSTS:
             assert st_ in (404, 405), (path, st_)
+        elif method in ("TRACE", "PROPFIND"):
+            assert st_ in (404, 405), (method, path, st_)
 
     run()
     assert statuses[404] > 0 and statuses[400] > 0, statuses
@@ -840,7 +925,7 @@ def _raw(srv: Srv, data: bytes) -> bytes:
         s.close()
 
 
-_REQ = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+_REQ = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
 _BODY = b'{"messages":[{"role":"user","content":"hi"}]}'
 
 
@@ -866,7 +951,7 @@ def raw_http(draw):
                                      b"GET " + b"/a" * 40000 + b" HTTP/1.1", b"\x16\x03\x01\x02\x00\x01\x00"]))
         return line + b"\r\n\r\n"
     big = draw(st.sampled_from([20_000, 70_000]))
-    return b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * big + b"\r\n\r\n"
+    return b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * big + b"\r\n\r\n"
 
 
 def test_fuzz_raw_http(srv):
@@ -908,7 +993,7 @@ def test_fuzz_clients_hanging_up(srv):
         data = dumps(body)
         s = socket.create_connection((srv.host, srv.port), timeout=TIMEOUT)
         try:
-            s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+            s.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
                       % (path.encode(), len(data))
                       + data)
             got = b""

@@ -11,11 +11,15 @@ Malformed input is always a 4xx in the API's error shape; nothing a client sends
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import time
 
 import anyio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -24,6 +28,7 @@ from prompts import ContextLengthError, RequestError
 
 from . import events as E
 from .config import MAX_BODY_BYTES
+from .edge import EdgeGuard, api_for_path, exposure_warning
 from .shim import Shim
 from .wire import error_body, make_wire
 from .worker import QueueFull
@@ -36,10 +41,16 @@ _CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GE
          "Access-Control-Allow-Headers": "*"}
 # a body parsed once into any of these problems is the client's fault (4xx), whatever the cause
 _CLIENT_ERRORS = (RequestError, ClientDisconnect)
+# After a body this large is done with, freed heap is handed back to the system: glibc keeps it
+# in its arenas otherwise (a 10 MB prompt's tokenization peaks near 2 GB and stayed resident).
+TRIM_AFTER_BYTES = 1 << 20
 
 
 def create_app(shim: Shim) -> Starlette:
     cfg = shim.cfg
+    warning = exposure_warning(cfg)
+    if warning:
+        log.warning("%s", warning)
 
     def headers() -> dict:
         return dict(_CORS) if cfg.cors else {}
@@ -48,8 +59,10 @@ def create_app(shim: Shim) -> Starlette:
         return Response(body.encode("utf-8", "replace"), status_code=status,
                         media_type="application/json", headers=headers())
 
-    def fail(api: str | None, status: int, message: str) -> Response:
-        return json_response(error_body(api or "openai_chat", message, status), status)
+    def fail(api: str | None, status: int, message: str, extra: dict | None = None) -> Response:
+        r = json_response(error_body(api or "openai_chat", message, status), status)
+        r.headers.update(extra or {})
+        return r
 
     def authorized(request: Request) -> bool:
         if not cfg.api_key:
@@ -61,7 +74,7 @@ def create_app(shim: Shim) -> Starlette:
     async def models(request: Request) -> Response:
         import json
         if not authorized(request):
-            return fail(None, 401, "invalid API key")
+            return fail(api_for_path(request.url.path), 401, "invalid API key")
         data = shim.models()
         mid = request.path_params.get("model")
         if mid is None:
@@ -69,7 +82,7 @@ def create_app(shim: Shim) -> Starlette:
         for m in data:
             if m["id"] == mid:
                 return json_response(json.dumps(m) + "\n")
-        return fail(None, 404, f"unknown model {mid}")
+        return fail(api_for_path(request.url.path), 404, f"unknown model {mid}")
 
     async def completion(request: Request) -> Response:
         api = _API_OF[request.url.path]
@@ -85,17 +98,23 @@ def create_app(shim: Shim) -> Starlette:
             except RuntimeError:   # the event loop is closed (server stopped): nobody will read
                 job.cancel.set()   # (raising here would kill the inference thread)
 
+        size = 0
         try:
             body = await _read_body(request)
+            size = len(body)
             job = await anyio.to_thread.run_sync(shim.prepare, api, body, emit)
         except ContextLengthError as e:
             return json_response(e.body(api), e.status)
         except _BodyTooLarge:
-            return fail(api, 413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+            return fail(api, 413, f"request body exceeds {MAX_BODY_BYTES} bytes", {"Connection": "close"})
         except RequestError as e:
             return fail(api, e.status, e.message)
         except ClientDisconnect:
             return fail(api, 400, "bad HTTP request")
+        finally:
+            body = None
+            if size >= TRIM_AFTER_BYTES:
+                await anyio.to_thread.run_sync(_trim_heap)
         conv = job.rendered.conversation
         stream = bool(conv.params.get("stream"))
         wire = make_wire(api, conv, model=shim.model_for(conv), seq=shim.next_seq(), created=int(t0),
@@ -186,24 +205,38 @@ def create_app(shim: Shim) -> Starlette:
     async def options(request: Request) -> Response:
         return Response(status_code=204, headers=headers())
 
+    def refuse_path(request: Request) -> Response:
+        """404 for a path nobody serves, 405 (with Allow) for a method its route does not take;
+        JSON in the path's API shape (never Starlette's plain text)."""
+        path, api = request.url.path, api_for_path(request.url.path)
+        allow = _allowed_methods(path)
+        if allow is None:
+            return fail(api, 404, f"unknown endpoint {path}")
+        return fail(api, 405, f"method {request.method} not allowed on {path} (use {allow})",
+                    {"Allow": allow})
+
     async def unknown(request: Request) -> Response:
         if request.method == "OPTIONS":
             return await options(request)
-        return fail(None, 404, "unknown endpoint")
+        return refuse_path(request)
 
-    async def wrong_method(request: Request) -> Response:
-        if request.method == "OPTIONS":
-            return await options(request)
-        return fail(_API_OF.get(request.url.path), 405, f"use POST for {request.url.path}")
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # the router's own refusals: a method that no route of the path takes
+        if exc.status_code in (404, 405):
+            return refuse_path(request)
+        return fail(api_for_path(request.url.path), exc.status_code, exc.detail or "bad request",
+                    dict(exc.headers or {}))
 
     routes = [Route("/v1/models", models, methods=["GET"]),
               Route("/v1/models/{model:path}", models, methods=["GET"])]
     for path in _API_OF:
         routes.append(Route(path, completion, methods=["POST"]))
-        routes.append(Route(path, wrong_method, methods=["GET", "PUT", "DELETE", "PATCH", "OPTIONS"]))
+    for path in list(_API_OF) + ["/v1/models", "/v1/models/{model:path}"]:
+        routes.append(Route(path, options, methods=["OPTIONS"]))
     routes.append(Route("/{rest:path}", unknown,
                         methods=["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]))
-    app = Starlette(routes=routes, exception_handlers={Exception: _internal_error})
+    app = Starlette(routes=routes, middleware=[Middleware(EdgeGuard, cfg=cfg, cors_headers=_CORS)],
+                    exception_handlers={Exception: _internal_error, HTTPException: http_error})
     app.state.shim = shim
     return app
 
@@ -215,6 +248,32 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     h = dict(_CORS) if shim.cfg.cors else {}
     return Response(error_body(api, "internal error", 500).encode(), status_code=500,
                     media_type="application/json", headers=h)
+
+
+def _allowed_methods(path: str) -> str | None:
+    if path in _API_OF:
+        return "POST"
+    if path == "/v1/models" or path.startswith("/v1/models/"):
+        return "GET, HEAD"
+    return None
+
+
+def _trim_heap() -> None:
+    """Give freed heap back to the system (glibc's malloc_trim; nothing elsewhere)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()
 
 
 class _BodyTooLarge(Exception):

@@ -17,6 +17,7 @@ from prompts import ContextLengthError, ToolCall, ToolMemory, render_request, re
 from sessions.prefix_cache import PrefixCache
 
 from .config import DEFAULT_MODEL_ID, MODEL_ALIASES, ServeConfig
+from .edge import text_problem
 from .worker import Job, Worker
 
 log = logging.getLogger("ds4agent.serve")
@@ -56,6 +57,10 @@ class Shim:
     # -- request -> job ------------------------------------------------------------------------
     def prepare(self, api: str, body: bytes, emit) -> Job:
         """Parse, render and tokenize. Raises RequestError (ds4's 4xx) for what cannot run."""
+        if isinstance(body, (bytes, bytearray)):
+            problem = text_problem(bytes(body))
+            if problem:
+                raise prompts.RequestError(problem)
         w = self.worker
         replay = _Replay(w) if w.memory is not None else None
         r = render_request(api, body, self.cfg.ctx, live_call_ids=w.live_call_ids(api), replay=replay)
@@ -63,13 +68,10 @@ class Shim:
         try:
             r.text.encode("utf-8")
         except UnicodeEncodeError:
-            # invalid UTF-8 or lone \uD800 escapes in the request: ds4 takes such bytes as they
-            # are; the tokenizer only takes valid text, so they become U+FFFD (prompt bytes, cache
-            # keys and tokens all follow the cleaned text)
+            # only a body given as str can still hold lone surrogates (the HTTP edge refuses
+            # them): the tokenizer takes valid text only, so they become U+FFFD
             r.text = prompts.to_bytes(r.text).decode("utf-8", "replace")
-        tokens = self.engine.tokenizer.encode(r.text)
-        if len(tokens) >= self.cfg.ctx:
-            raise ContextLengthError(len(tokens), self.cfg.ctx)
+        tokens = self._tokens(r.text)
         p = conv.params
         sampling = SamplingParams(
             temperature=float(p.get("temperature", 1.0)), top_k=int(p.get("top_k", 0)),
@@ -86,6 +88,20 @@ class Shim:
         job.trace.update(api=api, model=conv.model, think_mode=r.think_mode, stream=bool(p.get("stream")),
                          prompt_text=r.text)
         return job
+
+    def _tokens(self, text: str) -> list[int]:
+        """The prompt's tokens, or ContextLengthError without tokenizing it all. Each token
+        stands for at most `max_token_chars` characters, so a text longer than
+        (ctx - 1) * max_token_chars has at least ctx tokens: refused without tokenizing. Else the
+        tokenizer stops once ctx tokens are known (memory and time then follow ctx, not the body)."""
+        ctx = self.cfg.ctx
+        per = self.engine.tokenizer.max_token_chars
+        if per and len(text) > (ctx - 1) * per:
+            raise ContextLengthError(-(-len(text) // per), ctx, at_least=True)
+        tokens, complete = self.engine.tokenizer.encode_upto(text, ctx)
+        if len(tokens) >= ctx:
+            raise ContextLengthError(len(tokens), ctx, at_least=not complete)
+        return tokens
 
     def model_for(self, conv) -> str:
         return conv.model if conv is not None and conv.model else self.model_name
