@@ -168,6 +168,8 @@ def base_env(worktree: Path | None) -> dict:
 
 def _spawn(args: list[str], cwd: Path, env: dict, timeout: float,
            input: bytes | None) -> subprocess.CompletedProcess:
+    if not cwd.is_dir():        # else Popen's FileNotFoundError would read as "git is missing"
+        raise GitError(f"{cwd}: no such directory")
     try:
         proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE,
