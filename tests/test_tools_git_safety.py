@@ -169,6 +169,9 @@ CASES = {
         lambda r: (hooks_into(r, r.root / ".git" / "hooks"),
                    r.config("core.fsmonitor", ".git/hooks/fsmonitor-watchman")),
         lambda r: r.git("status"), {"hook-fsmonitor-watchman"}),
+    "GIT_CONFIG_PARAMETERS": (
+        lambda r: r.env.update(GIT_CONFIG_PARAMETERS=f"'core.fsmonitor'='{r.mark('envconfig')}'"),
+        lambda r: r.git("status"), {"envconfig"}),
     "diff.x.textconv": (lambda r: r.config("diff.x.textconv", r.mark("textconv")),
                         lambda r: (r.git("diff"), r.git("show", "HEAD")), {"textconv"}),
     "diff.x.command": (lambda r: r.config("diff.x.command", r.mark("diffcommand")),
