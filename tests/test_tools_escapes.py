@@ -23,7 +23,7 @@ import tools
 from tools import ToolContext, ToolResult, call
 from tools import search as search_mod, shell
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(tools.__file__).resolve().parents[1]     # where `tools` comes from
 
 
 def git(root: Path, *args: str) -> None:
@@ -59,7 +59,7 @@ def alive(pid: int) -> bool:
 
 
 def pids_running(needle: str) -> list[int]:
-    """Live processes whose command line contains needle."""
+    """Live `sleep` processes whose command line contains needle."""
     out = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -68,7 +68,7 @@ def pids_running(needle: str) -> list[int]:
             cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if needle in cmd and alive(int(d)):
+        if cmd.startswith("sleep ") and needle in cmd and alive(int(d)):
             out.append(int(d))
     return out
 
@@ -147,6 +147,117 @@ def test_search_keeps_python_regex_semantics(ctx, proj):
     assert "invalid regular expression" in call("search", {"pattern": "(unclosed"}, ctx).text
 
 
+# ---------------------------------------------------------------------------------------- bash log
+
+def test_bash_log_is_capped_while_a_job_runs_on(ctx, monkeypatch):
+    monkeypatch.setattr(shell, "LOG_HEAD_BYTES", 1 << 20)
+    monkeypatch.setattr(shell, "LOG_TAIL_BYTES", 64 << 10)
+    res = call("bash", {"command": "yes", "timeout": 0.3}, ctx)
+    assert "still running as job 1" in ok(res)
+    log = Path(res.text.split("full log: ")[1].split(")")[0])
+    time.sleep(1.5)                                  # yes writes hundreds of MiB/s uncapped
+    size = log.stat().st_size
+    assert size <= (1 << 20) + 4096, size
+    status = ok(call("bash_status", {"job": 1}, ctx))
+    assert "log capped" in status and "y\ny\n" in status   # the live tail is still shown
+    stopped = call("bash_stop", {"job": 1}, ctx)
+    assert "stopped by bash_stop" in ok(stopped) and stopped.exit_status == 143
+    final = log.stat().st_size
+    assert final <= (1 << 20) + (64 << 10) + 4096
+    data = log.read_bytes()
+    assert b"bytes not stored" in data and data.endswith(b"y\n")
+
+
+def test_bash_output_past_the_cap_never_blocks_and_keeps_the_end(ctx, monkeypatch):
+    monkeypatch.setattr(shell, "LOG_HEAD_BYTES", 256 << 10)
+    monkeypatch.setattr(shell, "LOG_TAIL_BYTES", 16 << 10)
+    res = call("bash", {"command": "seq 1 2000000; echo THE-END", "timeout": 60}, ctx)
+    text = ok(res)
+    assert res.exit_status == 0 and "finished" in text
+    assert text.rstrip().endswith("1999999\n2000000\nTHE-END")
+    log = Path(text.split("full log: ")[1].split(")")[0])
+    data = log.read_bytes()
+    assert data.startswith(b"1\n2\n3\n") and data.endswith(b"2000000\nTHE-END\n")
+    assert len(data) <= (256 << 10) + (16 << 10) + 4096
+
+
+# ---------------------------------------------------------------------------------------- process tree
+
+def escapees(tag: str) -> str:
+    """A command leaving three processes that are not in its process group: a new session
+    (setsid), a nohup'd shell in the background, and a double fork."""
+    return (f"setsid sleep 1001.{tag} & nohup sh -c 'sleep 1002.{tag}' >/dev/null 2>&1 & "
+            f"( sh -c 'sleep 1003.{tag} &' & ) ; echo started")
+
+
+def test_bash_stop_kills_processes_that_left_the_group(ctx):
+    tag = str(random.randrange(10**6, 10**7))
+    res = call("bash", {"command": escapees(tag), "timeout": 10}, ctx)
+    assert "started" in ok(res)
+    assert wait_for(lambda: len(pids_running(f".{tag}")) == 3), pids_running(f".{tag}")
+    ok(call("bash_stop", {"job": 1}, ctx))
+    assert wait_for(lambda: not pids_running(f".{tag}"), 5), pids_running(f".{tag}")
+
+
+def test_session_close_kills_processes_that_left_the_group(proj, tmp_path):
+    tag = str(random.randrange(10**6, 10**7))
+    c = ToolContext(root=proj)
+    ok(call("bash", {"command": escapees(tag) + "; sleep 30", "timeout": 0.5}, c))
+    assert wait_for(lambda: len(pids_running(f".{tag}")) == 3)
+    tools.close(c)
+    assert wait_for(lambda: not pids_running(f".{tag}"), 5), pids_running(f".{tag}")
+
+
+def test_agent_exit_kills_processes_that_left_the_group(proj):
+    tag = str(random.randrange(10**6, 10**7))
+    code = f"""
+        from tools import ToolContext, call
+        res = call("bash", {{"command": {escapees(tag)!r}, "timeout": 10}}, ToolContext(root={str(proj)!r}))
+        print(res.text)
+    """
+    r = run_isolated(code, timeout=60)         # exits without closing the session
+    assert "started" in r.stdout, r.stdout + r.stderr
+    assert wait_for(lambda: not pids_running(f".{tag}"), 5), pids_running(f".{tag}")
+
+
+def test_bash_stop_kills_a_detached_loop_that_keeps_forking(ctx):
+    tag = str(random.randrange(10**6, 10**7))
+    loop = f"setsid bash -c 'while true; do setsid sleep 1004.{tag} & sleep 0.01; done' >/dev/null 2>&1 &"
+    ok(call("bash", {"command": loop, "timeout": 5}, ctx))
+    assert wait_for(lambda: len(pids_running(f".{tag}")) >= 5)
+    ok(call("bash_stop", {"job": 1}, ctx))
+    time.sleep(0.3)                      # a loop that survived would have started new sleeps
+    assert not pids_running(f".{tag}")
+
+
+def test_a_nested_agents_marker_keeps_the_outer_one():
+    from tools import proctree
+    env = proctree.marked_env({proctree.MARKER_VAR: "outer"}, "inner")
+    assert env[proctree.MARKER_VAR] == "outer:inner"
+    p = subprocess.Popen(["sleep", "30"], env=dict(os.environ, **env))
+    try:
+        assert wait_for(lambda: p.pid in proctree.marked_pids("outer"))
+        assert p.pid in proctree.marked_pids(["x", "inner"]) and not proctree.marked_pids("inn")
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_the_marker_scan_finds_only_the_jobs_processes():
+    from tools import proctree
+    marker = proctree.new_marker()
+    env = dict(os.environ, **{proctree.MARKER_VAR: marker})
+    p = subprocess.Popen(["sleep", "30"], env=env)
+    q = subprocess.Popen(["sleep", "30"])
+    try:
+        assert wait_for(lambda: proctree.marked_pids(marker) == {p.pid})
+        assert proctree.kill_marked(marker) == 1
+        assert p.wait(timeout=5) == -9 and q.poll() is None
+    finally:
+        q.kill()
+        q.wait()
+
+
 # ---------------------------------------------------------------------------------------- symlink races
 
 SECRET = "SECRET-OUTSIDE\n"
@@ -156,6 +267,7 @@ INSIDE = "inside text\n"
 class Swapper(threading.Thread):
     """Flips `name` in `root` between a regular file and a symlink to an outside file, each
     change atomic (rename over it), until stopped."""
+    INSIDE = INSIDE
 
     def __init__(self, root: Path, name: str, outside: Path):
         super().__init__(daemon=True)
@@ -165,7 +277,7 @@ class Swapper(threading.Thread):
     def run(self):
         target, tmp = self.root / self.name, self.root / f".{self.name}.swap"
         while not self.halt.is_set():
-            tmp.write_text(INSIDE)
+            tmp.write_text(self.INSIDE)
             os.replace(tmp, target)
             time.sleep(0)         # let the tool's thread run in each state
             os.symlink(self.outside, tmp)
@@ -251,6 +363,19 @@ def test_search_never_returns_a_swapped_in_outside_file(ctx, proj, outside):
     sw.start()
     try:
         leaks, good, n = _hammer("search", {"pattern": "OUTSIDE|inside"}, ctx, 6, 1500)
+    finally:
+        sw.stop()
+    assert leaks == 0 and good > 0, (leaks, good, n)
+
+
+def test_outline_never_shows_a_swapped_in_outside_file(ctx, proj, outside):
+    (outside / "secret.py").write_text("def SECRET_function():\n    pass\n")
+    (proj / "f.py").write_text("def inside_function():\n    pass\n")
+    sw = Swapper(proj, "f.py", outside / "secret.py")
+    sw.INSIDE = "def inside_function():\n    pass\n"
+    sw.start()
+    try:
+        leaks, good, n = _hammer("outline", {"path": "."}, ctx, 6, 1500)
     finally:
         sw.stop()
     assert leaks == 0 and good > 0, (leaks, good, n)

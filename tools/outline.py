@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .base import MAX_RESULT_CHARS, Tool, ToolContext, ToolError, ToolResult, register
 from .fileutil import MAX_FILE_BYTES, is_binary, load_text, project_files
+from .safefs import read_inside
 
 LANG_BY_EXT = {
     ".py": "python", ".pyi": "python", ".pyw": "python",
@@ -397,14 +398,12 @@ def _source_files(ctx: ToolContext, base: Path) -> tuple[list[Path], bool]:
     return [f for f in files if language_of(f) is not None], hit
 
 
-def _read_small(f: Path) -> bytes | None:
-    try:
-        if f.stat().st_size > MAX_FILE_BYTES:
-            return None
-        data = f.read_bytes()
-    except OSError:
+def _read_small(ctx: ToolContext, f: Path) -> bytes | None:
+    try:     # through a descriptor checked to be inside (a symlink swapped in since the listing)
+        _, data = read_inside(ctx, f, MAX_FILE_BYTES)
+    except (OSError, ToolError):
         return None
-    return None if is_binary(data) else data
+    return None if data is None or is_binary(data) else data
 
 
 def _outline_dir(ctx: ToolContext, base: Path) -> ToolResult:
@@ -416,7 +415,7 @@ def _outline_dir(ctx: ToolContext, base: Path) -> ToolResult:
         if i >= MAX_DIR_FILES or used > MAX_RESULT_CHARS - 500:
             cut_files = len(files) - i
             break
-        data = _read_small(f)
+        data = _read_small(ctx, f)
         if data is None:
             continue
         lines = _format(symbols(f, data), max_depth=0)
@@ -443,7 +442,7 @@ def _find(ctx: ToolContext, name: str, base: Path) -> ToolResult:
     key = leaf.encode()
     found: list[tuple[Path, Sym]] = []
     for f in files:
-        data = _read_small(f)
+        data = _read_small(ctx, f)
         if data is None or key not in data:
             continue
         for s in symbols(f, data):

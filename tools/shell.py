@@ -1,7 +1,8 @@
 """bash, bash_status, bash_stop: shell commands as background jobs.
 
 Every command is a job: `bash -c COMMAND` in its own process group (session), cwd the project
-directory, stdin from /dev/null, stdout and stderr going straight into a log file. The tool waits
+directory, stdin from /dev/null, stdout and stderr going through a pipe into a capped log file
+(joblog: the first LOG_HEAD_BYTES, then the last LOG_TAIL_BYTES when the output ends). The tool waits
 up to `timeout` seconds; a job still running then keeps running in the background and the model
 can poll it (bash_status, optionally waiting) or stop it (bash_stop kills the whole group).
 
@@ -10,7 +11,8 @@ chatty job never stalls on a full pipe while nobody polls; the first observation
 is its head AND tail (a failing build's errors are at the end) with line numbers to read the rest
 from the log; bash_status can wait; the child never reads the terminal; logs live under the
 session's scratch folder (or one temp folder per session) and running jobs are killed when the
-agent exits.
+agent exits. Stopping a job also kills what left its process group (setsid, nohup, double
+forks): every process carrying the job's environment marker (proctree).
 """
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ import signal
 import subprocess
 import tempfile
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import proctree
 from .base import Tool, ToolContext, ToolError, ToolResult, register
+from .joblog import CappedLog
 
 DEFAULT_TIMEOUT = 30
 MAX_TIMEOUT = 600
@@ -34,9 +37,13 @@ FULL_LINES, FULL_CHARS = 150, 12_000    # output up to this size is shown whole
 HEAD_LINES, HEAD_CHARS = 40, 4_000      # otherwise its head ...
 TAIL_LINES, TAIL_CHARS = 80, 8_000      # ... and its tail
 STOP_GRACE = 2.0                        # seconds between SIGTERM and SIGKILL
+# A log keeps the first 16 MiB (what read shows whole, by line number) and, once the output
+# ends, its last 1 MiB: bounded disk per job, and both ends of a long build's output.
+LOG_HEAD_BYTES = 16 << 20
+LOG_TAIL_BYTES = 1 << 20
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
-_LIVE: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
+_LIVE: dict[str, subprocess.Popen] = {}    # marker -> leader, of jobs not yet stopped
 
 
 @dataclass
@@ -46,6 +53,8 @@ class Job:
     proc: subprocess.Popen
     log: Path
     started: float
+    sink: CappedLog
+    marker: str                # in the environment of every process the job starts
     ended: float | None = None
     seen: int = 0              # bytes of the log already shown to the model
     seen_lines: int = 0        # lines in those bytes (to number what comes next)
@@ -55,6 +64,7 @@ class Job:
         rc = self.proc.poll()
         if rc is not None and self.ended is None:
             self.ended = time.monotonic()
+            self.sink.settle()       # what it wrote before it ended is in the log
         return rc
 
     def elapsed(self) -> float:
@@ -62,12 +72,13 @@ class Job:
 
 
 def _kill_all_at_exit() -> None:
-    for p in list(_LIVE):
+    for p in list(_LIVE.values()):
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except OSError:
                 pass
+    proctree.kill_marked(list(_LIVE))     # one /proc scan for all jobs
 
 
 atexit.register(_kill_all_at_exit)
@@ -209,8 +220,19 @@ def _observe(job: Job) -> ToolResult:
         how = "stopped by bash_stop: " if job.stopped else ""
         head = f"[job {job.id}] `{short}` finished after {job.elapsed():.1f} s: {how}{_status_text(rc)}."
     out, truncated = _output(job)
+    if job.sink.dropped and not job.sink.done.is_set():
+        out += _live_tail(job)
+        truncated = True
     return ToolResult(head + "\n" + out, exit_status=None if rc is None else _exit_status(rc),
                       truncated=truncated)
+
+
+def _live_tail(job: Job) -> str:
+    """Output past the log's cap is not in the file until the output ends: its latest lines."""
+    tail = _cap_tail(_lines(_clean(job.sink.last())), TAIL_LINES // 4, TAIL_CHARS // 4)
+    return (f"\n[... log capped at {job.sink.head_bytes} bytes; {job.sink.dropped} bytes since not "
+            f"stored (the last {job.sink.tail_bytes} bytes are added to the log when the output "
+            "ends); the latest output: ...]\n" + "\n".join(tail))
 
 
 def _get_job(ctx: ToolContext, jid: int) -> Job:
@@ -241,17 +263,20 @@ def _bash(args: dict, ctx: ToolContext) -> ToolResult:
     ctx.state["bash_next_job"] = jid + 1
     log = _log_dir(ctx) / f"job-{jid}.log"
     shell = shutil.which("bash") or "/bin/sh"
-    env = dict(os.environ, PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0", TERM="dumb",
-               NO_COLOR="1", PYTHONUNBUFFERED="1")
-    with open(log, "wb") as out:
-        try:
-            proc = subprocess.Popen([shell, "-c", command], cwd=ctx.root, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-        except OSError as e:
-            raise ToolError(f"could not start the command: {e.strerror or e}") from None
-    _LIVE.add(proc)
-    job = Job(jid, command, proc, log, time.monotonic())
+    marker = proctree.new_marker()
+    env = proctree.marked_env(dict(os.environ, PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0",
+                                   TERM="dumb", NO_COLOR="1", PYTHONUNBUFFERED="1"), marker)
+    sink = CappedLog(log, LOG_HEAD_BYTES, LOG_TAIL_BYTES)
+    try:
+        proc = subprocess.Popen([shell, "-c", command], cwd=ctx.root, stdin=subprocess.DEVNULL,
+                                stdout=sink.write_fd, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    except OSError as e:
+        sink.abandon()
+        raise ToolError(f"could not start the command: {e.strerror or e}") from None
+    sink.start()
+    _LIVE[marker] = proc
+    job = Job(jid, command, proc, log, time.monotonic(), sink, marker)
     _jobs(ctx)[jid] = job
     _wait(job, timeout)
     return _observe(job)
@@ -326,20 +351,25 @@ register(Tool(
 # ---------------------------------------------------------------------------------------- stop
 
 def stop_job(job: Job) -> None:
-    """SIGTERM to the job's whole process group, SIGKILL after a grace period."""
+    """SIGTERM to the job's whole process group and to every process carrying its marker (also
+    those that left the group), SIGKILL after a grace period."""
     if job.poll() is None:
         job.stopped = True
         try:
             os.killpg(job.proc.pid, signal.SIGTERM)
         except OSError:
             pass
+        proctree.signal_marked(job.marker, signal.SIGTERM)
         _wait(job, STOP_GRACE)
     # the leader may be gone while children it started in the background still run
     try:
         os.killpg(job.proc.pid, signal.SIGKILL)
     except OSError:
         pass
+    proctree.kill_marked(job.marker)
     _wait(job, STOP_GRACE)
+    _LIVE.pop(job.marker, None)
+    job.sink.done.wait(STOP_GRACE)   # the pipe ends with its last writer: the log is final
 
 
 def _bash_stop(args: dict, ctx: ToolContext) -> ToolResult:
