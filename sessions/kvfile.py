@@ -194,6 +194,25 @@ def _read_header(f, path) -> tuple[KVHeader, int]:
         head = f.read(PREFIX_BYTES)
     except OSError as e:
         raise KVFileError(path, f"cannot read: {e.strerror or e}") from None
+    return parse_header(path, head, size)
+
+
+def header_of(path, st) -> tuple[KVHeader, int]:
+    """read_header for a folder scan that already holds the name's lstat result `st`: one open
+    and one pread, no file object (a folder of 10,000 files is read in well under a second)."""
+    try:
+        head = safeio.read_head(path, st, PREFIX_BYTES)
+    except FileNotFoundError:
+        raise KVFileError(path, "no such file") from None
+    except UnsafeFile as e:
+        raise KVFileError(path, e.strerror) from None
+    except OSError as e:
+        raise KVFileError(path, f"cannot read: {e.strerror or e}") from None
+    return parse_header(path, head, st.st_size)
+
+
+def parse_header(path, head: bytes, size: int) -> tuple[KVHeader, int]:
+    """The header from the file's first PREFIX_BYTES bytes and its size; KVFileError if invalid."""
     if len(head) < PREFIX_BYTES:
         raise KVFileError(path, f"truncated header: {size} bytes, a KV file has at least {PREFIX_BYTES}")
     (magic, version, quant, reason, flags, _r, tokens, hits, ctx, _r2, created, last_used,

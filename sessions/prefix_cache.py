@@ -53,9 +53,8 @@ from typing import Callable
 from engine import Session
 
 from . import safeio
-from .kvfile import (KVFileError, KVFileInfo, KVHeader, encode_tool_map, kv_file_bytes, read_header, read_info,
-                     read_kv, remove_stale_temps, replace_tool_map, routed_quant_bits, sha1_name, touch,
-                     write_kv)
+from .kvfile import (KVFileError, KVFileInfo, KVHeader, encode_tool_map, header_of, kv_file_bytes, read_header,
+                     read_info, read_kv, replace_tool_map, routed_quant_bits, sha1_name, touch, write_kv)
 
 HIT_HALF_LIFE_S = 21600          # ds4: DS4_KVSTORE_HIT_HALF_LIFE_SECONDS (6 h), compile-time
 MIN_EFFECTIVE_HITS = 0.01        # ds4: decayed hit counts below this count as no hits
@@ -195,7 +194,7 @@ class PrefixCache:
         self.boundary_align = boundary_align
         self.reject_different_quant = reject_different_quant
         self._now = now
-        self._log = log or log_.info
+        self._log = log if log is not None else log_.info
         self._warn_to = warn
         self.last_continued = 0     # the live timeline's last continued/cold frontier (§4.2)
         self._lock = threading.RLock()   # the worker stores/loads; request threads read tool maps
@@ -204,8 +203,9 @@ class PrefixCache:
         self._bad: dict[str, tuple] = {}            # name -> signature of a file found unusable
         self._temps: dict[str, int] = {}            # temp file name -> bytes (counts in the budget)
         self._dir_key: tuple | None = None
-        remove_stale_temps(self.dir)     # real time: the temp files' mtimes are real
-        self.evict()
+        with self._lock:
+            self._refresh(force=True, clean_temps=True)
+            self._evict()
 
     # -- policy, with this cache's knobs ---------------------------------------------------------
     def chat_anchor(self, tokens, user_id: int, assistant_id: int) -> int:
@@ -250,24 +250,32 @@ class PrefixCache:
     def _sig(st) -> tuple:
         return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_mode)
 
-    def _refresh(self, force: bool = False):
+    def _refresh(self, force: bool = False, clean_temps: bool = False):
         """Bring the index up to date: re-list the folder when its mtime moved (or `force`), read
         the header of every name not seen before with this signature, one summary warning for all
-        the files found unusable this time."""
+        the files found unusable this time. clean_temps (at start): delete the temp files whose
+        writer is gone."""
         try:
             dst = os.stat(self.dir)
             key = (dst.st_ino, dst.st_mtime_ns)
             if key == self._dir_key and not force:
                 return
-            listing = safeio.scan(self.dir)
+            listing = safeio.scan(self.dir, lambda n: n.endswith(".kv") or ".tmp." in n)
         except OSError as e:
             self._warn(f"kv cache: cannot list {self.dir}: {e.strerror or e}")
             return
         seen, temps, problems = set(), {}, []
         for name, st in listing:
             if safeio.is_temp_name(name):
-                if stat.S_ISREG(st.st_mode):
-                    temps[name] = st.st_size
+                if not stat.S_ISREG(st.st_mode):
+                    continue                   # a symlink or other: neither ours nor counted
+                if clean_temps and safeio.temp_is_stale(self.dir, name, st):
+                    try:
+                        os.unlink(os.path.join(self.dir, name))
+                        continue
+                    except OSError:
+                        pass
+                temps[name] = st.st_size
                 continue
             if not _NAME.fullmatch(name):
                 continue                       # not a cache name: never ours to read or evict
@@ -293,7 +301,7 @@ class PrefixCache:
             self._bad[name] = sig
             return f"{name} is {safeio.kind_of(st)} (not opened)"
         try:
-            h, size = read_header(path)
+            h, size = header_of(path, st)
         except KVFileError as e:
             self._bad[name] = sig
             return f"{name}: {e.problem}"
@@ -504,6 +512,10 @@ class PrefixCache:
         name's signature: hits recorded in place by another process are seen."""
         with self._lock:
             self._refresh(force=True)
+            return self._evict(protect)
+
+    def _evict(self, protect=None) -> list[str]:
+        with self._lock:
             entries = sorted(self._index.values(), key=lambda e: e.path)
             total = sum(e.size for e in entries) + sum(self._temps.values())
         if total <= self.budget_bytes:

@@ -93,17 +93,41 @@ def read_regular(path, limit: int) -> bytes:
         return f.read(limit + 1)[:limit]
 
 
-def scan(folder):
-    """(name, lstat result) of every entry of `folder`, symlinks not followed; entries that vanish
-    while scanning are left out. OSError when the folder cannot be listed."""
+def scan(folder, want=None):
+    """(name, lstat result) of every entry of `folder` (of those whose name `want` accepts),
+    symlinks not followed; entries that vanish while scanning are left out. OSError when the
+    folder cannot be listed."""
     out = []
     with os.scandir(folder) as it:
         for de in it:
+            if want is not None and not want(de.name):
+                continue
             try:
                 out.append((de.name, de.stat(follow_symlinks=False)))
             except OSError:
                 continue
     return out
+
+
+def read_head(path, st, n: int) -> bytes:
+    """The first n bytes of the regular file `path` whose lstat result is `st`, with one open and
+    one pread (the fast path for scanning a big folder). UnsafeFile if the name is not that
+    regular file any more (swapped since the lstat), OSError as raised."""
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFile(errno.EINVAL, f"is {kind_of(st)}, not a regular file (not opened)", path)
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeFile(errno.ELOOP, "is a symbolic link (not followed)", path) from None
+        raise
+    try:
+        fst = os.fstat(fd)
+        if not stat.S_ISREG(fst.st_mode) or (fst.st_ino, fst.st_dev) != (st.st_ino, st.st_dev):
+            raise UnsafeFile(errno.EAGAIN, "changed while being read", path)
+        return os.pread(fd, n, 0)
+    finally:
+        os.close(fd)
 
 
 def is_temp_name(name: str) -> bool:
