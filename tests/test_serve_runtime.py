@@ -2,7 +2,7 @@
 
 * a client that sends its request line and headers slowly, or nothing at all, is closed once the
   header timeout passes; a body that stalls or trickles likewise (with a 408), and normal
-  requests still pass meanwhile;
+  requests still pass meanwhile; a client that reads nothing of its answer is dropped too;
 * open connections are capped: past the cap the oldest idle ones are closed, so a new client is
   still answered; in a subprocess with a lowered RLIMIT_NOFILE, hundreds of idle connections
   leave a normal request answered and the log short, and so does a limit lowered below the
@@ -164,6 +164,35 @@ def test_a_long_body_that_keeps_up_the_rate_is_read(engine):
         while chunk := s.recv(65536):
             got += chunk
         assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+
+
+def test_a_client_that_reads_nothing_is_dropped_after_the_write_timeout(engine):
+    """The transport's buffer full (asyncio pauses writing) for write_timeout_s: closed. Filling a
+    loopback socket's buffers takes megabytes, so the pause is signalled directly."""
+    server = serve(engine, write_timeout_s=0.3)
+    with server as url:
+        s = socket.create_connection(hostport(url))
+        t0 = time.monotonic()
+        while not server.server.server_state.connections:
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.01)
+        (proto,) = server.server.server_state.connections
+        loop = proto.loop
+        loop.call_soon_threadsafe(proto.pause_writing)
+        t, _ = closed_after(s, 5)
+        assert 0.2 < t < 1.5, t
+        # a pause that ends in time leaves the connection open
+        s2 = socket.create_connection(hostport(url))
+        time.sleep(0.2)
+        (proto2,) = [c for c in server.server.server_state.connections if c is not proto]
+        loop.call_soon_threadsafe(proto2.pause_writing)
+        time.sleep(0.1)
+        loop.call_soon_threadsafe(proto2.resume_writing)
+        time.sleep(0.5)
+        s2.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            s2.recv(1)                       # still open: no EOF
+        s2.close()
 
 
 # ------------------------------------------------------------------------------------------
