@@ -431,3 +431,13 @@ def test_read_refuses_a_fifo_without_hanging(ctx, proj):
     res = call("read", {"path": "pipe"}, ctx)
     assert not res.ok and "not a regular file" in res.text
     assert time.monotonic() - t < 5
+
+
+def test_where_a_descriptor_cannot_be_asked_the_path_is_compared(ctx, proj, outside, monkeypatch):
+    from tools import safefs
+    monkeypatch.setattr(safefs, "fd_path", lambda fd: None)     # no /proc, no F_GETPATH
+    (proj / "f.txt").write_text(INSIDE)
+    os.symlink(outside / "secret.txt", proj / "out")
+    assert safefs.read_inside(ctx, proj / "f.txt")[1] == INSIDE.encode()
+    with pytest.raises(tools.ToolError, match="leads outside the project"):
+        safefs.read_inside(ctx, proj / "out")

@@ -58,8 +58,12 @@ def _check(fd: int, path: Path, roots: list[Path] | None, shown: str) -> None:
         # No way to ask the descriptor: compare it with what the path resolves to now (a race
         # remains only where neither /proc nor F_GETPATH exists).
         resolved = os.path.realpath(path)
-        st, now = os.fstat(fd), os.stat(resolved)
-        real = resolved if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino) else None
+        try:
+            st, now = os.fstat(fd), os.stat(resolved)
+        except OSError:
+            st = now = None
+        same = st is not None and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+        real = resolved if same else None
     if real is not None:
         rp = Path(real)
         if any(rp == r or r in rp.parents for r in roots):
