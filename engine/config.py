@@ -7,13 +7,14 @@ u32 or i32. `flash_differences()` separately says whether a file has the publish
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from .errors import ModelFileError
-from .gguf_file import (T_ARRAY, T_BOOL, T_FLOAT32, T_FLOAT64, T_INT32, T_STRING, T_UINT32,
-                        T_UINT64, GGUFFile)
+from .gguf_file import (T_ARRAY, T_BOOL, T_FLOAT32, T_FLOAT64, T_INT8, T_INT16, T_INT32, T_INT64, T_STRING,
+                        T_UINT8, T_UINT16, T_UINT32, T_UINT64, GGUFFile)
 
 ARCH = "deepseek4"
 P = ARCH + "."
@@ -192,7 +193,7 @@ class ModelConfig:
             v = getattr(self, f.name)
             if f.type == "int" and f.name not in ("n_hash_layer", "expert_group_count",
                                                    "expert_group_used_count", "context_length") and v <= 0:
-                bad(f"metadata for {f.name} is {v}; it must be positive")
+                bad(f"metadata '{P}{_KEY_OF[f.name]}' is {v}; it must be positive")
         if self.n_head_kv != 1:
             bad(f"attention.head_count_kv is {self.n_head_kv}; DeepSeek V4 has one shared K=V head")
         if self.value_dim != self.head_dim:
@@ -213,6 +214,26 @@ class ModelConfig:
                 bad(f"attention.compress_ratios[{il}] is {r}; DeepSeek V4 layers use 0, 4 or 128")
         if not self.expert_weights_norm:
             bad("expert_weights_norm is false; DeepSeek V4 renormalises the routing weights")
+        self._check_ranges(bad)
+
+    def _check_ranges(self, bad):
+        """Each value within the range the forward pass can use. A value outside it would fail (or
+        hang, or silently compute NaNs) far from the file that caused it: a RoPE base of 0 divides by
+        zero, a negative one raises to a complex power, 2^31 Sinkhorn iterations never finish."""
+        for attr, (lo, hi) in _COUNT_RANGE.items():
+            v = getattr(self, attr)
+            if not lo <= v <= hi:
+                bad(f"metadata '{P}{_KEY_OF[attr]}' is {v}; it must be in {lo}..{hi:,}")
+        for attr, (lo, hi, what) in _FLOAT_RANGE.items():
+            v = getattr(self, attr)
+            if not (math.isfinite(v) and lo <= v <= hi):
+                bad(f"metadata '{P}{_KEY_OF[attr]}' is {v!r}; it must be {what}")
+        if self.yarn_beta_fast < self.yarn_beta_slow:
+            bad(f"metadata '{P}rope.scaling.yarn_beta_fast' ({self.yarn_beta_fast:g}) is below yarn_beta_slow "
+                f"({self.yarn_beta_slow:g}); YaRN's fast bound is the larger one")
+        for il, c in enumerate(self.swiglu_clamp):
+            if not (math.isfinite(c) and c > 0):
+                bad(f"metadata '{P}swiglu_clamp_exp'[{il}] is {c!r}; it must be a finite number above 0")
 
     def flash_differences(self) -> list[str]:
         """Where this config departs from the published DeepSeek V4 Flash shape (empty: it is Flash)."""
@@ -229,6 +250,31 @@ class ModelConfig:
         if any(abs(c - 10.0) > 1e-5 for c in self.swiglu_clamp):
             out.append("swiglu_clamp_exp is not 10 on every layer")
         return out
+
+
+_KEY_OF = {attr: key for attr, key, _, _ in _KEYS}
+# Sane bounds for counts the forward pass loops over or allocates by, which no tensor shape checks
+# (the published file: 43 layers, window 128, top-k 512, 20 iterations, original context 65536).
+_COUNT_RANGE = {
+    "n_layer": (1, 1024), "sinkhorn_iters": (1, 256), "n_swa": (1, 1 << 20), "idx_topk": (1, 1 << 20),
+    "rope_orig_ctx": (1, 1 << 24), "context_length": (0, 1 << 32),
+}
+_ABOVE_0, _ABOVE_1, _BELOW_1 = math.ulp(0.0), math.nextafter(1.0, math.inf), math.nextafter(1.0, 0.0)
+_F32_MAX = float(np.finfo(np.float32).max)   # the forward pass computes with these in float32
+# attribute -> (least, greatest, how the message says it)
+_FLOAT_RANGE = {
+    # base**(-2/n_rot), and log(base) divides in the YaRN ramp: a base <= 1 is a division by zero or
+    # a complex power
+    "rope_base": (_ABOVE_1, _F32_MAX, "a finite number above 1"),
+    "compress_rope_base": (_ABOVE_1, _F32_MAX, "a finite number above 1"),
+    "rope_scale_factor": (1.0, _F32_MAX, "a finite number of at least 1"),
+    # log(orig_ctx / (2 pi beta)) in float32: outside this it overflows or takes log(0)
+    "yarn_beta_fast": (1e-3, 1e4, "in 0.001..10000"),
+    "yarn_beta_slow": (1e-3, 1e4, "in 0.001..10000"),
+    "expert_weights_scale": (_ABOVE_0, _F32_MAX, "a finite number above 0"),
+    "rms_eps": (_ABOVE_0, _BELOW_1, "a finite number in (0, 1)"),
+    "hc_eps": (_ABOVE_0, _BELOW_1, "a finite number in (0, 1)"),
+}
 
 
 def _read_key(g: GGUFFile, key: str, kind: str, default):
@@ -251,23 +297,85 @@ def _read_key(g: GGUFFile, key: str, kind: str, default):
 
 
 def read_tokenizer_metadata(g: GGUFFile, n_vocab: int) -> dict:
-    """Tokenizer arrays, checked for presence, type and length (the tokenizer itself is prompts/')."""
-    tokens = g.fields.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise ModelFileError(g.path, "missing metadata key 'tokenizer.ggml.tokens'")
-    if tokens.type != T_ARRAY or tokens.elem_type != T_STRING:
-        raise ModelFileError(g.path, f"metadata 'tokenizer.ggml.tokens' is {tokens.type_name}, expected array of string")
-    if len(tokens.value) != n_vocab:
-        raise ModelFileError(g.path, f"tokenizer.ggml.tokens has {len(tokens.value)} entries, "
+    """Tokenizer arrays, checked for presence, type, length and consistency (the tokenizer itself is
+    tokenizer.py): every merge joins two vocabulary strings into a third, the special-token ids
+    lie inside the vocabulary. The BPE library would refuse a bad merge table only when the engine
+    builds it, with a message that names neither the file nor the key."""
+    tokens = _string_array(g, "tokenizer.ggml.tokens")
+    if len(tokens) != n_vocab:
+        raise ModelFileError(g.path, f"tokenizer.ggml.tokens has {len(tokens)} entries, "
                                      f"vocab_size is {n_vocab}")
-    merges = g.fields.get("tokenizer.ggml.merges")
-    if merges is None:
-        raise ModelFileError(g.path, "missing metadata key 'tokenizer.ggml.merges'")
-    if merges.type != T_ARRAY or merges.elem_type != T_STRING:
-        raise ModelFileError(g.path, f"metadata 'tokenizer.ggml.merges' is {merges.type_name}, expected array of string")
-    model = g.fields.get("tokenizer.ggml.model")
-    if model is not None and model.type != T_STRING:
-        raise ModelFileError(g.path, f"metadata 'tokenizer.ggml.model' is {model.type_name}, expected string")
-    return {"tokens": tokens.value, "merges": merges.value,
-            "token_type": g.get("tokenizer.ggml.token_type"),
+    merges = _string_array(g, "tokenizer.ggml.merges")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
+        f = g.fields.get(key)
+        if f is not None and f.type != T_STRING:
+            raise ModelFileError(g.path, f"metadata '{key}' is {f.type_name}, expected string")
+    vocab = _check_vocab(g.path, tokens)
+    _check_merges(g.path, merges, vocab)
+    for key in _TOKEN_ID_KEYS:
+        f = g.fields.get(key)
+        if f is None:
+            continue
+        if f.type not in _INT_TYPES:
+            raise ModelFileError(g.path, f"metadata '{key}' is {f.type_name}, expected an integer")
+        if not 0 <= f.value < n_vocab:
+            raise ModelFileError(g.path, f"metadata '{key}' is {f.value}, outside the vocabulary (0..{n_vocab - 1})")
+    types = g.fields.get("tokenizer.ggml.token_type")
+    if types is not None:
+        if types.type != T_ARRAY or types.elem_type not in _INT_TYPES:
+            raise ModelFileError(g.path, f"metadata 'tokenizer.ggml.token_type' is {types.type_name}, "
+                                         f"expected array of integers")
+        if len(types.value) != n_vocab:
+            raise ModelFileError(g.path, f"tokenizer.ggml.token_type has {len(types.value)} entries, "
+                                         f"vocab_size is {n_vocab}")
+    return {"tokens": tokens, "merges": merges, "path": g.path,
+            "token_type": None if types is None else types.value,
             "model": g.get("tokenizer.ggml.model"), "pre": g.get("tokenizer.ggml.pre")}
+
+
+_TOKEN_ID_KEYS = tuple(f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "padding", "unknown",
+                                                                   "separator", "cls", "mask"))
+_INT_TYPES = frozenset({T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_UINT64, T_INT64})
+
+
+def _string_array(g: GGUFFile, key: str) -> list:
+    f = g.fields.get(key)
+    if f is None:
+        raise ModelFileError(g.path, f"missing metadata key '{key}'")
+    if f.type != T_ARRAY or f.elem_type != T_STRING:
+        raise ModelFileError(g.path, f"metadata '{key}' is {f.type_name}, expected array of string")
+    return f.value
+
+
+def _check_vocab(path, tokens: list) -> set:
+    vocab = set(tokens)
+    if len(vocab) != len(tokens):
+        seen = {}
+        for i, t in enumerate(tokens):
+            if t in seen:
+                raise ModelFileError(path, f"tokenizer.ggml.tokens holds {t!r} twice (ids {seen[t]} and {i})")
+            seen[t] = i
+    # the engine recognises these two by their text (spec/protocol.md §1.2)
+    for marker in ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"):
+        if marker not in vocab:
+            raise ModelFileError(path, f"tokenizer.ggml.tokens lacks the marker {marker!r}")
+    return vocab
+
+
+def _check_merges(path, merges: list, vocab: set) -> None:
+    # The whole table in C-level set operations first: this runs on every open of a 127,741-merge
+    # table, and a list per merge (split) costs three times as much in allocations. The loop below
+    # only runs on a bad table, to name the first bad merge.
+    cut = [m.find(" ") for m in merges]
+    if min(cut, default=1) > 0 and vocab.issuperset([m[:c] for m, c in zip(merges, cut)]) \
+            and vocab.issuperset([m[c + 1:] for m, c in zip(merges, cut)]) \
+            and vocab.issuperset([m.replace(" ", "", 1) for m in merges]):
+        return
+    for i, m in enumerate(merges):
+        parts = m.split(" ", 1)
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise ModelFileError(path, f"tokenizer.ggml.merges[{i}] is {m!r}, not two tokens separated by a space")
+        a, b = parts
+        for piece in (a, b, a + b):
+            if piece not in vocab:
+                raise ModelFileError(path, f"tokenizer.ggml.merges[{i}] {m!r}: {piece!r} is not in the vocabulary")

@@ -322,6 +322,29 @@ class GGUFFile:
             if name in self.tensors:
                 raise ModelFileError(self.path, f"duplicate tensor {name!r}")
             self.tensors[name] = self._tensor_info(name, dims, type_id, offset)
+        self._check_packing()
+
+    def _check_packing(self):
+        """Tensor data must tile the data section: each tensor starts where the one before it ends
+        (rounded up to the alignment), as every GGUF writer lays them out. Two tensors sharing
+        bytes, or a gap, mean a directory entry does not describe the bytes written for it: an F16
+        tensor re-typed as F32 in the directory overlaps its neighbour, re-typed as Q8_0 it leaves a
+        gap, and either way the weights would be read as the wrong numbers."""
+        order = sorted(self.tensors.values(), key=lambda t: (t.offset, t.nbytes))
+        expect, prev = self.data_offset, None
+        for t in order:
+            if t.offset < expect and prev is not None:
+                raise ModelFileError(self.path, f"tensor {t.name!r} data [{t.offset}, {t.offset + t.nbytes}) overlaps "
+                                                f"tensor {prev.name!r} [{prev.offset}, {prev.offset + prev.nbytes})")
+            if t.offset > expect:
+                after = f"the end of tensor {prev.name!r}" if prev else "the start of the data section"
+                raise ModelFileError(self.path, f"{t.offset - expect} unused bytes between {after} and tensor "
+                                                f"{t.name!r}: a tensor's type or shape does not match its data")
+            expect = -(-(t.offset + t.nbytes) // self.alignment) * self.alignment
+            prev = t
+        if prev is not None and self.size > expect:
+            raise ModelFileError(self.path, f"{self.size - expect} bytes after the last tensor {prev.name!r}: "
+                                            f"a tensor's type or shape does not match its data")
 
     def _read_value(self, c: _Cursor, key: str, vtype: int) -> Field:
         if vtype in _SCALAR:

@@ -68,7 +68,15 @@ class Tokenizer:
         if missing:
             raise ValueError(f"the vocabulary lacks {missing[0]!r}")
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        self._hf = _HFTokenizer(models.BPE(vocab=dict(self.id_of), merges=pairs, fuse_unk=False))
+        bad = next((m for m in pairs if len(m) != 2), None)
+        if bad is not None:
+            raise ValueError(f"merge {' '.join(bad)!r} is not two tokens separated by a space")
+        try:
+            bpe = models.BPE(vocab=dict(self.id_of), merges=pairs, fuse_unk=False)
+        except Exception as e:   # the library raises a bare Exception ("Token `x` out of vocabulary")
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"the BPE tables do not load: {first}") from None
+        self._hf = _HFTokenizer(bpe)
         self._hf.pre_tokenizer = pre_tokenizer()
         self._hf.decoder = decoders.ByteLevel()
         present = [m for m in MARKERS if m in self.id_of]
@@ -80,7 +88,11 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, meta: dict) -> "Tokenizer":
-        return cls(meta["tokens"], meta["merges"])
+        """From read_tokenizer_metadata's dict; a table that does not build is the file's error."""
+        try:
+            return cls(meta["tokens"], meta["merges"])
+        except ValueError as e:
+            raise ModelFileError(meta.get("path", "model"), f"tokenizer metadata: {e}") from None
 
     @classmethod
     def from_gguf(cls, path) -> "Tokenizer":
@@ -91,10 +103,7 @@ class Tokenizer:
             n = g.get("deepseek4.vocab_size")
             toks = g.fields.get("tokenizer.ggml.tokens")
             meta = read_tokenizer_metadata(g, n if isinstance(n, int) else len(toks.value) if toks else 0)
-        try:
-            return cls(meta["tokens"], meta["merges"])
-        except ValueError as e:
-            raise ModelFileError(path, f"tokenizer metadata: {e}") from None
+        return cls.from_metadata(meta)
 
     @property
     def n_vocab(self) -> int:

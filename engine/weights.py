@@ -30,6 +30,12 @@ def _hash_table(m: ModelFile, name: str, n_expert: int) -> np.ndarray:
     return ids
 
 
+def check_hash_tables(m: ModelFile) -> None:
+    """What bind checks of the hash tables, for `ds4-gguf inspect`, which binds nothing."""
+    for il in range(m.config.n_hash_layer):
+        _hash_table(m, f"blk.{il}.ffn_gate_tid2eid.weight", m.config.n_expert)
+
+
 def _vec(t: QTensor) -> np.ndarray:
     return Q.dequantize(t.type_id, t.data.reshape(-1)).astype(np.float32)
 

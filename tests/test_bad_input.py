@@ -131,6 +131,15 @@ def _nonexistent(tmp, src):
     return tmp / "does-not-exist.gguf"
 
 
+def _variant(label):
+    """A variant of scripts/gguf_corrupt.py (loaded with test_gguf_corruption.py) by its label."""
+    def build(tmp, src):
+        from test_gguf_corruption import gguf_corrupt
+        name = "".join(ch if ch.isalnum() else "_" for ch in label)[:60] + ".gguf"
+        return _write(tmp, name, dict(gguf_corrupt.variants(src))[label]())
+    return build
+
+
 CASES = [
     ("truncated header", _truncated_header, "truncated header"),
     ("truncated metadata", _truncated_metadata, "truncated metadata"),
@@ -151,6 +160,43 @@ CASES = [
     ("directory", _directory, "is a directory"),
     ("empty file", _empty, "is empty"),
     ("no such file", _nonexistent, "no such file"),
+    # values that used to pass validation and then break (ZeroDivisionError, complex powers, a hang,
+    # the BPE library's own exceptions) or load silently as the wrong model
+    ("rope base 0", _variant("deepseek4.rope.freq_base = 0"),
+     "'deepseek4.rope.freq_base' is 0.0; it must be a finite number above 1"),
+    ("rope base -1", _variant("deepseek4.rope.freq_base = i32 -1"), "'deepseek4.rope.freq_base' is -1.0"),
+    ("compress rope base NaN", _variant("deepseek4.attention.compress_rope_freq_base = NaN"),
+     "'deepseek4.attention.compress_rope_freq_base' is nan"),
+    ("yarn beta 0", _variant("deepseek4.rope.scaling.yarn_beta_slow = 0"),
+     "'deepseek4.rope.scaling.yarn_beta_slow' is 0.0; it must be in 0.001..10000"),
+    ("yarn factor 0", _variant("deepseek4.rope.scaling.factor = 0"), "it must be a finite number of at least 1"),
+    ("rms eps -1", _variant("deepseek4.attention.layer_norm_rms_epsilon = -1"),
+     "'deepseek4.attention.layer_norm_rms_epsilon' is -1.0; it must be a finite number in (0, 1)"),
+    ("hc eps inf", _variant("deepseek4.hyper_connection.epsilon = inf"), "'deepseek4.hyper_connection.epsilon' is inf"),
+    ("expert weights scale 0", _variant("deepseek4.expert_weights_scale = 0"),
+     "'deepseek4.expert_weights_scale' is 0.0"),
+    ("swiglu clamp NaN", _variant("deepseek4.swiglu_clamp_exp entry NaN"), "'deepseek4.swiglu_clamp_exp'[3] is nan"),
+    ("sinkhorn iterations 2^31-1", _variant("deepseek4.hyper_connection.sinkhorn_iterations = 2^31-1"),
+     "'deepseek4.hyper_connection.sinkhorn_iterations' is 2147483647; it must be in 1..256"),
+    ("merges flipped", _variant("merges: first pair flipped"), "tokenizer.ggml.merges[0]"),
+    ("merge of garbage", _variant("merges: garbage pair 'Oy zz'"),
+     "tokenizer.ggml.merges[5] 'Oy zz': 'Oy' is not in the vocabulary"),
+    ("merge without a space", _variant("merges: pair without a space"),
+     "tokenizer.ggml.merges[7] is 'abc', not two tokens separated by a space"),
+    ("duplicate token", _variant("tokens: duplicate entry"), "tokenizer.ggml.tokens holds"),
+    ("BOS marker missing", _variant("tokens: BOS marker renamed"), "lacks the marker '<｜begin▁of▁sentence｜>'"),
+    ("bos id outside the vocabulary", _variant("tokenizer.ggml.bos_token_id = vocab size"),
+     "'tokenizer.ggml.bos_token_id' is 4096, outside the vocabulary (0..4095)"),
+    ("eos id of the wrong type", _variant("tokenizer.ggml.eos_token_id as a string"),
+     "'tokenizer.ggml.eos_token_id' is string, expected an integer"),
+    ("token types short", _variant("token_type: three short"), "tokenizer.ggml.token_type has 4093 entries"),
+    ("overlapping tensor offsets", _variant("tensor: offset of the one before (overlap)"),
+     "'blk.2.attn_q_b.weight' data"),
+    ("F16 re-typed as F32", _variant("tensor: F16 HC fn re-typed F32"), "overlaps tensor 'blk.0.hc_attn_fn.weight'"),
+    ("F16 re-typed as Q8_0", _variant("tensor: F16 embedding re-typed Q8_0"),
+     "unused bytes between the end of tensor 'token_embd.weight' and tensor"),
+    ("last tensor re-typed smaller", _variant("tensor: Q8_0 output re-typed Q4_K"),
+     "bytes after the last tensor 'output.weight'"),
 ]
 
 
@@ -199,7 +245,7 @@ def test_first_problem_names_how_many_more(tiny_q2, tmp_path):
         ModelFile.open(path)
 
 
-def test_bad_hash_table_is_caught_at_load(tiny_q2, tmp_path):
+def test_bad_hash_table_is_caught_at_load(tiny_q2, tmp_path, capsys):
     """Expert ids outside the range, or twice for one token, would fail (or mis-route) in the middle
     of a forward pass; Engine.open refuses them with the tensor named."""
     from engine import Engine
@@ -215,3 +261,6 @@ def test_bad_hash_table_is_caught_at_load(tiny_q2, tmp_path):
         p = _write(tmp_path, f"hash-{words.split()[0]}.gguf", bytes(d))
         with pytest.raises(ModelFileError, match=words):
             Engine.open(p)
+        assert gguf_main(["inspect", str(p)]) == 1      # inspect checks what the loaders check
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0]
