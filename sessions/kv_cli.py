@@ -8,6 +8,10 @@ model the checks are structural (everything `read_kv` checks before it touches a
 DSV4 payload header); with `-m MODEL` the payload is also loaded into a Session of that model (ctx =
 the header's context), which validates every count and byte length against the model.
 
+A FIFO or device is reported, never opened (it would block or have side effects); a symlink named
+on the command line is followed (the user chose it), unlike links inside a cache folder. With a
+model, the payload's token ids must spell the file's text (kvfile.check_payload_text).
+
 Exit status 0 when every file is valid, 1 otherwise. A bad file prints one line to stderr,
 `error: FILE: problem`; never a traceback.
 """
@@ -20,6 +24,7 @@ import struct
 import sys
 from datetime import datetime, timezone
 
+from . import safeio
 from .kvfile import (FLAG_RESPONSES_KEY, FLAG_THINKING_KEY, FLAG_TOOL_MAP, PREFIX_BYTES,
                      KVFileError, KVHeader, decode_tool_map, read_header, read_kv, routed_quant_bits,
                      sha1_name)
@@ -123,6 +128,8 @@ def check_payload_header(path: str, h: KVHeader, head: bytes) -> tuple:
 def report(path: str, engine=None, out=print) -> str | None:
     """Print what `path` holds; returns None if it is valid, else the error message."""
     out(path)
+    if os.path.islink(path):        # a link named on the command line is the user's to follow
+        path = os.path.realpath(path)
     try:
         h, size = read_header(path)
     except KVFileError as e:
@@ -146,7 +153,7 @@ def _report(path: str, h: KVHeader, size: int, engine, out) -> str | None:
         f"flags {h.flags:#04x} ({flag_names(h.flags)}), key {h.key_kind}")
     out(f"  tokens:    {h.tokens}   hits: {h.hits}   context: {h.ctx}")
     out(f"  created:   {utc(h.created_at)}   last used: {utc(h.last_used)}")
-    with open(path, "rb") as f:
+    with safeio.open_regular(path) as f:     # never a FIFO swapped in since read_header
         f.seek(PREFIX_BYTES)
         text = f.read(h.text_bytes)
         phead = f.read(min(h.payload_bytes, PAYLOAD_HEADER.size))

@@ -442,3 +442,20 @@ def test_bad_sidecars_show_as_damaged(eng, ids, tmp_path, field, raw):
         agent = make_agent(eng, store, project)
         assert "DAMAGED" in agent.command("/list all") and "unknown project" in agent.command("/list")
         assert "no saved session" in agent.command("/resume")
+
+
+def test_ds4_kv_reports_a_fifo_without_blocking(eng, ids, tmp_path, capsys):
+    from sessions.kv_cli import main
+    fifo = tmp_path / ("a" * 40 + ".kv")
+    os.mkfifo(fifo)
+    s = session(eng, ids)
+    real = tmp_path / sha1_name(token_text(s))
+    write_kv(real, s, token_text(s))
+    link = tmp_path / "link.kv"
+    os.symlink(real, link)
+    try:
+        assert finishes(lambda: main([str(fifo), str(link)])) == 1
+    finally:
+        unblock(fifo)
+    out, err = capsys.readouterr()
+    assert "is a FIFO" in err and err.count("error: ") == 1 and "Traceback" not in out + err
