@@ -329,6 +329,24 @@ def test_read_only_tools_write_nothing(tmp_path):
     assert snapshot(r.root) == before
 
 
+def test_the_users_own_filter_still_applies(tmp_path, monkeypatch):
+    """A filter defined in the user's global config (git-lfs) is theirs, not the repository's:
+    without it every such file would read as modified."""
+    r = make_repo(tmp_path)
+    r.global_cfg.write_text("[filter \"f\"]\n\tclean = tr a-z A-Z\n\tsmudge = cat\n")
+    (r.root / "a.txt").write_text("hello\n")
+    r.git("add", "a.txt")
+    r.git("commit", "-q", "-m", "filtered")
+    assert r.git("show", "HEAD:a.txt") == "HELLO\n"
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(r.global_cfg))
+    ctx = ToolContext(root=r.root)
+    os.utime(r.root / "a.txt", (1_500_000_000, 1_500_000_000))   # git must compare the content
+    assert " a.txt" not in call("git", {"subcommand": "status"}, ctx).text
+    r.global_cfg.write_text("")                 # the same driver from the repository: disabled
+    r.config("filter.f.clean", "tr a-z A-Z")
+    assert " M a.txt" in call("git", {"subcommand": "status"}, ctx).text
+
+
 def test_status_is_not_hidden_by_the_repository(tmp_path):
     r = make_repo(tmp_path)
     r.config("status.showUntrackedFiles", "no")

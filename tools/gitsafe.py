@@ -14,7 +14,7 @@ repository must not run any of them, so every call here:
 - overrides, at the highest precedence (GIT_CONFIG_COUNT, the environment form of `-c`, which also
   reaches any git that git itself starts), every key that names a program, with a value that runs
   nothing; drivers are named by the repository (filter.<name>.*, diff.<name>.*), so their names
-  are read first with `git config --list --name-only` (reading config runs nothing) and each is
+  are read first with `git config --list --show-scope` (reading config runs nothing) and each is
   overridden;
 - passes --no-textconv --no-ext-diff (and --no-show-signature) to the commands that make diffs;
 - sets GIT_WORK_TREE to the folder that holds `.git`, so a repository's core.worktree cannot point
@@ -23,7 +23,8 @@ repository must not run any of them, so every call here:
   the index), and reads pathspecs literally (a path argument cannot smuggle `:(top)` magic).
 
 The user's global and system config are kept (identity for commits, safe.directory); the keys
-above are overridden there too. This module imports nothing of ours: tools/ stands alone.
+above are overridden there too, except the filter drivers the user defined there (git-lfs).
+This module imports nothing of ours: tools/ stands alone.
 """
 from __future__ import annotations
 
@@ -84,6 +85,9 @@ _DRIVER_CONFIG = {
     "trailer": {"command": "false", "cmd": "false"},
 }
 
+# Config the user wrote (not the repository): filter drivers defined there are kept.
+_USER_SCOPES = {"global", "system"}
+
 # Commands that can show a diff: git's own flags keep textconv, external diff and gpg out.
 _DIFF_COMMANDS = {"diff": ["--no-textconv", "--no-ext-diff"],
                   "diff-files": ["--no-textconv", "--no-ext-diff"],
@@ -126,18 +130,22 @@ def find_worktree(start: Path) -> Path | None:
     return None
 
 
-def driver_overrides(names: list[str]) -> list[tuple[str, str]]:
-    """For each driver key (`section.<name>.key`, or `pager.<command>`) among the config `names`,
-    the override that disables it."""
+def driver_overrides(entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """For each driver key (`section.<name>.key`, or `pager.<command>`) among the config
+    `entries` (scope, name), the override that disables it. Filters the user defined in their own
+    global or system config stay (git-lfs: without its clean filter every LFS file would read as
+    modified); the repository only picks which applies, and cannot redefine one (its value would
+    be overridden here)."""
     out: list[tuple[str, str]] = []
-    for name in names:
+    for scope, name in entries:
         section, _, rest = name.partition(".")
         sub, _, key = rest.rpartition(".")
         section, key = section.lower(), key.lower()
         if section == "pager":
             pairs = [] if sub else [(f"pager.{rest}", "false")]
         elif section == "filter" and sub:
-            pairs = [(f"filter.{sub}.{k}", v) for k, v in _DRIVER_CONFIG["filter"].items()]
+            pairs = [] if scope in _USER_SCOPES else [
+                (f"filter.{sub}.{k}", v) for k, v in _DRIVER_CONFIG["filter"].items()]
         elif sub and key in (_DRIVER_CONFIG.get(section) or {}):
             pairs = [(f"{section}.{sub}.{key}", _DRIVER_CONFIG[section][key])]
         else:
@@ -208,15 +216,18 @@ class Git:
         rel = os.path.relpath(self.cwd, top)
         self.prefix = "" if rel == "." else Path(rel).as_posix()   # the cwd inside the repository
         base = base_env(top)
-        names = self._config_names(_config_env(base, list(FIXED_CONFIG)))
-        self.env = _config_env(base, [*FIXED_CONFIG, *driver_overrides(names)])
+        entries = self._config_entries(_config_env(base, list(FIXED_CONFIG)))
+        self.env = _config_env(base, [*FIXED_CONFIG, *driver_overrides(entries)])
 
-    def _config_names(self, env: dict) -> list[str]:
-        r = _spawn(["git", "config", "--list", "--name-only", "-z"], self.cwd, env, self.timeout, None)
+    def _config_entries(self, env: dict) -> list[tuple[str, str]]:
+        """(scope, name) of every config entry git reads here, included files too."""
+        r = _spawn(["git", "config", "--list", "--show-scope", "-z"], self.cwd, env, self.timeout, None)
         if r.returncode != 0:     # a broken config: run nothing rather than run unprotected
             msg = r.stderr.decode("utf-8", "replace").strip() or f"exit status {r.returncode}"
             raise GitError(f"git cannot read this repository's configuration: {msg}")
-        return [n for n in r.stdout.decode("utf-8", "surrogateescape").split("\0") if n]
+        fields = r.stdout.decode("utf-8", "surrogateescape").split("\0")
+        # scope NUL name [LF value] NUL ...
+        return [(scope, item.split("\n", 1)[0]) for scope, item in zip(fields[::2], fields[1::2])]
 
     def command(self, *args: str) -> list[str]:
         """The full command line for `git <args>`."""
