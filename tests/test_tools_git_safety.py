@@ -355,6 +355,28 @@ def test_status_is_not_hidden_by_the_repository(tmp_path):
     assert "1 staged" not in git_summary(r.root) and "2 modified or untracked" in git_summary(r.root)
 
 
+def test_embedded_bare_repository(tmp_path):
+    """A bare repository committed inside the project is found by git first when a command runs
+    in it (search or list of that folder, or the agent opened there); its config is the cloner's."""
+    r = make_repo(tmp_path)
+    evil = r.root / "evil.git"
+    r.git("init", "-q", "--bare", str(evil))
+    r.git("config", "core.fsmonitor", r.mark("embedded"), cwd=evil)
+    r.git("config", "core.bare", "false", cwd=evil)
+    r.git("config", "core.worktree", "..", cwd=evil)
+    r.git("status", cwd=evil)
+    assert r.found() == {"embedded"}
+    r.clear()
+    ctx, inner = ToolContext(root=r.root), ToolContext(root=evil)
+    call("search", {"pattern": "x", "path": "evil.git"}, ctx)
+    call("list", {"path": "evil.git", "depth": 3}, ctx)
+    call("outline", {"path": "evil.git"}, ctx)
+    for sub in ("status", "diff", "log", "show"):
+        call("git", {"subcommand": sub}, inner)
+    system_text(evil)
+    assert r.found() == set()
+
+
 def test_core_worktree_cannot_point_outside(tmp_path):
     """A repository's core.worktree would make git compare its files with another folder's."""
     r = make_repo(tmp_path)
