@@ -131,7 +131,7 @@ def test_search_times_out_with_partial_results(proj):
     assert r.returncode == 0, r.stderr
     head, text = r.stdout.split("\n", 1)
     took, is_ok, truncated = head.split()
-    assert float(took) < 4 and is_ok == "True" and truncated == "True"
+    assert float(took) < 8 and is_ok == "True" and truncated == "True"   # 1 s, and slack for a loaded CI
     assert "a_first.txt\n1:xx aab yy" in text                   # what was found before
     assert "timed out after 1 s" in text and "evil.txt" in text  # says where it stopped, and why
 

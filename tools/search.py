@@ -154,7 +154,8 @@ def _result(ctx: ToolContext, args: dict, base, counts, blocks: list[str], more:
     what = f"/{pattern}/" if not args.get("literal") else repr(pattern)
     where = ctx.rel(base)
     if matches == 0:
-        text = f"No matches for {what} in {where}" + (f" (glob {args['glob']})" if args.get("glob") else "")
+        text = (f"No matches {'before the time limit ' if timed_out else ''}for {what} in {where}"
+                + (f" (glob {args['glob']})" if args.get("glob") else ""))
         text += f"; {nsearched} files searched" if timed_out is None else ""
     else:
         text = (f"{matches} matching line{'s' if matches != 1 else ''} in {nfiles} "
@@ -175,9 +176,10 @@ def _result(ctx: ToolContext, args: dict, base, counts, blocks: list[str], more:
                              "glob or a more specific pattern ...]")
         truncated = True
     if timed_out is not None:
+        hint = ("narrow the search with path or glob" if args.get("literal") else "the pattern may "
+                "backtrack heavily (nested repeats like (a+)+): simplify it, or narrow path/glob")
         full += (f"\n[... search timed out after {TIME_LIMIT:g} s while matching in "
-                 f"{ctx.rel(timed_out)}; the results above are partial. The pattern may backtrack "
-                 "heavily (nested repeats like (a+)+): simplify it, or narrow path/glob ...]")
+                 f"{ctx.rel(timed_out)}; the results above are partial: {hint} ...]")
         truncated = True
     if more:
         full += (f"\n[... truncated: stopped at max_matches={max_matches}; more matches exist. "
