@@ -377,6 +377,18 @@ def test_embedded_bare_repository(tmp_path):
     assert r.found() == set()
 
 
+def test_a_git_too_old_for_the_overrides_is_not_run(tmp_path, monkeypatch):
+    import tools.gitsafe as gitsafe
+    r = make_repo(tmp_path)
+    r.config("core.fsmonitor", r.mark("old"))
+    monkeypatch.setattr(gitsafe, "MIN_VERSION", (99, 0))
+    ctx = ToolContext(root=r.root)
+    assert "too old to run safely" in call("git", {"subcommand": "status"}, ctx).text
+    assert "sub/b.py" in call("search", {"pattern": "return"}, ctx).text     # a walk instead
+    assert "git unavailable" in git_summary(r.root)
+    assert r.found() == set()
+
+
 def test_core_worktree_cannot_point_outside(tmp_path):
     """A repository's core.worktree would make git compare its files with another folder's."""
     r = make_repo(tmp_path)

@@ -29,6 +29,7 @@ This module imports nothing of ours: tools/ stands alone.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -200,6 +201,23 @@ def _spawn(args: list[str], cwd: Path, env: dict, timeout: float,
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
+# GIT_CONFIG_COUNT (the overrides) arrived in git 2.31; an older git would silently ignore them
+MIN_VERSION = (2, 31)
+_VERSIONS: dict[str, tuple[int, ...]] = {}
+
+
+def _check_version(exe: str, timeout: float) -> None:
+    if exe not in _VERSIONS:
+        r = _spawn([exe, "--version"], Path("/"), base_env(None), timeout, None)
+        m = re.search(rb"(\d+)\.(\d+)", r.stdout)
+        _VERSIONS[exe] = tuple(int(x) for x in m.groups()) if m else (0, 0)
+    if _VERSIONS[exe] < MIN_VERSION:
+        have = ".".join(map(str, _VERSIONS[exe]))
+        raise GitMissing(f"git {have} is too old to run safely here (the agent needs git "
+                         f"{MIN_VERSION[0]}.{MIN_VERSION[1]} or newer to switch off a repository's "
+                         "hooks, filters and helpers)")
+
+
 class Git:
     """git in one folder of a work tree, made safe (see the module's doc). Raises GitMissing or
     NotARepository when there is nothing to run."""
@@ -207,8 +225,10 @@ class Git:
     def __init__(self, cwd: Path | str, *, timeout: float = GIT_TIMEOUT):
         self.cwd = Path(os.path.realpath(cwd))
         self.timeout = timeout
-        if shutil.which("git") is None:
+        exe = shutil.which("git")
+        if exe is None:
             raise GitMissing("git is not installed")
+        _check_version(exe, self.timeout)
         top = find_worktree(self.cwd)
         if top is None:
             raise NotARepository(f"{self.cwd} is not inside a git work tree")
