@@ -111,6 +111,19 @@ def test_generator_is_deterministic_and_covers_every_section(small_model, all_va
 
 
 def test_every_variant_loads_or_fails_with_one_line(small_model, all_variants, tmp_path, monkeypatch):
+    loaded = _run_all(all_variants, tmp_path, monkeypatch)
+    assert 0 < loaded < len(all_variants) // 4   # flips in weights load; most corruptions do not
+
+
+@pytest.mark.slow
+def test_more_seeds_of_flips_and_truncations(small_model, tmp_path, monkeypatch):
+    """The byte-level variants (other flip positions) for four more seeds."""
+    more = [(f"seed {seed}: {label}", build) for seed in range(1, 5)
+            for label, build in gguf_corrupt.variants(small_model, seed=seed) if "flipped" in label]
+    _run_all(more, tmp_path, monkeypatch)
+
+
+def _run_all(variants, tmp_path, monkeypatch) -> int:
     monkeypatch.setenv("DS4_AGENT_HOME", str(tmp_path / "home"))
     project = tmp_path / "project"
     project.mkdir()
@@ -121,7 +134,7 @@ def test_every_variant_loads_or_fails_with_one_line(small_model, all_variants, t
            ("ds4", ds4_main, ["-m", p, "-p", "hi", "-n", "1", "--nothink", "--ctx", "64", "--seed", "1"]),
            ("ds4-agent", agent_main, ["-m", p, "-p", "hi", "--ctx", "64"])]
     bad, loaded, seconds = [], 0, {name: 0.0 for name, _, _ in cli}
-    for label, build in all_variants:
+    for label, build in variants:
         path.write_bytes(build())
         for name, entry, argv in cli:
             t0 = time.perf_counter()
@@ -130,11 +143,11 @@ def test_every_variant_loads_or_fails_with_one_line(small_model, all_variants, t
             loaded += name == "ds4" and rc == 0
             if not clean(name, rc, err):
                 bad.append(f"{label} | {name}: {rc} {err.strip()[-300:]}")
-    print(f"\n{len(all_variants)} variants, {loaded} load and generate; seconds per CLI: "
+    print(f"\n{len(variants)} variants, {loaded} load and generate; seconds per CLI: "
           + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     assert not bad, "\n".join(bad)
-    assert 0 < loaded < len(all_variants) // 4   # flips in weights load; most corruptions do not
     assert list(project.iterdir()) == []          # nothing written where the user ran it
+    return loaded
 
 
 @pytest.mark.parametrize("label", ["deepseek4.hyper_connection.sinkhorn_iterations = 2^31-1",
