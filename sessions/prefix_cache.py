@@ -53,7 +53,7 @@ from typing import Callable
 from engine import Session
 
 from . import safeio
-from .kvfile import (KVFileError, KVFileInfo, KVHeader, encode_tool_map, header_of, kv_file_bytes, read_header,
+from .kvfile import (KVFileError, KVFileInfo, KVHeader, encode_tool_map, header_of, kv_file_bytes,
                      read_info, read_kv, replace_tool_map, routed_quant_bits, sha1_name, touch, write_kv)
 
 HIT_HALF_LIFE_S = 21600          # ds4: DS4_KVSTORE_HIT_HALF_LIFE_SECONDS (6 h), compile-time
