@@ -210,7 +210,7 @@ def test_host_names_accepted_and_refused():
               "127.5.6.7", "127.1", "[::ffff:127.0.0.1]:9", None):
         assert host_allowed(h, "127.0.0.1"), h
     for h in ("rebind.evil.example", "evil.example:8000", "127.0.0.1.evil.example", "[::2]:80",
-              "localhost.evil", "x", "", "127.0.0.1:80:80", "[::1", "[::1]x", "::1", "0.0.0.0:8000"):
+              "localhost.evil", "x", "", "127.1 evil", "127.0.0.1:80:80", "[::1", "[::1]x", "::1", "0.0.0.0:8000"):
         assert not host_allowed(h, "127.0.0.1"), h
     assert host_allowed("192.168.1.5:8000", "192.168.1.5") and not host_allowed("evil:80", "192.168.1.5")
     assert host_allowed("MyBox.lan:8000", "mybox.lan") and host_allowed("localhost", "mybox.lan")

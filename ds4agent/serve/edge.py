@@ -29,6 +29,7 @@ __all__ = ["EdgeGuard", "api_for_path", "host_allowed", "origin_allowed", "text_
            "exposure_warning", "ALL_INTERFACES"]
 
 ALL_INTERFACES = ("0.0.0.0", "::", "", "0:0:0:0:0:0:0:0", "[::]")
+_NUMERIC_V4 = re.compile(r"[0-9a-fx.]+")
 _ANTHROPIC_PREFIX = "/v1/messages"
 
 
@@ -65,6 +66,8 @@ def _is_loopback(name: str) -> bool:
     try:
         addr = ipaddress.ip_address(name)
     except ValueError:
+        if not _NUMERIC_V4.fullmatch(name):
+            return False
         try:    # the resolver's IPv4 forms (127.1, 0x7f.0.0.1): numbers, never a DNS name
             addr = ipaddress.ip_address(socket.inet_aton(name))
         except (OSError, ValueError):
@@ -107,10 +110,8 @@ def _canon(name: str) -> str:
 
 def _default_port(netloc: str, scheme: str) -> str:
     """`netloc` with the scheme's default port dropped (browsers omit it in both headers)."""
-    for default in ((":80",) if scheme == "http" else (":443",) if scheme == "https" else ()):
-        if netloc.endswith(default):
-            return netloc[:-len(default)]
-    return netloc
+    default = {"http": ":80", "https": ":443"}.get(scheme)
+    return netloc[:-len(default)] if default and netloc.endswith(default) else netloc
 
 
 def origin_allowed(origin: str | None, fetch_site: str | None, host: str | None, cors: bool) -> bool:
