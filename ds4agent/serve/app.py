@@ -107,6 +107,7 @@ def create_app(shim: Shim) -> Starlette:
         except ContextLengthError as e:
             return json_response(e.body(api), e.status)
         except _BodyTooLarge:
+            size = MAX_BODY_BYTES          # what was read of it is freed: trim below
             return fail(api, 413, f"request body exceeds {MAX_BODY_BYTES} bytes", {"Connection": "close"})
         except RequestError as e:
             return fail(api, e.status, e.message)
