@@ -25,7 +25,7 @@ from ds4agent.serve.app import create_app
 from ds4agent.serve.config import MAX_BODY_BYTES
 from ds4agent.serve.edge import exposure_warning, host_allowed, origin_allowed, text_problem
 from engine import Engine
-from prompts import ContextLengthError
+from prompts import ContextLengthError, RequestError
 
 POSTS = {"/v1/chat/completions": "openai_chat", "/v1/completions": "openai_completions",
          "/v1/responses": "responses", "/v1/messages": "anthropic"}
@@ -475,3 +475,34 @@ def test_memory_returns_after_big_bodies(agent_model, tmp_path):
 def test_memory_returns_after_twenty_big_bodies(agent_model, tmp_path):
     start, end, peak = _burst(agent_model, tmp_path, 20)
     assert end - start < 200 * 1024, (start, end, peak)
+
+
+def test_recorded_clients_pass_the_edge():
+    """The requests Claude Code, Codex, opencode and Pi really sent (shared/clients) pass every
+    edge check unchanged: loopback Host, no Origin, text that is Unicode."""
+    from conftest import SHARED
+    files = sorted((SHARED / "clients").glob("*.json"))
+    if not files:
+        pytest.skip("shared/clients is absent (the shared/ folder beside the checkout holds it)")
+    for f in files:
+        rec = json.loads(f.read_text())
+        h = {k.lower(): v for k, v in rec["headers"].items()}
+        assert host_allowed(h.get("host"), "127.0.0.1"), f.name
+        assert origin_allowed(h.get("origin"), h.get("sec-fetch-site"), h.get("host"), False), f.name
+        body = rec.get("body")
+        if body is not None:
+            raw = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
+            assert text_problem(raw.encode("utf-8")) is None, f.name
+
+
+def test_prepare_refuses_lone_surrogates_in_str_and_dict_bodies(agent_model):
+    """Embedders may hand the shim a str or dict body: lone surrogates there are refused too
+    (a stop word of one crashed the worker's stream parser)."""
+    shim = Shim(Engine.open(agent_model), ServeConfig(ctx=4096))
+    for body in ({"messages": [U], "stop": ["\ud800"]}, '{"messages":[{"role":"user","content":"a\udc80"}]}',
+                 '{"prompt":"x","stop":"\\ud800"}'):
+        api = "openai_completions" if "prompt" in str(body) else "openai_chat"
+        with pytest.raises(RequestError) as e:
+            shim.prepare(api, body, lambda ev: None)
+        assert "surrogate" in e.value.message or "UTF-8" in e.value.message
+    assert shim.prepare("openai_chat", {"messages": [U], "stop": ["\U0001F600"]}, lambda ev: None).stop == ["\U0001F600"]

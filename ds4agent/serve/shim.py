@@ -14,6 +14,7 @@ import time
 import prompts
 from engine import Engine, SamplingParams
 from prompts import ContextLengthError, ToolCall, ToolMemory, render_request, render_tool_calls
+from prompts.messages import body_text
 from sessions.prefix_cache import PrefixCache
 
 from .config import DEFAULT_MODEL_ID, MODEL_ALIASES, ServeConfig
@@ -57,20 +58,18 @@ class Shim:
     # -- request -> job ------------------------------------------------------------------------
     def prepare(self, api: str, body: bytes, emit) -> Job:
         """Parse, render and tokenize. Raises RequestError (ds4's 4xx) for what cannot run."""
-        if isinstance(body, (bytes, bytearray)):
-            problem = text_problem(bytes(body))
-            if problem:
-                raise prompts.RequestError(problem)
+        # text that is not Unicode can be neither tokenized nor matched as a stop word: a 400
+        # before parsing (a body given as str or dict may hold lone surrogates as characters)
+        raw = body if isinstance(body, (bytes, bytearray)) else \
+            body_text(body).encode("utf-8", "surrogatepass")
+        problem = text_problem(bytes(raw))
+        if problem:
+            raise prompts.RequestError(problem)
+        raw = None
         w = self.worker
         replay = _Replay(w) if w.memory is not None else None
         r = render_request(api, body, self.cfg.ctx, live_call_ids=w.live_call_ids(api), replay=replay)
         conv = r.conversation
-        try:
-            r.text.encode("utf-8")
-        except UnicodeEncodeError:
-            # only a body given as str can still hold lone surrogates (the HTTP edge refuses
-            # them): the tokenizer takes valid text only, so they become U+FFFD
-            r.text = prompts.to_bytes(r.text).decode("utf-8", "replace")
         tokens = self._tokens(r.text)
         p = conv.params
         sampling = SamplingParams(
