@@ -18,11 +18,14 @@ Strategies:
   then a shared prefix, so prefill stays cheap);
 * byte soup: random bytes, truncated and byte-mutated valid bodies, invalid UTF-8, NUL bytes,
   bad escapes and lone surrogates, deep nesting (up to 10,000 levels), huge numbers;
+* schema-shaped bodies with one lone UTF-16 surrogate put into any one of their strings (stop
+  words, tool names and arguments, system and message text, model, tool_choice names, keys),
+  as a JSON escape or as raw bytes, streamed or not: always a 400 that says so, never a run;
 * the HTTP surface: every method on known and unknown paths, wrong content types, empty and
   chunked bodies; raw sockets sending broken HTTP; clients hanging up at a random byte of the
   answer.
 
-The default run is 2,180 generated cases (derandomized, so CI sees the same ones every time)
+The default run is 2,480 generated cases (derandomized, so CI sees the same ones every time)
 plus ~50 explicit @example cases; about a fifth of them are accepted and run by the worker.
 """
 from __future__ import annotations
