@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tomllib
 from pathlib import Path
@@ -81,6 +82,18 @@ def _parser():
     return p
 
 
+def _interrupt_on_sigterm():
+    """SIGTERM ends the agent as Ctrl+C does. Python's default ends the process at once, without
+    its exit handlers: the bash tool's kill of every job's process tree (those that left their
+    group with setsid or nohup included) would not run, and they would outlive the agent."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:       # not the main thread (an embedding caller): leave its handlers alone
+        return None
+
+
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     cfg = load_config()
@@ -118,6 +131,7 @@ def main(argv=None) -> int:
         eng = Engine.open(model, backend=a.backend, numerics=a.numerics)
         return Agent(eng, project, config=conf, store=store, emit=emit)
 
+    previous = _interrupt_on_sigterm()
     try:
         if a.prompt is not None:
             from .headless import run_headless
@@ -130,6 +144,9 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,32 @@ def test_system_prompt_has_environment_and_agents_md(tmp_path):
     plain = tmp_path.parent / (tmp_path.name + "-plain")   # outside any repository
     plain.mkdir()
     assert "not a git repository" in system_text(plain) and "AGENTS.md" not in system_text(plain)
+
+
+def test_sigterm_ends_the_agent_like_ctrl_c(tmp_path, agent_model):
+    """SIGTERM to a running agent raises KeyboardInterrupt (exit 130, exit handlers run: the bash
+    tool's kill of escaped job processes is one), where Python's default ends it at once (-15)."""
+    import os
+    import signal
+    import sys
+    import time
+    env = dict(os.environ, DS4_AGENT_HOME=str(tmp_path / "home"))
+    p = subprocess.Popen([sys.executable, "-m", "ds4agent.cli", "--model", str(agent_model), "--ctx", "8192",
+                          "-p", "write a long story"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        t0 = time.monotonic()
+        while True:                  # until the process catches SIGTERM (SigCgt bit 15)
+            with open(f"/proc/{p.pid}/status") as f:
+                caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+            if caught & (1 << (signal.SIGTERM - 1)) or p.poll() is not None:
+                break
+            assert time.monotonic() - t0 < 60
+            time.sleep(0.02)
+        p.send_signal(signal.SIGTERM)    # the model is still loading or working
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err.decode(errors="replace")[-2000:]
+    assert b"Traceback" not in err
