@@ -294,6 +294,18 @@ def test_requests_past_the_queue_bound_get_503_with_retry_after(engine, stream):
             assert 1 <= int(r.headers["retry-after"]) <= 60
             err = r.json()["error"]
             assert "queue" in err["message"]
+        # a full queue refuses before the body is read or tokenized: a body that would be a 400
+        # (not JSON) is a 503 too, and the shim never sees it
+        prepared = shim.worker.stats["requests"]
+        calls = []
+        real_prepare = shim.prepare
+        shim.prepare = lambda *a: calls.append(a) or real_prepare(*a)
+        try:
+            r = httpx.post(url + "/v1/chat/completions", content=b"not json", timeout=60)
+        finally:
+            shim.prepare = real_prepare
+        assert r.status_code == 503 and "retry-after" in r.headers and not calls, r.text
+        assert shim.worker.stats["requests"] == prepared
         for t in waiting:
             t.join(60)
         assert results == [200, 200]

@@ -101,6 +101,7 @@ def create_app(shim: Shim) -> Starlette:
 
         size = 0
         try:
+            shim.worker.check_room()
             body = await _read_body(request)
             size = len(body)
             job = await anyio.to_thread.run_sync(shim.prepare, api, body, emit)
@@ -113,6 +114,8 @@ def create_app(shim: Shim) -> Starlette:
             return fail(api, e.status, e.message)
         except ClientDisconnect:
             return fail(api, 400, "bad HTTP request")
+        except QueueFull as e:          # full before the body was even read
+            return _busy(fail(api, 503, str(e)), e)
         finally:
             body = None
             if size >= TRIM_AFTER_BYTES:
@@ -135,9 +138,7 @@ def create_app(shim: Shim) -> Starlette:
             shim.worker.submit(job)
         except QueueFull as e:          # past --max-queue: an answer now, not a wait with no byte sent
             done(503)
-            busy = fail(api, 503, str(e))
-            busy.headers["Retry-After"] = str(e.retry_after)
-            return busy
+            return _busy(fail(api, 503, str(e)), e)
         try:
             first = await _next_event(q, request, job, cfg.keepalive_s)
         except _Gone:
@@ -280,6 +281,11 @@ def _load_libc():
 
 
 _LIBC = _load_libc()
+
+
+def _busy(response: Response, e: QueueFull) -> Response:
+    response.headers["Retry-After"] = str(e.retry_after)
+    return response
 
 
 class _BodyTooLarge(Exception):

@@ -41,7 +41,7 @@ class Shim:
                 boundary_trim=cfg.kv_cache_boundary_trim_tokens,
                 boundary_align=cfg.kv_cache_boundary_align_tokens,
                 reject_different_quant=cfg.kv_cache_reject_different_quant,
-                log=lambda m: log.info("%s", m))
+                log=lambda m: log.info("%s", m), warn=lambda m: log.warning("%s", m))
         self.worker = Worker(engine, cfg, memory=memory, cache=cache)
         self._seq = itertools.count(1)
         self._trace_lock = threading.Lock()

@@ -111,10 +111,15 @@ class Worker:
             job.emit(E.Failure("server shutting down", 503))
             return
         with self._submit_lock:
-            waiting = self.waiting()
-            if waiting >= self.cfg.max_queue:
-                raise QueueFull(waiting, self.retry_after())
+            self.check_room()
             self._q.put(job)
+
+    def check_room(self):
+        """Raise QueueFull when --max-queue live jobs already wait. The app asks once before it
+        reads and tokenizes a body (a refusal then costs nothing), and submit asks again."""
+        waiting = self.waiting()
+        if waiting >= self.cfg.max_queue:
+            raise QueueFull(waiting, self.retry_after())
 
     def queued(self) -> int:
         return self._q.qsize()
