@@ -167,17 +167,22 @@ def atomic_write(path, chunks):
 
 
 # -- reading -------------------------------------------------------------------------------------
-def _open(path, mode: str = "rb"):
-    """Open a KV file. Every reader takes all it reads (header, size, text, payload, trailer) from
-    this one descriptor, so a concurrent atomic replace can never mix two versions."""
+def _as_kv_error(path, op, *args):
+    """op(*args), its refusals (missing, not a regular file, unreadable) as KVFileError."""
     try:
-        return safeio.open_regular(path, mode)
+        return op(*args)
     except FileNotFoundError:
         raise KVFileError(path, "no such file") from None
     except UnsafeFile as e:
         raise KVFileError(path, e.strerror) from None
     except OSError as e:
         raise KVFileError(path, f"cannot read: {e.strerror or e}") from None
+
+
+def _open(path, mode: str = "rb"):
+    """Open a KV file. Every reader takes all it reads (header, size, text, payload, trailer) from
+    this one descriptor, so a concurrent atomic replace can never mix two versions."""
+    return _as_kv_error(path, safeio.open_regular, path, mode)
 
 
 def read_header(path) -> tuple[KVHeader, int]:
@@ -200,14 +205,7 @@ def _read_header(f, path) -> tuple[KVHeader, int]:
 def header_of(path, st) -> tuple[KVHeader, int]:
     """read_header for a folder scan that already holds the name's lstat result `st`: one open
     and one pread, no file object (a folder of 10,000 files is read in well under a second)."""
-    try:
-        head = safeio.read_head(path, st, PREFIX_BYTES)
-    except FileNotFoundError:
-        raise KVFileError(path, "no such file") from None
-    except UnsafeFile as e:
-        raise KVFileError(path, e.strerror) from None
-    except OSError as e:
-        raise KVFileError(path, f"cannot read: {e.strerror or e}") from None
+    head = _as_kv_error(path, safeio.read_head, path, st, PREFIX_BYTES)
     return parse_header(path, head, st.st_size)
 
 

@@ -60,17 +60,22 @@ def open_regular(path, mode: str = "rb"):
     raise UnsafeFile(errno.EAGAIN, "keeps changing while being opened", path)
 
 
-def _open_once(path: str, mode: str):
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafeFile(errno.EINVAL, f"is {kind_of(st)}, not a regular file (not opened)", path)
-    flags = (os.O_RDWR if mode == "r+b" else os.O_RDONLY) | _NOFOLLOW | _NONBLOCK | _CLOEXEC
+def _open_nofollow(path: str, flags: int) -> int:
+    """os.open that never follows a symlink at the last component and never blocks (a FIFO
+    swapped in after the lstat); a symlink there is UnsafeFile."""
     try:
-        fd = os.open(path, flags)
+        return os.open(path, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafeFile(errno.ELOOP, "is a symbolic link (not followed)", path) from None
         raise
+
+
+def _open_once(path: str, mode: str):
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFile(errno.EINVAL, f"is {kind_of(st)}, not a regular file (not opened)", path)
+    fd = _open_nofollow(path, os.O_RDWR if mode == "r+b" else os.O_RDONLY)
     try:
         fst = os.fstat(fd)
         if not stat.S_ISREG(fst.st_mode):
@@ -115,12 +120,7 @@ def read_head(path, st, n: int) -> bytes:
     regular file any more (swapped since the lstat), OSError as raised."""
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeFile(errno.EINVAL, f"is {kind_of(st)}, not a regular file (not opened)", path)
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UnsafeFile(errno.ELOOP, "is a symbolic link (not followed)", path) from None
-        raise
+    fd = _open_nofollow(path, os.O_RDONLY)
     try:
         fst = os.fstat(fd)
         if not stat.S_ISREG(fst.st_mode) or (fst.st_ino, fst.st_dev) != (st.st_ino, st.st_dev):
