@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -55,8 +56,18 @@ TIMEOUT = 30.0                       # no single request may take longer (a hang
 TRACEBACK = "Traceback (most recent call last)"
 
 
+# The long run (tests/test_serve_fuzz_long.py, -m slow) runs this module with every case count
+# multiplied and a report of every answer's status written where DS4_FUZZ_REPORT says.
+SCALE = max(1, int(os.environ.get("DS4_FUZZ_SCALE", "1") or 1))
+TALLY: Counter = Counter()           # status (or "closed": no answer to raw bytes) -> requests
+
+
+def tally(status) -> None:
+    TALLY[str(status)] += 1
+
+
 def fuzz(n: int):
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+    return settings(max_examples=n * SCALE, deadline=None, derandomize=True, database=None,
                     print_blob=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much,
@@ -103,6 +114,7 @@ class Srv:
         assert self.shim.worker._thread is not None and self.shim.worker._thread.is_alive()
         r = self.client.post("/v1/chat/completions",
                              json={"messages": [{"role": "user", "content": "ping"}], "stream": False})
+        tally(r.status_code)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
@@ -125,6 +137,11 @@ def srv(agent_model):
     finally:
         for lg in watched:
             lg.removeHandler(records)
+        report = os.environ.get("DS4_FUZZ_REPORT")
+        if report:
+            with open(report, "w") as f:
+                json.dump({"statuses": dict(TALLY), "bad_log_records": records.bad[:20],
+                           "n_bad_log_records": len(records.bad), "worker": dict(shim.worker.stats)}, f)
     assert not records.bad, "\n".join(records.bad[:5])
 
 
@@ -235,6 +252,7 @@ def send(srv: Srv, path: str, body, *, method: str = "POST", headers: dict | Non
             chunks.append(b)
             assert time.monotonic() - t0 < TIMEOUT, f"{method} {path} did not finish in {TIMEOUT} s"
         status, hdrs = r.status_code, r.headers
+    tally(status)
     check(method, path, status, hdrs, b"".join(chunks))
     return status
 
@@ -674,6 +692,7 @@ def test_fuzz_lone_surrogates_in_any_string(srv):
         path, body, ascii_ = req
         with srv.client.stream("POST", path, content=dumps(body, ascii_)) as r:
             data = r.read()
+        tally(r.status_code)
         check("POST", path, r.status_code, r.headers, data)
         assert r.status_code == 400, data[:300]
         msg = json.loads(data)["error"]["message"]
@@ -701,6 +720,7 @@ def test_fuzz_tools_every_endpoint(srv):
         t0 = time.monotonic()
         with srv.client.stream("POST", path, content=dumps(body)) as r:
             data = r.read()
+        tally(r.status_code)
         check("POST", path, r.status_code, r.headers, data)
         assert time.monotonic() - t0 < TIMEOUT
         statuses[r.status_code, padded] += 1
@@ -971,9 +991,11 @@ def test_fuzz_raw_http(srv):
         if out:
             assert out.startswith(b"HTTP/1.1 "), out[:100]
             status = int(out[9:12])
+            tally(status)
             assert status < 500, out[:300]
             seen[status] += 1
         else:
+            tally("closed")
             seen["closed"] += 1
 
     run()
@@ -1006,6 +1028,7 @@ def test_fuzz_clients_hanging_up(srv):
                     break
                 got += chunk
             assert TRACEBACK.encode() not in got
+            tally("hung up" if got[:9] != b"HTTP/1.1 " else int(got[9:12]))
             if got[:9] == b"HTTP/1.1 ":
                 assert int(got[9:12]) < 500, got[:300]
         finally:
