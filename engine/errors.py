@@ -11,3 +11,8 @@ class ModelFileError(Exception):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+class BackendError(ValueError):
+    """A backend that cannot serve: unknown name, not installed, no device, or missing an
+    operation. One line that names the backend and why; commands print it and exit 1."""
