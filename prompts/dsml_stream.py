@@ -26,11 +26,14 @@ finish "stop") or never closed (recovered=False: finish "error").
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Union
 
-from .dsml_parse import (SYNTAXES, THINK_CLOSE, THINK_OPEN, WS, Parsed, ParsedCall, Syntax,
-                         dsml_attr, finalize, json_escape, thinking_enabled, unescape_entities)
+from .dsml_block import Parsed, ParsedCall, finalize
+from .dsml_syntax import (SYNTAXES, THINK_CLOSE, THINK_OPEN, WS, Syntax, dsml_attr, thinking_enabled,
+                          unescape_entities)
+from .jsonspan import json_escape
 
 __all__ = ["DsmlStream", "Event", "ReasoningDelta", "TextDelta", "ToolCallStart", "ToolArgsDelta",
            "ToolCallEnd", "StreamError"]
@@ -83,6 +86,7 @@ _B_STARTS = tuple(s.tool_calls_start for s in _B_SYNTAXES)
 _B_ENDS = tuple(s.tool_calls_end for s in _B_SYNTAXES)
 _MAX_START = max(len(s) for s in _B_STARTS)          # dsml_max_tool_start_len (22)
 _THINK_OPEN, _THINK_CLOSE = THINK_OPEN.encode(), THINK_CLOSE.encode()
+_THINK_MARKER = re.compile(re.escape(_THINK_CLOSE) + b"|" + re.escape(_THINK_OPEN))
 _ENTITIES = (b"&amp;", b"&lt;", b"&gt;", b"&quot;", b"&apos;")
 _MARKER_HOLD = 80          # text mode: a '<' this close to the end may open a tool marker
 
@@ -234,6 +238,7 @@ class DsmlStream:
         self._think_inside = self.thinking
         self._waiting_think_close = self.thinking
         self._scan_from = 0
+        self._tool_start_at = -1
         self.saw_tool_start = False
         self.saw_tool_end = False
         self._ended: dict[int, ParsedCall] = {}
@@ -281,7 +286,6 @@ class DsmlStream:
             return []
         b = piece.encode("utf-8") if isinstance(piece, str) else bytes(piece)
         self._raw += b
-        self._feed_think_state(b)
         if self.has_tools:
             self._track()
         n = len(self._raw)
@@ -304,7 +308,7 @@ class DsmlStream:
         self._project(stream_len, False, out)
         was_end = self.saw_tool_end
         if self.has_tools:
-            self._observe()
+            self._observe_piece(len(b))
         if hit >= 0:
             # ds4 checks the stop hit first: finish "stop", the text cut before the stop string
             del self._raw[hit:]
@@ -347,37 +351,46 @@ class DsmlStream:
             out.append(ToolCallEnd(i, call))
 
     # ------------------------------------------------------------------ §3.6 marker observer
-    def _feed_think_state(self, b: bytes) -> None:
-        """thinking_state_feed: an 8-byte tail; `<think>` opens, `</think>` closes."""
-        buf = self._think_tail + b
-        # the marker that ends last decides (the two cannot end at the same byte)
-        o = buf.rfind(_THINK_OPEN)
-        c = buf.rfind(_THINK_CLOSE)
-        o_end = o + len(_THINK_OPEN) if o >= 0 else -1
-        c_end = c + len(_THINK_CLOSE) if c >= 0 else -1
-        if max(o_end, c_end) > len(self._think_tail):    # a marker completed by this piece
-            self._think_inside = o_end > c_end
-        self._think_tail = bytearray(buf[-8:])
-
-    def _observe(self) -> None:
+    def _observe_piece(self, size: int) -> None:
+        """Observe the last `size` bytes as ds4 does per token, with its thinking_state fed
+        byte by byte (an 8-byte tail): the piece is observed up to each `<think>`/`</think>`
+        it completes, then the reasoning state flips. So a piece holding `</think>`, text and
+        `<think>` is read as the tokens it stands for, and the outcome does not depend on how
+        the text was cut."""
         raw, n = self._raw, len(self._raw)
+        tail = self._think_tail
+        buf = tail + raw[n - size:n]
+        off = len(tail) - (n - size)          # buf index - raw index
+        for m in _THINK_MARKER.finditer(buf):
+            if m.end() > len(tail):           # completed by this piece
+                self._observe(m.end() - off)
+                self._think_inside = m.group() == _THINK_OPEN
+        self._think_tail = bytearray(buf[-8:])
+        self._observe(n)
+
+    def _observe(self, n: int) -> None:
+        """observe_tool_markers over raw[:n] (§3.6)."""
+        raw = self._raw
         if self.thinking and self._think_inside:
             # DSML inside reasoning is never executable: skip past it
             self._waiting_think_close = True
             self._scan_from = n
             return
         if self._waiting_think_close:
-            k = raw.rfind(_THINK_CLOSE)
+            k = raw.rfind(_THINK_CLOSE, 0, n)
             self._scan_from = k + len(_THINK_CLOSE) if k >= 0 else n
             self._waiting_think_close = False
         scan = min(self._scan_from, n)
-        had_start = self.saw_tool_start
         start, _ = _find_earliest(raw, _B_STARTS, scan, n)
-        if start >= 0:
+        if start >= 0 and not self.saw_tool_start:
             self.saw_tool_start = True
-        end_from = scan if had_start else start
-        if end_from >= 0 and _find_earliest(raw, _B_ENDS, end_from, n)[0] >= 0:
-            self.saw_tool_end = True   # (an end with no start is an orphan: ignored)
+            self._tool_start_at = start
+        if self.saw_tool_start:
+            # Only an end AFTER the start counts (§3.6). ds4 searches from its 80-byte hold
+            # point once a start was seen, so an orphan end just before the start would stop
+            # decoding a token later; the spec's rule is the intended one.
+            if _find_earliest(raw, _B_ENDS, max(scan, self._tool_start_at), n)[0] >= 0:
+                self.saw_tool_end = True
         self._scan_from = max(self._scan_from, n - _MARKER_HOLD, 0)
 
     # ------------------------------------------------------------------ §3.7 tracker

@@ -801,3 +801,47 @@ def test_tool_memory_items_for_text():
     assert ("call_bare", a[2:]) not in m.items_for_text("x" + a)
     assert m.items_for_text("x\n" + a[2:]) == [("call_bare", a[2:])]
     assert find_next_dsml_tool_block("no end " + TC) == (-1, -1)
+
+
+# =========================================================================== one reading (parse == stream)
+
+def test_orphan_end_just_before_the_start_does_not_close_the_block():
+    # §3.6: only an end AFTER a start counts. ds4's loop searched from its 80-byte hold point
+    # once a start was seen, so an orphan end just before the start stopped decoding a token
+    # later; fed token by token or whole, the block is still open (unterminated).
+    text = TC_END + "\n\n" + TC + "\n" + INV + ' name="bash">\n'
+    whole = parse_output(text, "none")
+    assert whole.finish_reason == "error" and whole.error == "unterminated tool call"
+    st = DsmlStream("none")
+    for piece in re.findall(r"<[^>]*>|[^<]+", text):
+        st.feed(piece)
+        assert not st.done
+    st.finish()
+    assert st.result == whole
+
+
+def test_dsml_inside_a_reopened_reasoning_block_is_not_executable():
+    # ds4 feeds its thinking state byte by byte: after `</think>answer<think>` the model is
+    # reasoning again and a malformed block there neither stops decoding nor is an error; the
+    # same text in one piece reads the same (parse_output used to scan after the last </think>).
+    text = "r</think>answer<think>more\n\n" + TC + "junk" + TC_END
+    r = parse_output(text, "high")
+    assert r.finish_reason == "stop" and r.error is None and r.tool_calls == []
+    st = DsmlStream("high")
+    for piece in re.findall(r"</?think>|<[^>]*>|[^<]+", text):
+        st.feed(piece)
+    assert not st.done
+    st.finish()
+    assert st.result == r
+
+
+def test_a_start_before_reasoning_reopens_is_still_unterminated():
+    # the start was seen outside reasoning (token by token ds4 sees it then), so one piece
+    # holding `</think>`, the start and `<think>` reads the same: unterminated
+    text = "r</think>a\n\n" + TC + "\n<think>b"
+    r = parse_output(text, "high")
+    assert r.finish_reason == "error" and r.error == "unterminated tool call"
+    st = DsmlStream("high")
+    st.feed(text)
+    st.finish()
+    assert st.result == r
