@@ -13,8 +13,7 @@ Where this differs from ds4, on purpose:
 from __future__ import annotations
 
 from .events import CallOut, Finish, ToolArgs, ToolEnd, ToolStart, Usage
-from .wire import Wire, dumps, raw_object, sse
-from .wire_responses import new_id
+from .wire_common import Wire, dumps, new_id, raw_object, sse
 
 __all__ = ["AnthropicWire", "usage_anthropic", "stop_reason"]
 

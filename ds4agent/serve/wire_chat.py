@@ -11,7 +11,7 @@ Where this differs from ds4, on purpose:
 from __future__ import annotations
 
 from .events import CallOut, Finish, ToolArgs, ToolStart, Usage
-from .wire import Wire, dumps, sse
+from .wire_common import Wire, dumps, sse
 
 __all__ = ["ChatWire", "CompletionsWire", "usage_openai"]
 

@@ -20,16 +20,10 @@ Where this differs from ds4, on purpose (each is what OpenAI's own API does):
 """
 from __future__ import annotations
 
-import secrets
-
 from .events import CallOut, Finish, Usage
-from .wire import Wire, dumps, raw_object, sse
+from .wire_common import Wire, dumps, new_id, raw_object, sse
 
 __all__ = ["ResponsesWire", "usage_responses", "new_id"]
-
-
-def new_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(12)
 
 
 def usage_responses(u: Usage) -> dict:
