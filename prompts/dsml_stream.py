@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from typing import Union
 
 from .dsml_block import Parsed, ParsedCall, finalize
-from .dsml_syntax import (SYNTAXES, THINK_CLOSE, THINK_OPEN, WS, Syntax, dsml_attr, thinking_enabled,
-                          unescape_entities)
+from .dsml_bytes import (B_ENDS, B_STARTS, B_SYNTAXES, WSB, attr, dec, escape_fragment, find_earliest,
+                         full, param_value_safe, partial, rtrim_ws, utf8_safe)
+from .dsml_syntax import THINK_CLOSE, THINK_OPEN, Syntax, thinking_enabled, unescape_entities
+from .dsml_track import (JSON_STRING, JSON_STRUCTURAL, OUTSIDE, STRING_BODY, STRUCTURAL,  # noqa: F401
+                          DsmlTracker)            # (the states are re-exported: `dsml_state` returns them)
 from .jsonspan import json_escape
 
 __all__ = ["DsmlStream", "Event", "ReasoningDelta", "TextDelta", "ToolCallStart", "ToolArgsDelta",
@@ -78,122 +81,16 @@ class StreamError:
 Event = Union[ReasoningDelta, TextDelta, ToolCallStart, ToolArgsDelta, ToolCallEnd, StreamError]
 
 
-# --------------------------------------------------------------------------- byte helpers
+# --------------------------------------------------------------------------- constants
 
-_WSB = frozenset(WS.encode())
-_B_SYNTAXES = tuple(Syntax(*(f.encode() for f in s)) for s in SYNTAXES)
-_B_STARTS = tuple(s.tool_calls_start for s in _B_SYNTAXES)
-_B_ENDS = tuple(s.tool_calls_end for s in _B_SYNTAXES)
-_MAX_START = max(len(s) for s in _B_STARTS)          # dsml_max_tool_start_len (22)
 _THINK_OPEN, _THINK_CLOSE = THINK_OPEN.encode(), THINK_CLOSE.encode()
 _THINK_MARKER = re.compile(re.escape(_THINK_CLOSE) + b"|" + re.escape(_THINK_OPEN))
-_ENTITIES = (b"&amp;", b"&lt;", b"&gt;", b"&quot;", b"&apos;")
 _MARKER_HOLD = 80          # text mode: a '<' this close to the end may open a tool marker
 
 # the projection's modes
 _THINKING, _TEXT, _TOOL, _SUPPRESS = range(4)
 # the projection's tool states
 _BETWEEN_INVOKES, _BETWEEN_PARAMS, _PARAM_VALUE, _TOOL_DONE, _TOOL_FAIL = range(5)
-# the tracker (§3.7)
-OUTSIDE, STRUCTURAL, STRING_BODY, JSON_STRUCTURAL, JSON_STRING = (
-    "outside", "structural", "string_body", "json_structural", "json_string")
-_T_SEARCH, _T_STRUCTURAL, _T_STRING_BODY, _T_JSON, _T_DONE = range(5)
-
-
-def _find_earliest(raw, needles, start: int, end: int) -> tuple[int, int]:
-    best, best_i = -1, -1
-    for i, nd in enumerate(needles):
-        p = raw.find(nd, start, end)
-        if p >= 0 and (best < 0 or p < best):
-            best, best_i = p, i
-    return best, best_i
-
-
-def _full(raw, n: int, pos: int, lit: bytes) -> bool:
-    """raw_full_lit over raw[:n]."""
-    return raw.startswith(lit, pos, n)
-
-
-def _partial(raw, n: int, pos: int, lit: bytes, min_len: int = 0) -> bool:
-    """raw_partial_lit(_min): raw[pos:n] is a proper prefix of lit (at least min_len bytes)."""
-    avail = n - pos
-    return min_len <= avail < len(lit) and lit.startswith(raw[pos:n])
-
-
-def _rtrim_ws(raw, start: int, limit: int) -> int:
-    while limit > start and raw[limit - 1] in _WSB:
-        limit -= 1
-    return limit
-
-
-def _utf8_expected_len(c: int) -> int:
-    if c < 0x80:
-        return 1
-    if 0xC2 <= c <= 0xDF:
-        return 2
-    if 0xE0 <= c <= 0xEF:
-        return 3
-    if 0xF0 <= c <= 0xF4:
-        return 4
-    return 1
-
-
-def _utf8_safe(raw, start: int, limit: int, final: bool) -> int:
-    """utf8_stream_safe_len: hold back only a trailing incomplete character."""
-    if final or limit <= start:
-        return limit
-    p, cont = limit, 0
-    while p > start and cont < 4 and (raw[p - 1] & 0xC0) == 0x80:
-        p -= 1
-        cont += 1
-    if p == limit:
-        return limit - 1 if _utf8_expected_len(raw[limit - 1]) > 1 else limit
-    if p == start and (raw[p] & 0xC0) == 0x80:
-        return start
-    lead = p - 1
-    return lead if limit - lead < _utf8_expected_len(raw[lead]) else limit
-
-
-def _entity_safe(raw, start: int, limit: int) -> int:
-    """dsml_entity_stream_safe_len: stop before a trailing `&` that may still become an entity."""
-    scan = limit - 6 if limit > start + 6 else start
-    for i in range(limit, scan, -1):
-        if raw[i - 1] != 0x26:   # '&'
-            continue
-        amp = i - 1
-        tail = raw[amp:limit]
-        for ent in _ENTITIES:
-            if len(tail) < len(ent) and ent.startswith(tail):
-                return amp
-        break
-    return limit
-
-
-def _param_value_safe(raw, start: int, n: int, param_end: bytes, is_string: bool) -> int:
-    """tool_param_value_stream_safe_len."""
-    limit = n
-    scan = n - len(param_end) if n > start + len(param_end) else start
-    for i in range(n, scan, -1):
-        if raw[i - 1] != 0x3C:   # '<'
-            continue
-        if n - (i - 1) < len(param_end) and param_end.startswith(raw[i - 1:n]):
-            limit = i - 1
-        break
-    if is_string:
-        limit = _entity_safe(raw, start, limit)
-    return _utf8_safe(raw, start, limit, False)
-
-
-def _dec(b) -> str:
-    return bytes(b).decode("utf-8", errors="replace")
-
-
-def _attr(raw, start: int, end: int, name: str) -> str | None:
-    return dsml_attr(_dec(raw[start:end]), name)
-
-
-def _escape_fragment(s: str) -> str:
-    return json_escape(s)[1:-1]
 
 
 # --------------------------------------------------------------------------- the stream
@@ -243,12 +140,7 @@ class DsmlStream:
         self.saw_tool_end = False
         self._ended: dict[int, ParsedCall] = {}
         # tracker (§3.7)
-        self._t_mode = _T_SEARCH
-        self._t_state = OUTSIDE
-        self._t_syn: Syntax | None = None
-        self._t_pos = 0
-        self._t_in_str = False
-        self._t_esc = False
+        self._tracker = DsmlTracker()
         self._finished = False
         self.result: Parsed | None = None
 
@@ -258,7 +150,7 @@ class DsmlStream:
         """Everything fed so far (up to a stop sequence hit), decoded."""
         n = len(self._raw)
         if self._dec_cache[0] != n:
-            self._dec_cache = (n, _dec(self._raw))
+            self._dec_cache = (n, dec(self._raw))
         return self._dec_cache[1]
 
     @property
@@ -270,7 +162,7 @@ class DsmlStream:
     def dsml_state(self) -> str:
         """The §3.7 tracker state for the NEXT token: outside | structural | string_body |
         json_structural | json_string ("outside" when the request has no tools)."""
-        return self._t_state if self.has_tools else OUTSIDE
+        return self._tracker.state if self.has_tools else OUTSIDE
 
     @property
     def in_dsml_syntax(self) -> bool:
@@ -287,7 +179,7 @@ class DsmlStream:
         b = piece.encode("utf-8") if isinstance(piece, str) else bytes(piece)
         self._raw += b
         if self.has_tools:
-            self._track()
+            self._tracker.update(self._raw)
         n = len(self._raw)
         # stop sequences: the earliest hit ends the text right before it
         hit = -1
@@ -297,13 +189,13 @@ class DsmlStream:
                 p = self._raw.find(s, self._stop_scan)
                 if p >= 0 and (hit < 0 or p < hit):
                     hit = p
-                    self.stop_hit = _dec(s)
+                    self.stop_hit = dec(s)
             if hit >= 0:
                 stream_len = hit
             elif self._stop_hold > 0:
                 stream_len = max(n - self._stop_hold, 0)
                 self._stop_scan = stream_len
-        stream_len = _utf8_safe(self._raw, 0, stream_len, hit >= 0)
+        stream_len = utf8_safe(self._raw, 0, stream_len, hit >= 0)
         out: list[Event] = []
         self._project(stream_len, False, out)
         was_end = self.saw_tool_end
@@ -381,7 +273,7 @@ class DsmlStream:
             self._scan_from = k + len(_THINK_CLOSE) if k >= 0 else n
             self._waiting_think_close = False
         scan = min(self._scan_from, n)
-        start, _ = _find_earliest(raw, _B_STARTS, scan, n)
+        start, _ = find_earliest(raw, B_STARTS, scan, n)
         if start >= 0 and not self.saw_tool_start:
             self.saw_tool_start = True
             self._tool_start_at = start
@@ -389,116 +281,9 @@ class DsmlStream:
             # Only an end AFTER the start counts (§3.6). ds4 searches from its 80-byte hold
             # point once a start was seen, so an orphan end just before the start would stop
             # decoding a token later; the spec's rule is the intended one.
-            if _find_earliest(raw, _B_ENDS, max(scan, self._tool_start_at), n)[0] >= 0:
+            if find_earliest(raw, B_ENDS, max(scan, self._tool_start_at), n)[0] >= 0:
                 self.saw_tool_end = True
         self._scan_from = max(self._scan_from, n - _MARKER_HOLD, 0)
-
-    # ------------------------------------------------------------------ §3.7 tracker
-    def _track(self) -> None:
-        """dsml_decode_tracker_update, byte for byte (including its quirks: the whole text is
-        searched, reasoning included; a lone trailing '<' in a payload is stepped over)."""
-        raw, n = self._raw, len(self._raw)
-        while True:
-            if self._t_mode == _T_DONE:
-                self._t_state = OUTSIDE
-                return
-            if self._t_mode == _T_SEARCH:
-                p, i = _find_earliest(raw, _B_STARTS, self._t_pos, n)
-                if p < 0:
-                    self._t_pos = max(n - _MAX_START, 0)
-                    self._t_state = OUTSIDE
-                    return
-                self._t_syn = _B_SYNTAXES[i]
-                self._t_pos = p + len(_B_STARTS[i])
-                self._t_mode = _T_STRUCTURAL
-                self._t_state = STRUCTURAL
-            syn = self._t_syn
-            if self._t_mode == _T_STRING_BODY:
-                lit = syn.param_end
-                k = raw.find(lit, self._t_pos, n)
-                if k >= 0:
-                    self._t_pos = k + len(lit)
-                    self._t_mode = _T_STRUCTURAL
-                else:
-                    for p in range(max(self._t_pos, n - len(lit) + 1), n):
-                        if _partial(raw, n, p, lit, 2):
-                            self._t_pos = p
-                            self._t_state = STRUCTURAL
-                            return
-                    self._t_pos = n
-                    self._t_state = STRING_BODY
-                    return
-            elif self._t_mode == _T_JSON:
-                lit = syn.param_end
-                pos, in_str, esc = self._t_pos, self._t_in_str, self._t_esc
-                closed = partial = False
-                while pos < n:
-                    if not in_str:
-                        if _full(raw, n, pos, lit):
-                            pos += len(lit)
-                            closed = True
-                            break
-                        if _partial(raw, n, pos, lit, 2):
-                            partial = True
-                            break
-                    c = raw[pos]
-                    pos += 1
-                    if in_str:
-                        if esc:
-                            esc = False
-                        elif c == 0x5C:     # backslash
-                            esc = True
-                        elif c == 0x22:     # quote
-                            in_str = False
-                    elif c == 0x22:
-                        in_str = True
-                self._t_pos, self._t_in_str, self._t_esc = pos, in_str, esc
-                if partial:
-                    self._t_state = STRUCTURAL
-                    return
-                if not closed:
-                    self._t_state = JSON_STRING if in_str else JSON_STRUCTURAL
-                    return
-                self._t_mode = _T_STRUCTURAL
-            # structural
-            while True:
-                pos = self._t_pos
-                while pos < n and raw[pos] in _WSB:
-                    pos += 1
-                self._t_pos = pos
-                self._t_state = STRUCTURAL
-                if pos >= n:
-                    return
-                if _full(raw, n, pos, syn.tool_calls_end):
-                    self._t_mode = _T_DONE
-                    self._t_pos = pos + len(syn.tool_calls_end)
-                    self._t_state = OUTSIDE
-                    return
-                if _full(raw, n, pos, syn.invoke_end):
-                    self._t_pos = pos + len(syn.invoke_end)
-                    continue
-                if _full(raw, n, pos, syn.invoke_start):
-                    gt = raw.find(b">", pos, n)
-                    if gt < 0:
-                        return
-                    self._t_pos = gt + 1
-                    continue
-                if _full(raw, n, pos, syn.param_start):
-                    gt = raw.find(b">", pos, n)
-                    if gt < 0:
-                        return
-                    self._t_pos = gt + 1
-                    if _attr(raw, pos, gt + 1, "string") == "true":
-                        self._t_mode = _T_STRING_BODY
-                        self._t_state = STRING_BODY
-                    else:   # absent or anything but "true": JSON (unlike the parser)
-                        self._t_mode = _T_JSON
-                        self._t_in_str = self._t_esc = False
-                        self._t_state = JSON_STRUCTURAL
-                    break
-                # a partial tag, or bytes that are no tag at all: structural either way (stuck)
-                return
-            # a parameter value just opened: scan what already follows it
 
     # ------------------------------------------------------------------ §3.8 projection
     def _project(self, n: int, final: bool, out: list) -> None:
@@ -518,9 +303,9 @@ class DsmlStream:
             else:
                 hold = len(_THINK_CLOSE) - 1
                 limit = n - hold if n > hold else self._emit
-                limit = _utf8_safe(raw, self._emit, limit, False)
+                limit = utf8_safe(raw, self._emit, limit, False)
             if limit > self._emit:
-                out.append(ReasoningDelta(_dec(raw[self._emit:limit])))
+                out.append(ReasoningDelta(dec(raw[self._emit:limit])))
                 self._emit = limit
             if close >= 0:
                 self._emit = close + len(_THINK_CLOSE)
@@ -531,15 +316,15 @@ class DsmlStream:
             else:
                 return
         if self._mode == _TEXT:
-            tool, ti = (_find_earliest(raw, _B_STARTS, self._emit, n) if self.has_tools
+            tool, ti = (find_earliest(raw, B_STARTS, self._emit, n) if self.has_tools
                         else (-1, -1))
             limit = self._text_safe_limit(n, tool, final)
             if limit > self._emit:
-                out.append(TextDelta(_dec(raw[self._emit:limit])))
+                out.append(TextDelta(dec(raw[self._emit:limit])))
                 self._emit = limit
             if tool >= 0:
                 self._emit = tool
-                self._syn = _B_SYNTAXES[ti]
+                self._syn = B_SYNTAXES[ti]
                 self._tpos = tool + len(self._syn.tool_calls_start)
                 self._ts = _BETWEEN_INVOKES
                 self._mode = _TOOL
@@ -558,15 +343,15 @@ class DsmlStream:
         limit = n
         if self.has_tools:
             if tool >= 0:
-                return _rtrim_ws(raw, start, tool)   # the separator before a block is syntax
+                return rtrim_ws(raw, start, tool)   # the separator before a block is syntax
             if not final:
-                limit = _rtrim_ws(raw, start, limit)
+                limit = rtrim_ws(raw, start, limit)
                 scan = n - _MARKER_HOLD if n - start > _MARKER_HOLD else start
                 k = raw.rfind(b"<", scan, n)
                 if k >= 0 and k < limit:
                     limit = k
-                limit = _rtrim_ws(raw, start, limit)
-        return _utf8_safe(raw, start, limit, final)
+                limit = rtrim_ws(raw, start, limit)
+        return utf8_safe(raw, start, limit, final)
 
     def _args(self, text: str, out: list) -> None:
         if text:
@@ -574,95 +359,106 @@ class DsmlStream:
 
     def _string_value(self, a: int, b: int, out: list) -> None:
         if b > a:
-            self._args(_escape_fragment(unescape_entities(_dec(self._raw[a:b]))), out)
+            self._args(escape_fragment(unescape_entities(dec(self._raw[a:b]))), out)
 
     def _project_tool(self, n: int, out: list) -> None:
         """openai_tool_stream_update / anthropic_tool_stream_update (identical machines)."""
-        raw, syn = self._raw, self._syn
+        step = {_BETWEEN_INVOKES: self._between_invokes, _BETWEEN_PARAMS: self._between_params,
+                _PARAM_VALUE: self._param_value}
         while self._tpos < n and self._ts not in (_TOOL_DONE, _TOOL_FAIL):
-            if self._ts == _BETWEEN_INVOKES:
-                pos = self._tpos
-                while pos < n and raw[pos] in _WSB:
-                    pos += 1
-                self._tpos = pos
-                if pos >= n:
-                    return
-                if _full(raw, n, pos, syn.tool_calls_end):
-                    self._tpos = pos + len(syn.tool_calls_end)
-                    self._ts = _TOOL_DONE
-                    return
-                if _partial(raw, n, pos, syn.tool_calls_end) or _partial(raw, n, pos, syn.invoke_start):
-                    return
-                if _full(raw, n, pos, syn.invoke_start):
-                    gt = raw.find(b">", pos, n)
-                    if gt < 0:
-                        return
-                    name = _attr(raw, pos, gt + 1, "name")
-                    if name is None:
-                        self._ts = _TOOL_FAIL
-                        return
-                    self._started[self._tindex] = name
-                    out.append(ToolCallStart(self._tindex, name))
-                    self._args("{", out)
-                    self._args_open = True
-                    self._first_param = True
-                    self._tpos = gt + 1
-                    self._ts = _BETWEEN_PARAMS
-                    continue
-                self._ts = _TOOL_FAIL
+            if not step[self._ts](n, out):
                 return
-            if self._ts == _BETWEEN_PARAMS:
-                pos = self._tpos
-                while pos < n and raw[pos] in _WSB:
-                    pos += 1
-                self._tpos = pos
-                if pos >= n:
-                    return
-                if _full(raw, n, pos, syn.invoke_end):
-                    if self._args_open:
-                        self._args("}", out)
-                    self._args_open = False
-                    self._tpos = pos + len(syn.invoke_end)
-                    self._tindex += 1
-                    self._ts = _BETWEEN_INVOKES
-                    continue
-                if _partial(raw, n, pos, syn.invoke_end) or _partial(raw, n, pos, syn.param_start):
-                    return
-                if _full(raw, n, pos, syn.param_start):
-                    gt = raw.find(b">", pos, n)
-                    if gt < 0:
-                        return
-                    name = _attr(raw, pos, gt + 1, "name")
-                    is_string = _attr(raw, pos, gt + 1, "string")
-                    if name is None or is_string is None:
-                        self._ts = _TOOL_FAIL     # the projection needs both; the parser does not
-                        return
-                    string_value = is_string == "true"
-                    frag = ("" if self._first_param else ",") + json_escape(name) + ":"
-                    self._first_param = False
-                    self._args(frag + ('"' if string_value else ""), out)
-                    self._param_is_string = string_value
-                    self._tpos = gt + 1
-                    self._ts = _PARAM_VALUE
-                    continue
-                self._ts = _TOOL_FAIL
-                return
-            if self._ts == _PARAM_VALUE:
-                end = raw.find(syn.param_end, self._tpos, n)
-                if end >= 0:
-                    if self._param_is_string:
-                        self._string_value(self._tpos, end, out)
-                        self._args('"', out)
-                    elif end > self._tpos:
-                        self._args(_dec(raw[self._tpos:end]), out)   # JSON forwarded raw
-                    self._tpos = end + len(syn.param_end)
-                    self._ts = _BETWEEN_PARAMS
-                    continue
-                limit = _param_value_safe(raw, self._tpos, n, syn.param_end, self._param_is_string)
-                if limit > self._tpos:
-                    if self._param_is_string:
-                        self._string_value(self._tpos, limit, out)
-                    else:
-                        self._args(_dec(raw[self._tpos:limit]), out)
-                    self._tpos = limit
-                return
+
+    def _skip_ws(self, n: int) -> int:
+        pos = self._tpos
+        while pos < n and self._raw[pos] in WSB:
+            pos += 1
+        self._tpos = pos
+        return pos
+
+    def _between_invokes(self, n: int, out: list) -> bool:
+        """Between invokes. True: the machine moved on; False: it waits (or is done/failed)."""
+        raw, syn = self._raw, self._syn
+        pos = self._skip_ws(n)
+        if pos >= n:
+            return False
+        if full(raw, n, pos, syn.tool_calls_end):
+            self._tpos = pos + len(syn.tool_calls_end)
+            self._ts = _TOOL_DONE
+            return False
+        if partial(raw, n, pos, syn.tool_calls_end) or partial(raw, n, pos, syn.invoke_start):
+            return False
+        if not full(raw, n, pos, syn.invoke_start):
+            self._ts = _TOOL_FAIL
+            return False
+        gt = raw.find(b">", pos, n)
+        if gt < 0:
+            return False
+        name = attr(raw, pos, gt + 1, "name")
+        if name is None:
+            self._ts = _TOOL_FAIL
+            return False
+        self._started[self._tindex] = name
+        out.append(ToolCallStart(self._tindex, name))
+        self._args("{", out)
+        self._args_open = True
+        self._first_param = True
+        self._tpos = gt + 1
+        self._ts = _BETWEEN_PARAMS
+        return True
+
+    def _between_params(self, n: int, out: list) -> bool:
+        raw, syn = self._raw, self._syn
+        pos = self._skip_ws(n)
+        if pos >= n:
+            return False
+        if full(raw, n, pos, syn.invoke_end):
+            if self._args_open:
+                self._args("}", out)
+            self._args_open = False
+            self._tpos = pos + len(syn.invoke_end)
+            self._tindex += 1
+            self._ts = _BETWEEN_INVOKES
+            return True
+        if partial(raw, n, pos, syn.invoke_end) or partial(raw, n, pos, syn.param_start):
+            return False
+        if not full(raw, n, pos, syn.param_start):
+            self._ts = _TOOL_FAIL
+            return False
+        gt = raw.find(b">", pos, n)
+        if gt < 0:
+            return False
+        name = attr(raw, pos, gt + 1, "name")
+        is_string = attr(raw, pos, gt + 1, "string")
+        if name is None or is_string is None:
+            self._ts = _TOOL_FAIL     # the projection needs both; the parser does not
+            return False
+        string_value = is_string == "true"
+        frag = ("" if self._first_param else ",") + json_escape(name) + ":"
+        self._first_param = False
+        self._args(frag + ('"' if string_value else ""), out)
+        self._param_is_string = string_value
+        self._tpos = gt + 1
+        self._ts = _PARAM_VALUE
+        return True
+
+    def _param_value(self, n: int, out: list) -> bool:
+        raw, syn = self._raw, self._syn
+        end = raw.find(syn.param_end, self._tpos, n)
+        if end >= 0:
+            if self._param_is_string:
+                self._string_value(self._tpos, end, out)
+                self._args('"', out)
+            elif end > self._tpos:
+                self._args(dec(raw[self._tpos:end]), out)   # JSON forwarded raw
+            self._tpos = end + len(syn.param_end)
+            self._ts = _BETWEEN_PARAMS
+            return True
+        limit = param_value_safe(raw, self._tpos, n, syn.param_end, self._param_is_string)
+        if limit > self._tpos:
+            if self._param_is_string:
+                self._string_value(self._tpos, limit, out)
+            else:
+                self._args(dec(raw[self._tpos:limit]), out)
+            self._tpos = limit
+        return False
