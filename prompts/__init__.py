@@ -4,10 +4,12 @@ output -> reasoning, text and DSML tool calls, whole or streaming.
 Rendering and parsing follow ds4 byte for byte (spec/protocol.md §1-3); tokenizing the rendered
 text is engine.Tokenizer's job. Nothing here touches arrays.
 """
-from .dsml_parse import Parsed, ParsedCall, find_next_dsml_tool_block, parse_output, thinking_enabled
+from .dsml_block import Parsed, ParsedCall
+from .dsml_parse import parse_output
 from .dsml_render import render_tool_calls
 from .dsml_stream import (DsmlStream, Event, ReasoningDelta, StreamError, TextDelta, ToolArgsDelta,
                           ToolCallEnd, ToolCallStart)
+from .dsml_syntax import find_next_dsml_tool_block, thinking_enabled
 from .errors import ContextLengthError, RequestError
 from .messages import (Conversation, Message, ToolCall, from_anthropic, from_openai_chat,
                        from_openai_completions, from_responses)
