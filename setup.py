@@ -1,10 +1,10 @@
-"""Build of the optional C extension engine._kernels (fast CPU matmul/dequantization kernels).
+"""Build of the optional C extension engine.backends.cpu._kernels (fast CPU matmul/dequantization kernels).
 
 Everything else about the package is in pyproject.toml.  The extension is optional: without a
-working C compiler the package still installs and engine.kernels falls back to NumPy.  Flags are
+working C compiler the package still installs and engine.backends.cpu.kernels falls back to NumPy.  Flags are
 portable (no -march=native): the AVX2 and AVX-512 kernels are compiled with per-file
 `#pragma GCC target` and chosen at run time.  -ffp-contract=off keeps the dequantizers bit-exact
-with engine/quants.py; OpenMP is used when the compiler accepts -fopenmp.
+with engine/gguf/quants.py; OpenMP is used when the compiler accepts -fopenmp.
 """
 import importlib.util
 import os
@@ -13,10 +13,10 @@ import tempfile
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-# the file list and the source hash live in engine/kernel_sources.py (loaded by path: the build
+# the file list and the source hash live in engine/backends/cpu/kernel_sources.py (loaded by path: the build
 # environment has neither numpy nor the engine package)
 ROOT = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("kernel_sources", os.path.join(ROOT, "engine", "kernel_sources.py"))
+_spec = importlib.util.spec_from_file_location("kernel_sources", os.path.join(ROOT, "engine", "backends", "cpu", "kernel_sources.py"))
 _ks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_ks)
 SOURCES, DEPENDS = _ks.SOURCES, _ks.DEPENDS
@@ -47,6 +47,6 @@ class BuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("engine._kernels", SOURCES, depends=DEPENDS, optional=True)],
+    ext_modules=[Extension("engine.backends.cpu._kernels", SOURCES, depends=DEPENDS, optional=True)],
     cmdclass={"build_ext": BuildExt},
 )

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
 
 def _run(a, prompt: str, think: str) -> int:
     from engine import Engine, Rng, SamplingParams, Session
-    from engine.session import LogitsDump
+    from engine.runtime.session import LogitsDump
 
     eng = Engine.open(a.model, backend=a.backend, numerics=a.numerics, threads=a.threads)
     tok = eng.tokenizer

@@ -1,14 +1,21 @@
-"""The DeepSeek V4 Flash engine: GGUF files, quant formats, tensors and (later) the forward pass.
+"""The DeepSeek V4 Flash inference engine, in four parts:
+
+- gguf/      the file format: reading and checking a GGUF, the model's config, the quant formats,
+             synthetic models and the ds4-gguf tool;
+- model/     the model's math in model order (the forward pass) and its state: KV, snapshots,
+             the bound weights, ds4's numerics;
+- backends/  what runs the model's operations: numpy (the reference) and cpu (the C kernels);
+- runtime/   Engine and Session (prefill, decode, rewind), sampling, the tokenizer.
 
 It knows nothing of chat, HTTP, tools or the UI; only this package touches arrays.
 """
-from .config import ModelConfig
 from .errors import ModelFileError
-from .model_file import ModelFile, QTensor
-from .sampling import Rng, SamplingParams
-from .session import ContextFull, Engine, Session
-from .snapshot import SnapshotError
-from .tokenizer import Tokenizer
+from .gguf.config import ModelConfig
+from .gguf.model_file import ModelFile, QTensor
+from .model.snapshot import SnapshotError
+from .runtime.sampling import Rng, SamplingParams
+from .runtime.session import ContextFull, Engine, Session
+from .runtime.tokenizer import Tokenizer
 
 __all__ = ["ContextFull", "Engine", "ModelConfig", "ModelFile", "ModelFileError", "QTensor", "Rng",
            "SamplingParams", "Session", "SnapshotError", "Tokenizer"]

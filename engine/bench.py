@@ -19,7 +19,7 @@ Machine floors, measured once per run and reported on stderr per row:
 - read floor: memory bandwidth B over a 512 MiB buffer (best of 5), read by every kernel thread
   (the C kernels' read_sum; a single-threaded NumPy sum without them). The
   decode floor per token is bytes_per_token / B, with bytes_per_token from
-  `engine.inspect.report()` (its "short" or "long" case by context). The row prints
+  `engine.gguf.inspect.report()` (its "short" or "long" case by context). The row prints
   floor_time / measured_time_per_token.
 - GEMM floor: float32 2048x2048 matmul rate R (best of 5), BLAS on as many threads as the
   kernels (the cpu backend keeps BLAS on one thread while it runs). Prefill FLOPs per token are
@@ -48,7 +48,7 @@ from xml.sax.saxutils import escape
 import numpy as np
 
 from .errors import ModelFileError
-from .layout import EMBED, HASH, ROUTED
+from .gguf.layout import EMBED, HASH, ROUTED
 
 HEADER = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes"]
 _DATA = Path("shared") / "ds4-data" / "promessi_sposi.txt"
@@ -99,7 +99,7 @@ def measure_floors(read_mib: int = 512, gemm_n: int = 2048, reps: int = 5) -> di
     single-threaded sum without the extension), the GEMM by NumPy with BLAS on that many threads."""
     from threadpoolctl import threadpool_limits
 
-    from . import kernels
+    from .backends.cpu import kernels
     a = np.ones(read_mib * (1 << 20) // 4, np.float32)
     read = kernels._K.read_sum if kernels.available() else (lambda b: b.sum())
     read(a)
@@ -300,8 +300,8 @@ def _main(argv) -> int:
         raise BenchError(f"--ctx-start {a.ctx_start} is above --ctx-max {a.ctx_max}")
     ctx = a.ctx if a.ctx is not None else a.ctx_max + a.gen_tokens + 1
 
-    from .inspect import report
-    from .session import DEFAULT_CHUNK, Engine, Session
+    from .gguf.inspect import report
+    from .runtime.session import DEFAULT_CHUNK, Engine, Session
 
     try:
         t_open = time.perf_counter()

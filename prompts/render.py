@@ -1,7 +1,7 @@
 """Messages + tools + thinking mode -> the prompt text ds4 renders (protocol.md §2, §4).
 
 The text carries the special markers inline (BOS, `<｜User｜>`, `<think>`, ...); tokenizing it
-splits on the seven markers of §1.1 and BPEs the rest (engine.tokenizer does that).
+splits on the seven markers of §1.1 and BPEs the rest (engine.runtime.tokenizer does that).
 
 Entry points:
 * `render_request(api, body, ctx)`: a raw client request -> `Rendered` (what ds4-server does

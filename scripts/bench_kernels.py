@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Benchmark of the C matmul kernels (engine.kernels) on realistic ds4 shapes.
+"""Benchmark of the C matmul kernels (engine.backends.cpu.kernels) on realistic ds4 shapes.
 
 Prints, per weight format:
 * decode (T = 1): GB/s of weight bytes read, weights cold (a pool of copies larger than the L3
   cache is cycled, so every call reads its weights from DRAM) and hot (one matrix, cache-resident
   when it fits), and the ratio to the machine's read floor;
-* the read floor: bytes/s of a multi-threaded sum over 1 GiB (engine._kernels.read_sum), and of
+* the read floor: bytes/s of a multi-threaded sum over 1 GiB (engine.backends.cpu._kernels.read_sum), and of
   NumPy's single-threaded sum and copy, for reference;
 * batched T (default 2 .. 512): GFLOP/s (2 * T * rows * cols per call) of the fused kernels and of
   the "blas" path (C dequantizer + np.matmul), next to np.matmul on the already-decoded float32
@@ -42,8 +42,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import kernels as K  # noqa: E402
-from engine import quants as Q  # noqa: E402
+from engine.backends.cpu import kernels as K  # noqa: E402
+from engine.gguf import quants as Q  # noqa: E402
 
 # (rows, cols) of the matrices benchmarked per format: attention/shared projections are Q8_0
 # 4096-wide; routed experts (IQ2_XXS / Q2_K in the published files) are 2048 x 4096 (gate, up) and
@@ -101,7 +101,7 @@ def timeit(fn, min_time=0.5, max_time=8.0, want_quiet=3, sample_time=0.05):
 
 
 def read_floor(threads: int) -> dict[str, float]:
-    from engine import _kernels as C
+    from engine.backends.cpu import _kernels as C
     buf = np.ones(1 << 30, dtype=np.uint8)
     out = {}
     prev = C.get_threads()
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-batched", action="store_true")
     args = ap.parse_args(argv)
     if not K.available():
-        print("engine._kernels is not built; nothing to benchmark")
+        print("engine.backends.cpu._kernels is not built; nothing to benchmark")
         return 1
     if args.threads:
         K.set_threads(args.threads)

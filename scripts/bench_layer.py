@@ -37,9 +37,9 @@ def main():
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
     from engine import Engine, ModelFile, Session
-    from engine.inspect import report
-    from engine.model import Model
-    from engine.synth import config_for, write_synthetic
+    from engine.gguf.inspect import report
+    from engine.model.model import Model
+    from engine.gguf.synth import config_for, write_synthetic
     if not os.path.exists(a.path):
         cfg, vocab = config_for("flash", n_layer=1, ratios=[4], n_hash_layer=0, vocab=4049)
         t0 = time.perf_counter()

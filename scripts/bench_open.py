@@ -50,7 +50,7 @@ def main():
     ap.add_argument("--path", default="/tmp/ds4-bench-4g.gguf")
     ap.add_argument("--keep", action="store_true", help="keep the file afterwards")
     a = ap.parse_args()
-    from engine.synth import config_for, write_synthetic
+    from engine.gguf.synth import config_for, write_synthetic
     if not os.path.exists(a.path):
         cfg, vocab = config_for("flash", n_layer=2, ratios=[4, 128], n_expert=160, n_hash_layer=1)
         t0 = time.perf_counter()

@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.synth import write_vocab_only  # noqa: E402
-from engine.synth_vocab import tokenizer_json_path  # noqa: E402
-from engine.tokenizer import MARKERS, Tokenizer  # noqa: E402
+from engine.gguf.synth import write_vocab_only  # noqa: E402
+from engine.gguf.synth_vocab import tokenizer_json_path  # noqa: E402
+from engine.runtime.tokenizer import MARKERS, Tokenizer  # noqa: E402
 
 DEFAULT_TEXT = ROOT.parent / "shared" / "ds4-data" / "promessi_sposi.txt"
 TARGET_MBPS = 2.0
@@ -77,7 +77,7 @@ def main() -> int:
 
     dt, ids = best_of(lambda: tok.encode(text), a.runs)
     mbps = mb / dt
-    print(f"engine.tokenizer: {mbps:.2f} MB/s (best of {a.runs}: {dt:.3f} s), {len(ids):,} tokens, "
+    print(f"engine.runtime.tokenizer: {mbps:.2f} MB/s (best of {a.runs}: {dt:.3f} s), {len(ids):,} tokens, "
           f"{nbytes / max(len(ids), 1):.2f} bytes/token; ratio to the {TARGET_MBPS:g} MB/s target: "
           f"{mbps / TARGET_MBPS:.2f}x")
 

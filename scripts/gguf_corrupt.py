@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from engine.gguf_file import (_SCALAR, T_ARRAY, T_BOOL, T_FLOAT32, T_FLOAT64, T_INT32, T_STRING,  # noqa: E402
+from engine.gguf.gguf_file import (_SCALAR, T_ARRAY, T_BOOL, T_FLOAT32, T_FLOAT64, T_INT32, T_STRING,  # noqa: E402
                               T_UINT32, T_UINT64, GGUFFile)
 
 P = "deepseek4."

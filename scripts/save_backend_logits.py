@@ -36,7 +36,7 @@ DECODE = 6           # greedy decode steps after the prompt
 def machine() -> dict:
     from threadpoolctl import threadpool_info
 
-    from engine import kernels
+    from engine.backends.cpu import kernels
     blas = [(i.get("internal_api"), i.get("architecture")) for i in threadpool_info() if i.get("user_api") == "blas"]
     return {"kernel_isa": kernels.isa() or "", "numpy": np.__version__, "blas": json.dumps(blas)}
 
@@ -63,7 +63,7 @@ def run(path: str, backend: str, numerics: str) -> np.ndarray:
 
 
 def write_models(folder: Path) -> dict[str, str]:
-    from engine.synth import config_for, write_synthetic
+    from engine.gguf.synth import config_for, write_synthetic
     out = {}
     for name, (ckw, wkw) in MODELS.items():
         cfg, vocab = config_for("tiny", **ckw)
@@ -72,7 +72,7 @@ def write_models(folder: Path) -> dict[str, str]:
 
 
 def compute(folder: Path, backends=("numpy", "cpu")) -> dict[str, np.ndarray]:
-    from engine import kernels
+    from engine.backends.cpu import kernels
     arrays = {}
     for name, path in write_models(folder).items():
         for backend in backends:

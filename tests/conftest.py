@@ -13,7 +13,7 @@ os.environ.setdefault("DS4_BACKEND", "numpy")
 # and the memory tests measure what a forward pass itself maps in: no prefault at open
 os.environ.setdefault("DS4_PAGING", "none")
 
-from engine.synth import config_for, write_synthetic
+from engine.gguf.synth import config_for, write_synthetic
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 ORACLE = SHARED / "ds4-oracle"

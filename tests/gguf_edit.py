@@ -7,7 +7,7 @@ import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.gguf_file import T_ARRAY, GGUFFile
+from engine.gguf.gguf_file import T_ARRAY, GGUFFile
 
 
 def rewrite(src, dst, *, arch=None, drop=(), retype=None, reshape=None, set_fields=None, del_fields=(),

@@ -17,7 +17,7 @@ from gguf import GGUFValueType
 from ds4agent.cli import main as agent_main
 from engine import ModelFile, ModelFileError
 from ds4agent.ds4_cli import main as ds4_main
-from engine.gguf_cli import main as gguf_main
+from engine.gguf.gguf_cli import main as gguf_main
 
 from gguf_edit import rewrite
 
@@ -35,7 +35,7 @@ def _write(tmp: Path, name: str, data: bytes) -> Path:
 
 
 def _last_tensor_end(src):
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.gguf_file import GGUFFile
     g = GGUFFile(src)
     last = max(g.tensors.values(), key=lambda t: t.offset)
     return last.offset + last.nbytes, g.data_offset
@@ -223,7 +223,7 @@ def test_every_loader_rejects_with_one_clear_line(cid, broken, capsys):
                                  "directory"])
 def test_subprocess_exit_1_without_traceback(cid, broken):
     path, words = broken[cid]
-    p = subprocess.run([sys.executable, "-m", "engine.gguf_cli", "inspect", str(path)],
+    p = subprocess.run([sys.executable, "-m", "engine.gguf.gguf_cli", "inspect", str(path)],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1  # not -SIGBUS, not a traceback's exit
     assert "Traceback" not in p.stderr and words in p.stderr and len(p.stderr.strip().splitlines()) == 1
@@ -249,7 +249,7 @@ def test_bad_hash_table_is_caught_at_load(tiny_q2, tmp_path, capsys):
     """Expert ids outside the range, or twice for one token, would fail (or mis-route) in the middle
     of a forward pass; Engine.open refuses them with the tensor named."""
     from engine import Engine
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.gguf_file import GGUFFile
     g = GGUFFile(tiny_q2)
     t = g.tensors["blk.1.ffn_gate_tid2eid.weight"]
     g.close()

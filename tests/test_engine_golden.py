@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine import Engine, Session
-from engine.synth import config_for, write_synthetic
+from engine.gguf.synth import config_for, write_synthetic
 
 GOLDEN = Path(__file__).parent / "golden"
 TOL = 1e-4  # the issue asks 1e-3; float64 accumulation lands at ~6e-6

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from engine import ContextFull, Engine, Session, SnapshotError
-from engine.kv_state import PosRing, frontier_start
+from engine.model.kv_state import PosRing, frontier_start
 
 
 @pytest.fixture(scope="module")

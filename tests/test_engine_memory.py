@@ -14,8 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from engine import Engine, Session, quants
-from engine.synth import config_for, write_synthetic
+from engine import Engine, Session
+from engine.gguf import quants
+from engine.gguf.synth import config_for, write_synthetic
 
 
 def test_decode_touches_only_selected_expert_slabs(small_model, monkeypatch):

@@ -25,8 +25,8 @@ import pytest
 from ds4agent.cli import main as agent_main
 from ds4agent.ds4_cli import main as ds4_main
 from engine import ModelFileError
-from engine.gguf_cli import main as gguf_main
-from engine.tokenizer import Tokenizer
+from engine.gguf.gguf_cli import main as gguf_main
+from engine.runtime.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT_S = 20      # per run; a healthy one takes well under a second

@@ -6,7 +6,7 @@ import pytest
 from gguf import GGUFReader
 from gguf.constants import GGUFValueType
 
-from engine.gguf_file import T_ARRAY, T_STRING, GGUFFile
+from engine.gguf.gguf_file import T_ARRAY, T_STRING, GGUFFile
 
 
 def _reader_value(field):

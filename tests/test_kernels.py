@@ -1,4 +1,4 @@
-"""Tests for the C kernels (engine._kernels via engine.kernels) against the NumPy reference.
+"""Tests for the C kernels (engine.backends.cpu._kernels via engine.backends.cpu.kernels) against the NumPy reference.
 
 * dequantize_rows is bit-exact with quants.dequantize (compared as uint32 bit patterns), for every
   kernel build this machine can run (generic C, AVX2, AVX-512).
@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import kernels as K
-from engine import quants as Q
+from engine.backends.cpu import kernels as K
+from engine.gguf import quants as Q
 
 needs_ext = pytest.mark.skipif(
-    not K.available(), reason="engine._kernels is not built (pip install -e . builds it when a C compiler is present)")
+    not K.available(), reason="engine.backends.cpu._kernels is not built (pip install -e . builds it when a C compiler is present)")
 
 FORMATS = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4]
 NAMES = {t: Q.FORMATS[t].name for t in FORMATS}
@@ -34,7 +34,7 @@ QS_BYTES = {Q.Q2_K: slice(16, 80), Q.Q4_K: slice(16, 144)}
 
 
 def _C():
-    from engine import _kernels
+    from engine.backends.cpu import _kernels
     return _kernels
 
 
@@ -339,7 +339,7 @@ def test_numpy_fallback_without_extension(monkeypatch):
 def test_extension_built_from_these_sources():
     # the extension is optional: a rebuild that fails leaves the previous binary in place, and
     # every other test here would then test old code
-    assert K.build_is_current() is not False, "engine._kernels is stale: rebuild with pip install -e ."
+    assert K.build_is_current() is not False, "engine.backends.cpu._kernels is stale: rebuild with pip install -e ."
 
 
 @needs_ext
@@ -374,7 +374,7 @@ def test_kernel_sources_read_no_uninitialized_variable():
     import subprocess
     import sysconfig
 
-    from engine.kernel_sources import SOURCES
+    from engine.backends.cpu.kernel_sources import SOURCES
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if not shutil.which(cc):
         pytest.skip(f"no C compiler ({cc}) to analyse the kernel sources with")

@@ -1,9 +1,9 @@
-"""The integer-activation kernels (ds4 numerics): engine.kernels.matmul_q8 and its quantizers.
+"""The integer-activation kernels (ds4 numerics): engine.backends.cpu.kernels.matmul_q8 and its quantizers.
 
 ds4 quantizes the input of a Q8_0-weight matmul to Q8_0 blocks and the routed experts' input to
 Q8_K blocks, then takes integer dot products.  The kernels do the same, so:
 
-* the C quantizers equal engine/numerics.py's q8_0_quantize / q8_k_quantize bit for bit (codes,
+* the C quantizers equal engine/model/numerics.py's q8_0_quantize / q8_k_quantize bit for bit (codes,
   scale bit patterns, and the Q8_K sums of 16 codes), including ties and all-zero blocks;
 * matmul_q8(t, w, x) equals quants.matvec(t, w, numerics.q8_*_round(x)) in float64 up to the
   float32 accumulation of the per-block products (the integer sums are exact), for every kernel
@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import kernels as K
-from engine import numerics as N
-from engine import quants as Q
+from engine.backends.cpu import kernels as K
+from engine.model import numerics as N
+from engine.gguf import quants as Q
 
 from test_kernels import U, abs_weights, isa_guard, needs_ext, weights  # noqa: F401 (fixture)
 
@@ -27,7 +27,7 @@ NAMES = {t: Q.FORMATS[t].name for t in Q8_TYPES}
 
 
 def _C():
-    from engine import _kernels
+    from engine.backends.cpu import _kernels
     return _kernels
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from engine import Engine, Session
-from engine.synth import config_for, write_synthetic
+from engine.gguf.synth import config_for, write_synthetic
 from sessions import kv_cli
 from sessions.kvfile import (FLAG_RESPONSES_KEY, FLAG_THINKING_KEY, FLAG_TOOL_MAP, KVFileError,
                              read_header, read_info, read_kv, replace_tool_map, sha1_name, touch,

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from engine import ModelFile
-from engine.config import FLASH, flash_schedule
-from engine.gguf_cli import main as gguf_main
-from engine.gguf_file import GGUFFile
-from engine.inspect import report
-from engine.synth import config_for, write_synthetic
-from engine.synth_vocab import deepseek_vocab
+from engine.gguf.config import FLASH, flash_schedule
+from engine.gguf.gguf_cli import main as gguf_main
+from engine.gguf.gguf_file import GGUFFile
+from engine.gguf.inspect import report
+from engine.gguf.synth import config_for, write_synthetic
+from engine.gguf.synth_vocab import deepseek_vocab
 
 
 def _inventory(path):
@@ -140,7 +140,7 @@ def test_flash_schedule_and_constants():
 
 
 def test_console_scripts_run(tiny_q2):
-    for args in (["-m", "engine.gguf_cli", "inspect", str(tiny_q2)], ["-m", "ds4agent.ds4_cli", "-m", str(tiny_q2), "-n", "2"],
+    for args in (["-m", "engine.gguf.gguf_cli", "inspect", str(tiny_q2)], ["-m", "ds4agent.ds4_cli", "-m", str(tiny_q2), "-n", "2"],
                  ["-m", "ds4agent.cli", "--help"]):
         p = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr

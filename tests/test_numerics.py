@@ -1,11 +1,11 @@
-"""Tests for engine.numerics: ds4's rounding steps, against formulas, references and hand-worked values."""
+"""Tests for engine.model.numerics: ds4's rounding steps, against formulas, references and hand-worked values."""
 
 import math
 
 import numpy as np
 import pytest
 
-from engine import numerics as nm
+from engine.model import numerics as nm
 
 f32 = np.float32
 YARN = dict(factor=16, orig_ctx=65536, beta_fast=32, beta_slow=1)

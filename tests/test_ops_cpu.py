@@ -10,14 +10,15 @@ import json
 import numpy as np
 import pytest
 
-from engine import Engine, Session, kernels
-from engine import quants as Q
-from engine.ops_numpy import NumpyOps
+from engine import Engine, Session
+from engine.backends.cpu import kernels
+from engine.gguf import quants as Q
+from engine.backends.numpy.ops import NumpyOps
 
 from conftest import ORACLE, need_shared
 from test_engine_oracle import stats
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="engine._kernels is not built (no C compiler at install)")
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="engine.backends.cpu._kernels is not built (no C compiler at install)")
 
 
 def _logits(path, backend, numerics, toks, *, decode=False):
@@ -100,7 +101,7 @@ def test_resident_copy_is_the_file_and_changes_no_result(small_model):
 
 
 def test_resident_copy_dropping_the_page_cache_is_the_same_copy(small_model):
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.gguf_file import GGUFFile
     with GGUFFile(small_model) as a, GGUFFile(small_model) as b:
         a.load_resident(threads=1)
         b.load_resident(threads=3, drop_cache=True)
@@ -112,7 +113,7 @@ def test_resident_copy_of_a_file_cut_short_after_open(small_model, tmp_path):
     import shutil
 
     from engine.errors import ModelFileError
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.gguf_file import GGUFFile
     p = tmp_path / "cut.gguf"
     shutil.copy(small_model, p)
     g = GGUFFile(p)
@@ -127,7 +128,7 @@ def test_resident_copy_of_a_file_cut_short_after_open(small_model, tmp_path):
 
 
 def test_auto_paging_by_size_and_backend(small_model, monkeypatch):
-    from engine import session as S
+    from engine.runtime import session as S
     monkeypatch.delenv("DS4_PAGING", raising=False)
     monkeypatch.setattr(S, "_mem_available", lambda: 1 << 40)
     with Engine.open(small_model, backend="numpy") as e:
@@ -183,8 +184,8 @@ def test_ds4_mode_prefill_paths_agree_with_reference(small_model, monkeypatch):
     float path (activations rounded in C) all land on the reference (a rounding difference can
     cross a Q8 step and routing amplifies it, so the bounds are the statistical ones the reference
     meets against ds4 itself; every path measures ~0.1 median)."""
-    from engine import kernels as K
-    from engine.ops_cpu import CpuOps
+    from engine.backends.cpu import kernels as K
+    from engine.backends.cpu.ops import CpuOps
     C = K._K
     toks = list(range(11, 211))
     ref = _logits(small_model, "numpy", "ds4", toks)
@@ -220,7 +221,7 @@ def test_cpu_backend_keeps_freed_memory():
     after a free reuses resident pages instead of faulting in (and zeroing) fresh ones: by default
     every array over 32 MiB is a new mapping, returned to the kernel when freed (its RSS drops)."""
     import os
-    from engine.session import _keep_freed_memory
+    from engine.runtime.session import _keep_freed_memory
     if not os.path.exists("/proc/self/statm"):
         pytest.skip("needs /proc/self/statm (Linux) to see resident memory")
     if not _keep_freed_memory():

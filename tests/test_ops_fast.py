@@ -1,4 +1,4 @@
-"""engine/ops_fast.py's FastOps (float32, vectorized) against the NumPy reference's methods, op by op,
+"""engine/backends/cpu/fast.py's FastOps (float32, vectorized) against the NumPy reference's methods, op by op,
 on random inputs of small but realistic shapes; the whole-forward agreement of the cpu backend
 (which uses FastOps) with the reference is tests/test_ops_cpu.py's. Bounds are relative to the
 largest reference magnitude and sized for float32 rounding (measured errors are ~1e-7..1e-6)."""
@@ -9,8 +9,8 @@ import warnings
 import numpy as np
 import pytest
 
-from engine.ops_fast import FastOps
-from engine.ops_numpy import NumpyOps
+from engine.backends.cpu.fast import FastOps
+from engine.backends.numpy.ops import NumpyOps
 
 REL = 1e-5
 
@@ -198,7 +198,7 @@ def test_rope_rotations_of_read_only_angles_are_reused_and_right():
     object: the same values as computed afresh, for the inverse and for another view of the same
     angles; writeable angles, or read-only views of writeable ones, are never kept (they may
     change); the store stays small."""
-    from engine import ops_fast
+    from engine.backends.cpu import fast as ops_fast
     rng = _rng(31)
     x = f32(rng, 3, 4, 128)
     th = (rng.random((3, 32)) * 100).astype(np.float32)
@@ -230,7 +230,7 @@ def test_rope_rotations_of_read_only_angles_are_reused_and_right():
 
 def test_cpu_backend_uses_fast_ops():
     # (hc_pre_mix, hc_post, rmsnorm and attention have C forms of their own, tested above)
-    from engine.ops_cpu import CpuOps
+    from engine.backends.cpu.ops import CpuOps
     assert CpuOps.rope is FastOps.rope and CpuOps.swiglu is FastOps.swiglu
 
 
@@ -264,9 +264,9 @@ def test_a_tokens_result_does_not_depend_on_the_batch():
 def test_hc_split_in_c(T):
     """The cpu backend's C hc_split (kernels.hc_split) against the reference: the same float32
     steps with libm's expf for NumPy's exp, so equal up to float32 rounding."""
-    from engine import kernels
+    from engine.backends.cpu import kernels
     if not kernels.available():
-        pytest.skip("engine._kernels is not built")
+        pytest.skip("engine.backends.cpu._kernels is not built")
     rng = _rng(40 + T)
     n = 4
     mix = f32(rng, T, 2 * n + n * n) * 4
@@ -283,10 +283,10 @@ def test_hc_split_in_c(T):
 def test_rmsnorm_in_c(shape):
     """The cpu backend's C rmsnorm sums the squares in float64 as the reference does (in another
     order), so it is the reference's result bit for bit except in rare last-bit cases."""
-    from engine import kernels
-    from engine.ops_cpu import CpuOps
+    from engine.backends.cpu import kernels
+    from engine.backends.cpu.ops import CpuOps
     if not kernels.available():
-        pytest.skip("engine._kernels is not built")
+        pytest.skip("engine.backends.cpu._kernels is not built")
     rng = _rng(sum(shape))
     x = (rng.standard_normal(shape) * rng.choice([1e-4, 1.0, 300.0], shape[:-1] + (1,))).astype(np.float32)
     w = f32(rng, shape[-1])
@@ -303,10 +303,10 @@ def test_attention_in_c(T, H, D):
     an empty segment, a query that attends nothing (0 with a finite sink, NaN with a -inf one, as
     the reference), head counts and widths off the 4-head / 16-value tiles; a query's result is
     the same alone or in the batch, and whatever the thread count."""
-    from engine import kernels
-    from engine.ops_cpu import CpuOps
+    from engine.backends.cpu import kernels
+    from engine.backends.cpu.ops import CpuOps
     if not kernels.available():
-        pytest.skip("engine._kernels is not built")
+        pytest.skip("engine.backends.cpu._kernels is not built")
     rng = _rng(T * H + D)
     q = f32(rng, T, H, D) / np.float32(np.sqrt(D))
     kr, mr = f32(rng, 20, D), rng.random((T, 20)) < 0.6
@@ -357,11 +357,11 @@ def test_store_kv_in_c():
     """The cpu backend's C KV storage rounding (FP8 E4M3 blocks of 64 on the non-RoPE dims, then
     F16) is numerics.py's, bit for bit: block scales across magnitudes, zero and signed-zero blocks,
     ties on both grids, F16 overflow at 65520, inf and NaN values."""
-    from engine import kernels
-    from engine import numerics as N
-    from engine.ops_cpu import CpuOps
+    from engine.backends.cpu import kernels
+    from engine.model import numerics as N
+    from engine.backends.cpu.ops import CpuOps
     if not kernels.available():
-        pytest.skip("engine._kernels is not built")
+        pytest.skip("engine.backends.cpu._kernels is not built")
     rng = _rng(50)
     cases = [(rng.standard_normal((20, 512)) * s).astype(np.float32) for s in (1e-8, 1e-3, 1, 1000, 1e5, 1e30)]
     x = rng.standard_normal((12, 512)).astype(np.float32)
@@ -389,10 +389,10 @@ def test_store_kv_in_c():
 def test_hc_pre_mix_in_c(T, n, E):
     """The cpu backend's C hc_pre_mix takes the reference's arithmetic (float64 products summed
     over the streams in order, one rounding): bit for bit the reference's result."""
-    from engine import kernels
-    from engine.ops_cpu import CpuOps
+    from engine.backends.cpu import kernels
+    from engine.backends.cpu.ops import CpuOps
     if not kernels.available():
-        pytest.skip("engine._kernels is not built")
+        pytest.skip("engine.backends.cpu._kernels is not built")
     rng = _rng(7 * T + n + E)
     X, pre = f32(rng, T, n, E) * 3, 2 * rng.random((T, n)).astype(np.float32)
     got, ref = CpuOps.hc_pre_mix(pre, X), REF.hc_pre_mix(pre, X)
@@ -407,10 +407,10 @@ def test_hc_pre_mix_in_c(T, n, E):
 def test_hc_post_in_c(T, n, E):
     """The cpu backend's C hc_post takes the reference's arithmetic (float32 post * y, float64
     stream sums, one rounding): bit for bit the reference's result (checked at 100 %)."""
-    from engine import kernels
-    from engine.ops_cpu import CpuOps
+    from engine.backends.cpu import kernels
+    from engine.backends.cpu.ops import CpuOps
     if not kernels.available():
-        pytest.skip("engine._kernels is not built")
+        pytest.skip("engine.backends.cpu._kernels is not built")
     rng = _rng(T * n + E)
     X, y = f32(rng, T, n, E) * 3, f32(rng, T, E)
     post, C = 2 * rng.random((T, n)).astype(np.float32), rng.random((T, n, n)).astype(np.float32)
@@ -437,9 +437,9 @@ def test_indexer_scores(T, C):
 def test_attention_threads_change_nothing():
     """Blocks of 8+ queries run on the kernels' thread count (Python threads, strided shares):
     the same values bit for bit as one thread (each query is computed alone either way)."""
-    from engine import kernels
+    from engine.backends.cpu import kernels
     if not kernels.available():
-        pytest.skip("engine._kernels is not built (the thread count is the kernels')")
+        pytest.skip("engine.backends.cpu._kernels is not built (the thread count is the kernels')")
     rng = _rng(6)
     T, H, D = 20, 4, 64
     q, keys = _unit_rows(rng, T, H, D), _unit_rows(rng, 30, D)

@@ -1,4 +1,4 @@
-"""Tests for engine.quants: bit-exactness with gguf-py, hand-worked blocks, streaming helpers."""
+"""Tests for engine.gguf.quants: bit-exactness with gguf-py, hand-worked blocks, streaming helpers."""
 
 import struct
 
@@ -8,7 +8,7 @@ import pytest
 import gguf.quants as gq
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine import quants as q
+from engine.gguf import quants as q
 
 FLOAT_TYPES = [q.F32, q.F16, q.BF16, q.Q8_0, q.Q2_K, q.Q4_K, q.IQ2_XXS, q.MXFP4]
 

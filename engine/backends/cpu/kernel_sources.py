@@ -1,7 +1,7 @@
 """The C extension's source files and their hash (standard library only: setup.py loads this file
 by path in the build environment, where numpy and the engine package are not importable).
 
-setup.py compiles the hash into engine._kernels (its `source_hash`); engine.kernels compares it
+setup.py compiles the hash into engine.backends.cpu._kernels (its `source_hash`); engine.backends.cpu.kernels compares it
 with the sources next to the package, so a checkout whose extension failed to rebuild (it is an
 optional extension: pip install succeeds and keeps the old binary) is noticed instead of tested."""
 from __future__ import annotations
@@ -10,21 +10,21 @@ import hashlib
 import os
 
 SOURCES = [
-    "engine/_kernels.c",
-    "engine/csrc/kern_tables.c",
-    "engine/csrc/kern_generic.c",
-    "engine/csrc/kern_avx2.c",
-    "engine/csrc/kern_avx512.c",
-    "engine/csrc/kern_q8.c",
+    "engine/backends/cpu/csrc/_kernels.c",
+    "engine/backends/cpu/csrc/kern_tables.c",
+    "engine/backends/cpu/csrc/kern_generic.c",
+    "engine/backends/cpu/csrc/kern_avx2.c",
+    "engine/backends/cpu/csrc/kern_avx512.c",
+    "engine/backends/cpu/csrc/kern_q8.c",
 ]
 DEPENDS = [
-    "engine/csrc/kern.h",
-    "engine/csrc/kern_dequant_body.h",
-    "engine/csrc/kern_simd_body.h",
-    "engine/csrc/kern_q8_body.h",
-    "engine/csrc/kern_gemm_body.h",
-    "engine/csrc/kern_gemm_avx2.h",
-    "engine/csrc/kern_iq2_vbmi.h",
+    "engine/backends/cpu/csrc/kern.h",
+    "engine/backends/cpu/csrc/kern_dequant_body.h",
+    "engine/backends/cpu/csrc/kern_simd_body.h",
+    "engine/backends/cpu/csrc/kern_q8_body.h",
+    "engine/backends/cpu/csrc/kern_gemm_body.h",
+    "engine/backends/cpu/csrc/kern_gemm_avx2.h",
+    "engine/backends/cpu/csrc/kern_iq2_vbmi.h",
 ]
 
 

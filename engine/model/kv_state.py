@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import CSA_RATIO, ModelConfig
+from ..gguf.config import CSA_RATIO, ModelConfig
 
 NEG_INF_SCORE = np.float32(-1e30)  # ds4's "no contribution" gate score for an empty frontier row
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (3,)

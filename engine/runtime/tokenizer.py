@@ -21,7 +21,7 @@ import re
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -97,8 +97,8 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path) -> "Tokenizer":
         """Build from a GGUF's tokenizer metadata alone (a vocab-only GGUF is enough)."""
-        from .config import read_tokenizer_metadata
-        from .gguf_file import GGUFFile
+        from ..gguf.config import read_tokenizer_metadata
+        from ..gguf.gguf_file import GGUFFile
         with GGUFFile(path) as g:
             n = g.get("deepseek4.vocab_size")
             toks = g.fields.get("tokenizer.ggml.tokens")

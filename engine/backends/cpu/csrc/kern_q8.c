@@ -5,7 +5,7 @@
  * dot products do.  Instead of forming those rounded floats and running a float kernel, these
  * kernels keep the activations as integers: per weight block the dot product of the weight codes
  * with the activation codes is exact in int32, and one float multiply-add applies the two scales.
- * The quantizers reproduce engine/numerics.py's q8_0_quantize / q8_k_quantize bit for bit (this
+ * The quantizers reproduce engine/model/numerics.py's q8_0_quantize / q8_k_quantize bit for bit (this
  * file is compiled with -ffp-contract=off; rounding is half to even, as np.rint). */
 #include <math.h>
 #include <string.h>

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 from .gguf_file import (T_ARRAY, T_BOOL, T_FLOAT32, T_FLOAT64, T_INT8, T_INT16, T_INT32, T_INT64, T_STRING,
                         T_UINT8, T_UINT16, T_UINT32, T_UINT64, GGUFFile)
 

@@ -1,6 +1,6 @@
 /* ds4 CPU kernels: shared declarations.
  *
- * Block layouts and dequantization formulas are those of engine/quants.py (gguf-py 0.19.0,
+ * Block layouts and dequantization formulas are those of engine/gguf/quants.py (gguf-py 0.19.0,
  * model.md section 5); the dequantizers here reproduce its float32 roundings exactly, so this
  * code must be compiled with -ffp-contract=off (no silent a*b+c fusion).  The matmul kernels use
  * explicit FMA intrinsics where they want fused products.
@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* ggml type ids (engine/quants.py) */
+/* ggml type ids (engine/gguf/quants.py) */
 enum {
     KT_F32 = 0,
     KT_F16 = 1,

@@ -1,4 +1,4 @@
-/* Tables for IQ2_XXS and MXFP4, built from the same definitions as engine/quants.py:
+/* Tables for IQ2_XXS and MXFP4, built from the same definitions as engine/gguf/quants.py:
  * _IQ2XXS_GRID_HEX / _IQ2XXS_GRID_MAP (gguf-py's compact iq2xxs_grid), _build_ksigns, and
  * MXFP4_KVALUES.  tests/test_kernels.py checks them against quants.IQ2XXS_GRID_BYTES and
  * quants.KSIGNS_IQ2XS. */

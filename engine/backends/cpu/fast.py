@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import numerics as N
+from ...model import numerics as N
 
 _F32 = np.float32
 
@@ -238,7 +238,7 @@ _POOLS: dict = {}
 
 
 def _threads() -> int:
-    from . import kernels                  # the engine's thread count (kernels.set_threads)
+    from . import kernels  # the engine's thread count (kernels.set_threads)
     return kernels.get_threads()
 
 

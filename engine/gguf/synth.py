@@ -24,7 +24,7 @@ from gguf import GGUFValueType, GGUFWriter
 from gguf.constants import GGMLQuantizationType
 
 from . import quants as Q
-from .atomic import atomic_path
+from ..atomic import atomic_path
 from .config import ARCH, FLASH, ModelConfig, flash_schedule
 from .layout import (ATTN, COMPRESSOR, EMBED, HASH, HC, INDEXER, NORM, OUTPUT, ROUTED, ROUTER, SHARED,
                      TensorSpec, expected_tensors)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import numerics as N
-from . import quants as Q
-from .model_file import QTensor
+from ...model import numerics as N
+from ...gguf import quants as Q
+from ...gguf.model_file import QTensor
 
 EXACT, DS4 = "exact", "ds4"
 NUMERICS = (EXACT, DS4)

@@ -1,10 +1,10 @@
 """The fast CPU backend: the NumPy reference's ops with every weight matmul on the C kernels
-(engine/kernels.py: fused decode-and-multiply straight from the map, multi-threaded).
+(engine/backends/cpu/kernels.py: fused decode-and-multiply straight from the map, multi-threaded).
 
 The matmuls change, and a few float32 ops (FastOps; rmsnorm and the hyper-connection weights and
 post mix in C). In ds4 mode the inputs ds4 quantizes (Q8_0 weights: Q8_0 blocks; the routed
 experts' Q2_K / IQ2_XXS weights: Q8_K blocks) go to the integer kernels, which quantize them
-exactly as engine/numerics.py does and take exact integer dot products (ds4's own arithmetic):
+exactly as engine/model/numerics.py does and take exact integer dot products (ds4's own arithmetic):
 row kernels for a few tokens, the GEMM form for many (AVX-512 VNNI, AVX2); where neither beats the float
 kernels (other builds, 9+ tokens) the reference rounding runs first and the float kernels follow.
 The kernels accumulate in float32 where the reference accumulates in float64, so results differ
@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels as K
-from . import quants as Q
-from .model_file import QTensor
-from .ops_fast import FastOps
-from .ops_numpy import NumpyOps
+from ...gguf import quants as Q
+from ...gguf.model_file import QTensor
+from .fast import FastOps
+from ..numpy.ops import NumpyOps
 
 _KERNEL_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
 

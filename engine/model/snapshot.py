@@ -14,7 +14,7 @@ import struct
 
 import numpy as np
 
-from .config import CSA_RATIO, ModelConfig
+from ..gguf.config import CSA_RATIO, ModelConfig
 from .kv_state import NEG_INF_SCORE, KVState, PosRing
 
 MAGIC, VERSION = 0x34565344, 1

@@ -13,15 +13,15 @@ from typing import Callable
 
 import numpy as np
 
-from . import snapshot as snap
-from .errors import ModelFileError
-from .kv_state import KVState
-from .model import Model
-from .model_file import ModelFile
-from .ops_numpy import DS4, NumpyOps
+from ..model import snapshot as snap
+from ..errors import ModelFileError
+from ..model.kv_state import KVState
+from ..model.model import Model
+from ..gguf.model_file import ModelFile
+from ..backends.numpy.ops import DS4, NumpyOps
 from .sampling import Rng, SamplingParams, logprob_of, sample, top_logprobs
 from .tokenizer import Tokenizer
-from .weights import bind
+from ..model.weights import bind
 
 BACKENDS = ("numpy", "cpu")
 DEFAULT_CHUNK = 2048
@@ -44,7 +44,7 @@ class Engine:
         self.threads = threads
         self.tokenizer = Tokenizer.from_metadata(model_file.tokenizer)
         if backend == "cpu":
-            from .ops_cpu import CpuOps
+            from ..backends.cpu.ops import CpuOps
             # The kernels' OpenMP threads own the cores. OpenBLAS threads left spinning after a
             # NumPy call (an einsum between two kernel calls) take the second core from the
             # kernel's worker, so every kernel barrier waits a scheduler tick: decode of the
@@ -69,14 +69,14 @@ class Engine:
             # C kernels when they were built, else the NumPy reference
             backend = os.environ.get("DS4_BACKEND") or ""
             if not backend:
-                from . import kernels
+                from ..backends.cpu import kernels
                 backend = "cpu" if kernels.available() else "numpy"
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not available (built: {', '.join(BACKENDS)})")
         if backend == "cpu":
-            from . import kernels
+            from ..backends.cpu import kernels
             if not kernels.available():
-                raise ValueError("backend 'cpu' needs the C kernels (engine._kernels), which were not "
+                raise ValueError("backend 'cpu' needs the C kernels (engine.backends.cpu._kernels), which were not "
                                  "built at install time (no C compiler?); use --backend numpy")
         if threads:
             _limit_threads(threads, backend)
@@ -192,7 +192,7 @@ def _blas_threads(n: int):
 
 
 def _limit_threads(n: int, backend: str):
-    from . import kernels
+    from ..backends.cpu import kernels
     kernels.set_threads(n)
     if backend != "cpu":        # the cpu backend keeps BLAS on one thread (Engine.__init__)
         _blas_threads(n)
@@ -370,7 +370,7 @@ class LogitsDump:
         self.rows.append(session.logits.copy())
 
     def save(self, path):
-        from .atomic import atomic_path
+        from ..atomic import atomic_path
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
             np.save(f, np.array(self.rows, np.float32).reshape(len(self.rows), -1))
 

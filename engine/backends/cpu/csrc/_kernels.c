@@ -1,6 +1,6 @@
-/* engine._kernels: fast CPU matmul / dequantization kernels for the GGUF block formats.
+/* engine.backends.cpu._kernels: fast CPU matmul / dequantization kernels for the GGUF block formats.
  *
- * Python API (engine/kernels.py wraps it with validation and the BLAS path):
+ * Python API (engine/backends/cpu/kernels.py wraps it with validation and the BLAS path):
  *   matmul(type_id, w, x, y[, threads[, path]])  y[T, n_rows] = x[T, n_in] @ W.T; w: 2-D uint8
  *                                 buffer of packed rows (any row stride, contiguous rows), x / y
  *                                 float32 C-contiguous; threads: thread count of this call (0:
@@ -28,7 +28,7 @@
 #include <omp.h>
 #endif
 
-#include "csrc/kern.h"
+#include "kern.h"
 
 enum { ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512VBMI, ISA_N };
 
@@ -1323,7 +1323,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef moddef = {
-    PyModuleDef_HEAD_INIT, "engine._kernels", "Fast CPU kernels for GGUF block formats.", -1, methods,
+    PyModuleDef_HEAD_INIT, "engine.backends.cpu._kernels", "Fast CPU kernels for GGUF block formats.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__kernels(void) {

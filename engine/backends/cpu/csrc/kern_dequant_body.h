@@ -2,7 +2,7 @@
  * (kern_generic.c, kern_avx2.c, kern_avx512.c) with KSUF(name) giving the per-build name and
  * KERN_F16(h) / KERN_F16_ROW(src, dst, n) the half -> float conversions of that build.
  *
- * Every value is computed with the float32 operations, in the order, of engine/quants.py (which
+ * Every value is computed with the float32 operations, in the order, of engine/gguf/quants.py (which
  * is bit-exact with gguf-py); the file must be compiled with -ffp-contract=off. */
 
 typedef uint32_t kern_u32a __attribute__((may_alias));

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from . import quants as Q
 from .config import CSA_RATIO, ModelConfig
-from .errors import ModelFileError
+from ..errors import ModelFileError
 from .gguf_file import GGUFFile, TensorInfo
 
 # dtype families. Vectors (norms, biases, HC bases) are float; matrices may be float or any block

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import quants as Q
-from .config import CSA_RATIO
-from .errors import ModelFileError
-from .model_file import ModelFile, QTensor
+from ..gguf import quants as Q
+from ..gguf.config import CSA_RATIO
+from ..errors import ModelFileError
+from ..gguf.model_file import ModelFile, QTensor
 
 
 def _hash_table(m: ModelFile, name: str, n_expert: int) -> np.ndarray:

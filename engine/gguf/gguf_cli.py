@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 
 # CLI flag -> ModelConfig field, for shape overrides of `synth`
 _SHAPE_FLAGS = [
@@ -68,7 +68,7 @@ def _synth(a) -> int:
 def _inspect(a) -> int:
     from .inspect import format_report, report
     from .model_file import ModelFile
-    from .weights import check_hash_tables
+    from ..model.weights import check_hash_tables
     with ModelFile.open(a.file) as m:
         check_hash_tables(m)    # the one tensor whose values the loaders check (the weights are numbers)
         r = report(m)

@@ -1,0 +1,1 @@
+"""The backends that run the model's operations (numpy reference, cpu with C kernels, ...)."""

@@ -1,0 +1,1 @@
+"""The CPU backend: float32 vectorized ops and the C kernels (engine.backends.cpu._kernels)."""

@@ -1,0 +1,1 @@
+"""The NumPy reference backend: every operation in plain float64/float32 NumPy."""

@@ -1,0 +1,1 @@
+"""The runtime over a model: Engine and Session, sampling, the tokenizer."""
