@@ -31,6 +31,7 @@ from sessions import SessionStore, SessionStoreError
 
 from . import events as E
 from .environment import system_text
+from .generation import GREEDY, generate
 
 EOS_TEXT = prompts.EOS
 MAX_TOOL_ROUNDS = 64
@@ -247,45 +248,24 @@ class Agent:
     def _generate(self, *, think_mode: str | None = None, max_tokens: int | None = None,
                   greedy: bool = False, stream_events: bool = True):
         """Sample until EOS, the end of a tool block, the token cap or an interrupt. Every sampled
-        token is evaluated into the timeline. Returns (Parsed, interrupted)."""
+        token is evaluated into the timeline (ds4agent/generation.py). Returns (Parsed, interrupted);
+        a turn the cap cuts parses as "length", so the UI and headless mode say so."""
         mode = think_mode or self.think_mode
         stream = DsmlStream(mode, has_tools=True)
         # leave room for a compaction request and its summary, so a full context can still compact
         room = self.cfg.ctx - self.session.pos - 2 - (0 if think_mode == "none" and greedy else self.compact_reserve)
         forced = self._forced.pop(0) if self._forced else None
         limit = room if forced is not None else min(max_tokens or self.cfg.max_turn_tokens, room)
-        greedy_p = SamplingParams(temperature=0)
-        interrupted = False
-        n, t0 = 0, time.perf_counter()
         self._status("generating")
-        for _ in range(max(0, limit)):
-            if self._interrupt.is_set():
-                interrupted = True
-                break
-            if forced is not None:
-                if not forced:
-                    break            # a forced text ends as if EOS had been sampled
-                t = forced.pop(0)
-            else:
-                p = greedy_p if (greedy or stream.in_dsml_syntax) else self.cfg.sampling
-                t = self.session.sample(p, self.rng)
-            if t == self.tok.eos_id:
-                break
-            self.session.eval(t)
-            n += 1
-            evs = stream.feed(self.tok.token_bytes(t))
-            if stream_events:
-                self._forward_events(evs)
-            if stream.done:
-                break
-        evs = stream.finish()
-        if stream_events:
-            self._forward_events(evs)
+        res = generate(self.session, stream, sampling=GREEDY if greedy else self.cfg.sampling,
+                       rng=self.rng, limit=limit, eos_id=self.tok.eos_id,
+                       token_bytes=self.tok.token_bytes, forced=forced,
+                       should_stop=self._interrupt.is_set,
+                       on_events=self._forward_events if stream_events else None)
         self.pending_eos = True   # the assistant turn is over: EOS opens the next append
-        dt = time.perf_counter() - t0
-        if dt > 0 and n:
-            self.gen_tps = n / dt
-        return stream.result, interrupted
+        if res.elapsed > 0 and res.n_tokens:
+            self.gen_tps = res.n_tokens / res.elapsed
+        return stream.result, res.cancelled
 
     def _forward_events(self, evs):
         for ev in evs:

@@ -261,6 +261,25 @@ def test_headless_runs_a_task(engine, project, sessions_root):
     assert "1 tool call(s)" in err.getvalue() and "read: ok" in err.getvalue()
 
 
+def test_a_turn_cut_at_the_token_cap_says_length(engine, project, sessions_root):
+    """A turn the cap cuts ends "length" (the TUI shows "stopped at the token limit", headless exits
+    1), not "stop" as if the model had finished its answer."""
+    seen = []
+
+    def make_agent(emit):
+        def both(ev):
+            seen.append(ev)
+            emit(ev)
+        return Agent(engine, project, config=AgentConfig(ctx=16384, think_mode="none", max_turn_tokens=3,
+                                                         sampling=SamplingParams(seed=2)),
+                     store=SessionStore(root=sessions_root, project_dir=project), emit=both, system=SYSTEM)
+    out, err = io.StringIO(), io.StringIO()
+    rc = run_headless(make_agent, "write a long essay", out=out, err=err)
+    fin = [e for e in seen if isinstance(e, E.TurnFinished)][-1]
+    assert (fin.finish_reason, fin.interrupted, rc) == ("length", False, 1)
+    assert "finished: length" in err.getvalue()
+
+
 def test_resume_continues_the_session_the_user_left(make, engine, project):
     agent, rec = make()
     agent.force("a1")

@@ -20,11 +20,11 @@ from prompts import DsmlStream, Rendered, ToolMemory, new_tool_id
 from sessions.prefix_cache import PrefixCache, token_text
 
 from . import events as E
+from ..generation import GenerationResult, generate
 from .config import ServeConfig
 
 log = logging.getLogger("ds4agent.serve")
 
-GREEDY = SamplingParams(temperature=0.0)
 # Thinking mode samples with DeepSeek's hosted defaults whatever the request asks (§4.4).
 THINKING_SAMPLING = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.05)
 
@@ -387,11 +387,8 @@ class Worker:
     def _generate(self, job: Job, usage: E.Usage):
         s, tok = self.session, self.tok
         r = job.rendered
-        mode = r.think_mode
-        thinking = mode in ("high", "max")
-        stream = DsmlStream(mode, has_tools=r.has_tools, stop=job.stop)
-        params = THINKING_SAMPLING if thinking else job.sampling
-        rng = Rng(job.seed or None)
+        thinking = r.think_mode in ("high", "max")
+        stream = DsmlStream(r.think_mode, has_tools=r.has_tools, stop=job.stop)
         with self.lock:
             forced_text = job.forced if job.forced is not None else (
                 self._forced.pop(0) if self._forced else None)
@@ -402,79 +399,27 @@ class Worker:
         ids: dict[int, str] = {}
         taken: set[str] = set()
         kind = "anthropic" if job.api == "anthropic" else "openai"
-        n = 0
-        finish = "length"
-        cancelled = False
-        t0 = time.perf_counter()
 
-        def forward(evs):
-            for ev in evs:
-                if isinstance(ev, prompts.ReasoningDelta):
-                    job.emit(E.Reasoning(ev.text))
-                elif isinstance(ev, prompts.TextDelta):
-                    job.emit(E.Text(ev.text))
-                elif isinstance(ev, prompts.ToolCallStart):
-                    tid = self._new_id(kind, taken)
-                    ids[ev.index] = tid
-                    job.emit(E.ToolStart(ev.index, tid, ev.name))
-                elif isinstance(ev, prompts.ToolArgsDelta):
-                    job.emit(E.ToolArgs(ev.index, ev.text))
-                elif isinstance(ev, prompts.ToolCallEnd):
-                    tid = ids.get(ev.index) or self._new_id(kind, taken)
-                    ids[ev.index] = tid
-                    c = ev.call
-                    job.emit(E.ToolEnd(E.CallOut(ev.index, tid, c.name, c.arguments_json, dict(c.arguments))))
-
-        for _ in range(limit):
-            if job.cancel.is_set():
-                cancelled = True
-                break
+        def checkpoint():
             if self.cache is not None and not (r.has_tools and (stream.saw_tool_start or stream.in_dsml_syntax)) \
                     and self.cache.should_store_continued(s.pos):
                 self._store_live("continued")
-            if forced is not None:
-                if not forced:
-                    finish = "stop"          # a forced text ends as if EOS had been sampled
-                    break
-                t = forced.pop(0)
-            else:
-                t = s.sample(GREEDY if stream.in_dsml_syntax else params, rng)
-            if t == tok.eos_id:
-                finish = "stop"
-                break
-            try:
-                s.eval(t)
-            except ContextFull:
-                finish = "length"
-                break
-            n += 1
-            forward(stream.feed(tok.token_bytes(t)))
-            if stream.done:
-                finish = "stop"
-                break
-        forward(stream.finish("length" if finish == "length" else None))
-        res = stream.result
+
+        out = generate(s, stream, sampling=THINKING_SAMPLING if thinking else job.sampling,
+                       rng=Rng(job.seed or None), limit=limit, eos_id=tok.eos_id,
+                       token_bytes=tok.token_bytes, forced=forced, should_stop=job.cancel.is_set,
+                       before_token=checkpoint,
+                       on_events=lambda evs: self._forward(job, evs, ids, lambda: self._new_id(kind, taken)))
+        n = out.n_tokens
         self.stats["generated"] += n
-        job.trace.update(gen_tokens=n, gen_s=round(time.perf_counter() - t0, 3), output=stream.text)
-        if cancelled:
+        job.trace.update(gen_tokens=n, gen_s=round(out.elapsed, 3), output=stream.text)
+        if out.cancelled:
             self._keep_bindings(())
             raise Cancelled()
-        calls = []
-        for i, c in enumerate(res.tool_calls):
-            tid = ids.get(i) or self._new_id(kind, taken)
-            calls.append(E.CallOut(i, tid, c.name, c.arguments_json, dict(c.arguments)))
-        fin = res.finish_reason
-        if fin == "length" and n >= job.max_tokens and job.server_capped:
-            # --max-tokens is the operator's runaway guard, not a limit the client asked for: the
-            # turn ends as if the model had stopped, so agents carry on (Codex fails a turn on
-            # "incomplete"); the trace and the log say it was capped
-            fin = "stop"
-            job.trace["capped"] = True
-            log.info("generation stopped at the server's --max-tokens cap (%d tokens)", n)
-        elif fin == "error" and finish == "length":
-            # the token cap cut a tool block: ds4 says "error"; the truth for the client is that
-            # it ran out of tokens (clients such as Pi treat "error" as a provider failure)
-            fin = "length"
+        res = stream.result
+        calls = [E.CallOut(i, ids.get(i) or self._new_id(kind, taken), c.name, c.arguments_json,
+                           dict(c.arguments)) for i, c in enumerate(res.tool_calls)]
+        fin = self._finish_reason(job, res.finish_reason, out)
         self._remember(job, res, calls, fin)
         if fin == "tool_calls" and calls and self.memory is None and job.api in ("openai_chat", "anthropic"):
             self._canonicalize(job, res, calls, usage.prompt_tokens)
@@ -485,6 +430,42 @@ class Worker:
                           E.Usage(usage.prompt_tokens, usage.cached_tokens, n),
                           reasoning_closed=not thinking or "</think>" in stream.text,
                           stop_sequence=stream.stop_hit))
+
+    @staticmethod
+    def _forward(job: Job, evs, ids: dict[int, str], new_id: Callable[[], str]):
+        """The stream's events as the wire's, tool calls numbered with this job's ids."""
+        for ev in evs:
+            if isinstance(ev, prompts.ReasoningDelta):
+                job.emit(E.Reasoning(ev.text))
+            elif isinstance(ev, prompts.TextDelta):
+                job.emit(E.Text(ev.text))
+            elif isinstance(ev, prompts.ToolCallStart):
+                ids[ev.index] = new_id()
+                job.emit(E.ToolStart(ev.index, ids[ev.index], ev.name))
+            elif isinstance(ev, prompts.ToolArgsDelta):
+                job.emit(E.ToolArgs(ev.index, ev.text))
+            elif isinstance(ev, prompts.ToolCallEnd):
+                if ev.index not in ids:
+                    ids[ev.index] = new_id()
+                c = ev.call
+                job.emit(E.ToolEnd(E.CallOut(ev.index, ids[ev.index], c.name, c.arguments_json,
+                                             dict(c.arguments))))
+
+    @staticmethod
+    def _finish_reason(job: Job, parsed: str, out: GenerationResult) -> str:
+        """The finish reason the client sees, from the parse's and why sampling ended."""
+        if parsed == "length" and out.n_tokens >= job.max_tokens and job.server_capped:
+            # --max-tokens is the operator's runaway guard, not a limit the client asked for: the
+            # turn ends as if the model had stopped, so agents carry on (Codex fails a turn on
+            # "incomplete"); the trace and the log say it was capped
+            job.trace["capped"] = True
+            log.info("generation stopped at the server's --max-tokens cap (%d tokens)", out.n_tokens)
+            return "stop"
+        if parsed == "error" and out.finish == "length":
+            # the token cap cut a tool block: ds4 says "error"; the truth for the client is that
+            # it ran out of tokens (clients such as Pi treat "error" as a provider failure)
+            return "length"
+        return parsed
 
     def _canonicalize(self, job: Job, res, calls: list[E.CallOut], prompt_n: int):
         """Without exact replay the next request renders this turn's calls as canonical DSML, not
