@@ -71,13 +71,14 @@ def _parser():
     p.add_argument("--allow-outside", action="store_true", help="let tools use paths outside the project")
     p.add_argument("--resume", action="store_true", help="continue the last session of this directory")
     p.add_argument("-p", "--prompt", help="headless: run this task, print the answer, exit")
-    p.add_argument("--numerics", choices=["ds4", "exact"], default="ds4")
-    p.add_argument("--backend", default="auto")
     p.add_argument("--temp", type=float, help="sampling temperature (default 1.0)")
     p.add_argument("--seed", type=int)
     p.add_argument("--serve", action="store_true",
                    help="serve the model over HTTP for Claude Code, Codex, opencode, Pi and the SDKs")
+    from engine.options import add_engine_flags
+
     from .serve.cli import add_flags
+    add_engine_flags(p)
     add_flags(p)
     return p
 
@@ -96,6 +97,12 @@ def _interrupt_on_sigterm():
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    from engine.options import EngineOptions
+    try:
+        options = EngineOptions.from_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     cfg = load_config()
     model, tried = find_model(a.model, cfg)
     if model is None:
@@ -110,7 +117,7 @@ def main(argv=None) -> int:
         return 1
     if a.serve:
         from .serve.cli import serve_main
-        return serve_main(a, model, a.ctx or int(cfg.get("ctx", 65536)))
+        return serve_main(a, model, a.ctx or int(cfg.get("ctx", 65536)), options)
     from sessions import SessionStore, SessionStoreError
 
     from .agent import Agent, AgentConfig
@@ -128,7 +135,7 @@ def main(argv=None) -> int:
         return 1
 
     def make_agent(emit):
-        eng = Engine.open(model, backend=a.backend, numerics=a.numerics)
+        eng = Engine.open(model, options)
         return Agent(eng, project, config=conf, store=store, emit=emit)
 
     previous = _interrupt_on_sigterm()

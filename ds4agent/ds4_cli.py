@@ -15,6 +15,7 @@ import sys
 import time
 
 from engine import ModelFileError
+from engine.options import EngineOptions, add_engine_flags
 from prompts.messages import Message
 from prompts.render import render_messages, think_mode_for_context
 
@@ -42,9 +43,7 @@ def _parser():
     t.add_argument("--nothink", dest="think", action="store_const", const="none")
     t.add_argument("--think-max", dest="think", action="store_const", const="max")
     p.set_defaults(think="high")
-    p.add_argument("--numerics", choices=["ds4", "exact"], default="ds4")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--threads", type=int)
+    add_engine_flags(p)
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk size")
     p.add_argument("--dump-tokens", action="store_true", help="print prompt and generated token ids and pieces")
     p.add_argument("--dump-logprobs", metavar="FILE", help="write the top-k log-probabilities of every step as JSON")
@@ -70,11 +69,15 @@ def main(argv=None) -> int:
         prompt = a.prompt if a.prompt is not None else ""
     if a.n_predict < 0 or a.ctx < 16 or a.logprobs_top_k < 1:
         return _fail("-n must be >= 0, --ctx >= 16 and --logprobs-top-k >= 1")
+    try:
+        options = EngineOptions.from_args(a)
+    except ValueError as e:
+        return _fail(str(e))
     think = think_mode_for_context(a.think, a.ctx)
     if think != a.think:
         print("note: --think-max needs --ctx >= 393216 (ds4's gate); using --think", file=sys.stderr)
     try:
-        return _run(a, prompt, think)
+        return _run(a, options, prompt, think)
     except ModelFileError as e:
         return _fail(str(e))
     except (ValueError, OSError) as e:
@@ -84,11 +87,11 @@ def main(argv=None) -> int:
         return 130
 
 
-def _run(a, prompt: str, think: str) -> int:
+def _run(a, options: EngineOptions, prompt: str, think: str) -> int:
     from engine import Engine, Rng, SamplingParams, Session
     from engine.runtime.session import LogitsDump
 
-    eng = Engine.open(a.model, backend=a.backend, numerics=a.numerics, threads=a.threads)
+    eng = Engine.open(a.model, options)
     tok = eng.tokenizer
     ids = tok.encode(render_user_turn(prompt, think))
     if len(ids) + a.n_predict >= a.ctx:

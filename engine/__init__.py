@@ -9,13 +9,14 @@
 
 It knows nothing of chat, HTTP, tools or the UI; only this package touches arrays.
 """
-from .errors import ModelFileError
+from .errors import BackendError, ModelFileError
 from .gguf.config import ModelConfig
 from .gguf.model_file import ModelFile, QTensor
 from .model.snapshot import SnapshotError
+from .options import EngineOptions
 from .runtime.sampling import Rng, SamplingParams
 from .runtime.session import ContextFull, Engine, Session
 from .runtime.tokenizer import Tokenizer
 
-__all__ = ["ContextFull", "Engine", "ModelConfig", "ModelFile", "ModelFileError", "QTensor", "Rng",
-           "SamplingParams", "Session", "SnapshotError", "Tokenizer"]
+__all__ = ["BackendError", "ContextFull", "Engine", "EngineOptions", "ModelConfig", "ModelFile", "ModelFileError",
+           "QTensor", "Rng", "SamplingParams", "Session", "SnapshotError", "Tokenizer"]

@@ -48,6 +48,7 @@ from xml.sax.saxutils import escape
 import numpy as np
 
 from .errors import ModelFileError
+from .options import EngineOptions, add_engine_flags
 from .gguf.layout import EMBED, HASH, ROUTED
 
 HEADER = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes"]
@@ -251,12 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--step-mul", type=_mul, default=None, help="multiplicative step F (ceil, at least +1)")
     p.add_argument("--gen-tokens", type=_positive_int, default=128)
     p.add_argument("--ctx", type=_positive_int, default=None, help="session context (default ctx-max + gen-tokens + 1)")
-    p.add_argument("--numerics", choices=["ds4", "exact"], default="ds4")
-    p.add_argument("--threads", type=_positive_int, default=None)
-    p.add_argument("--backend", default="auto", help="numpy (the reference) or cpu (the C kernels)")
-    p.add_argument("--paging", default="auto", choices=["auto", "resident", "prefault", "lowmem", "none"],
-                   help="resident: read the file into huge-page memory at open; prefault: populate the map; "
-                        "lowmem: files larger than the memory (default: by size and backend)")
+    add_engine_flags(p)
     p.add_argument("--chunk", type=_positive_int, default=None, help="prefill chunk size")
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write an SVG chart here")
@@ -287,6 +283,7 @@ def _main(argv) -> int:
     a = build_parser().parse_args(argv)
     if a.step_incr is None and a.step_mul is None:
         a.step_incr = 2048
+    options = EngineOptions.from_args(a)        # a bad value: ValueError, one line (main)
     if not Path(a.model).is_file():
         raise BenchError(f"{a.model}: no such model file")
     prompt = a.prompt_file or default_prompt_file()
@@ -305,8 +302,7 @@ def _main(argv) -> int:
 
     try:
         t_open = time.perf_counter()
-        eng = Engine.open(a.model, numerics=a.numerics, threads=a.threads, backend=a.backend,
-                          paging=a.paging)
+        eng = Engine.open(a.model, options)
     except ValueError as e:          # an unknown or unbuilt backend
         raise BenchError(str(e)) from None
     open_s = time.perf_counter() - t_open

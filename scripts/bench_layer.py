@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
-"""Benchmark: the NumPy reference on one real-width DeepSeek V4 layer (ms per layer).
+"""Benchmark: one backend on one real-width DeepSeek V4 layer (ms per layer).
 
 Writes a 1-layer file with the published widths (ratio-4 CSA layer, 256 q2 experts, random
 weights; the vocabulary is shrunk to 4,096 ids so the output head does not dominate), then times
 prefill of a 256-token chunk and single-token decode steps, splitting the time into the layer's
 attention and FFN halves and the rest (embedding, output head). The floor it prints is the time
 to stream the weight bytes one decode step reads at the machine's measured memory bandwidth, so
-the ratio says how far the reference is from a bandwidth-bound kernel.
+the ratio says how far the backend is from a bandwidth-bound kernel.
 
-    python scripts/bench_layer.py [--numerics ds4|exact] [--path /tmp/ds4-bench-layer.gguf] [--keep]
+    python scripts/bench_layer.py [--backend numpy|cpu] [--numerics ds4|exact] [--threads N]
+                                  [--path /tmp/ds4-bench-layer.gguf] [--keep]
+
+The engine flags are every command's (engine/options.py); a bad value is one `error:` line.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
@@ -28,14 +32,25 @@ def bandwidth_gbs() -> float:
     return 3 * a.nbytes / (time.perf_counter() - t) / 1e9
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    from engine.options import add_engine_flags
+    ap = argparse.ArgumentParser(prog="bench_layer.py", description=__doc__.splitlines()[0])
     ap.add_argument("--path", default="/tmp/ds4-bench-layer.gguf")
-    ap.add_argument("--numerics", default="ds4", choices=["ds4", "exact"])
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--decode", type=int, default=8)
     ap.add_argument("--keep", action="store_true")
-    a = ap.parse_args()
+    add_engine_flags(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    from engine.options import EngineOptions
+    a = build_parser().parse_args(argv)
+    try:
+        options = EngineOptions.from_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     from engine import Engine, ModelFile, Session
     from engine.gguf.inspect import report
     from engine.model.model import Model
@@ -59,7 +74,11 @@ def main():
             finally:
                 timers[_name] += time.perf_counter() - t
         setattr(Model, attr, timed)
-    e = Engine.open(a.path, numerics=a.numerics)
+    try:
+        e = Engine.open(a.path, options)
+    except ValueError as err:       # a backend that cannot serve here, or a paging it refuses
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     s = Session(e, 4096)
     toks = np.random.default_rng(0).integers(0, e.config.n_vocab, a.prefill + a.decode).tolist()
     s.sync(toks[:8])  # page the weights in and warm up
@@ -89,7 +108,8 @@ def main():
     e.close()
     if not a.keep:
         os.unlink(a.path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -78,7 +78,8 @@ def config_from(a, ctx: int) -> ServeConfig:
         body_timeout_s=a.body_timeout, forced_tool_calls=forced)
 
 
-def serve_main(a, model: str, ctx: int) -> int:
+def serve_main(a, model: str, ctx: int, options) -> int:
+    """`options`: the EngineOptions of the command line (ds4agent.cli builds them)."""
     from engine import Engine, ModelFileError
 
     from .app import create_app
@@ -91,8 +92,8 @@ def serve_main(a, model: str, ctx: int) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
-        engine = Engine.open(model, backend=a.backend, numerics=a.numerics)
-    except ModelFileError as e:
+        engine = Engine.open(model, options)
+    except (ModelFileError, ValueError) as e:    # ValueError: a backend that cannot serve here
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:

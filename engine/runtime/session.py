@@ -18,7 +18,8 @@ from ..errors import ModelFileError
 from ..model.kv_state import KVState
 from ..model.model import Model
 from ..gguf.model_file import ModelFile
-from ..backends.numpy.ops import DS4, NumpyOps
+from ..backends.numpy.ops import NumpyOps
+from ..options import PAGING, EngineOptions
 from .sampling import Rng, SamplingParams, logprob_of, sample, top_logprobs
 from .tokenizer import Tokenizer
 from ..model.weights import bind
@@ -57,13 +58,17 @@ class Engine:
         self.model = Model(self.config, bind(model_file), ops)
 
     @classmethod
-    def open(cls, path, *, backend: str = "auto", numerics: str = DS4, threads: int | None = None,
-             paging: str = "auto") -> "Engine":
-        """paging: "auto" (when the file fits in 80 % of the available memory: resident with the
+    def open(cls, path, options: EngineOptions | None = None, *, backend: str | None = None,
+             numerics: str | None = None, threads: int | None = None, paging: str | None = None) -> "Engine":
+        """`options` (engine.options.EngineOptions), or the same fields as keywords; not both.
+
+        paging: "auto" (when the file fits in 80 % of the available memory: resident with the
         cpu backend where the kernel offers transparent huge pages, else prefault; else lowmem),
         "resident" (the file read once into
         anonymous huge-page memory, GGUFFile.load_resident), "prefault", "lowmem" or "none" (leave
         the kernel's defaults). `resident_seconds` is the copy's time (None without one)."""
+        o = _options(options, backend=backend, numerics=numerics, threads=threads, paging=paging)
+        backend, numerics, threads, paging = o.backend, o.numerics, o.threads, o.paging
         if backend == "auto":
             # DS4_BACKEND picks one for every caller (benchmarks, the agent, the shim); else the
             # C kernels when they were built, else the NumPy reference
@@ -80,8 +85,6 @@ class Engine:
                                  "built at install time (no C compiler?); use --backend numpy")
         if threads:
             _limit_threads(threads, backend)
-        if paging not in PAGING:
-            raise ValueError(f"paging must be one of {', '.join(PAGING)}, not {paging!r}")
         m = ModelFile.open(path)
         try:
             # the resident copy comes before the weights are bound: their views point into it
@@ -112,7 +115,16 @@ class Engine:
         self.close()
 
 
-PAGING = ("auto", "resident", "prefault", "lowmem", "none")
+def _options(options: EngineOptions | None, **fields) -> EngineOptions:
+    """The options of one Engine.open call: `options`, or the keywords given (None: the default)."""
+    given = {k: v for k, v in fields.items() if v is not None}
+    if options is None:
+        return EngineOptions(**given)
+    if given:
+        raise TypeError(f"Engine.open takes options or keywords, not both (got options and {', '.join(given)})")
+    if not isinstance(options, EngineOptions):
+        raise TypeError(f"options must be an EngineOptions, not {type(options).__name__}")
+    return options
 
 
 def _mem_available() -> int | None:

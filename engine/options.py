@@ -1,0 +1,75 @@
+"""How the engine runs, as one value: `EngineOptions` and the flags every command shares.
+
+`ds4`, `ds4-agent` (and its `--serve`), `ds4-bench` and the scripts all call `add_engine_flags()`
+on their parser and `EngineOptions.from_args()` on the result, so a choice is spelled, checked
+and documented once. `Engine.open(path, options=...)` takes the value.
+
+"numerics" is the one name of the arithmetic a backend follows: "ds4" (ds4's own rounding steps,
+what the published model was run with) or "exact" (float32 throughout, the golden references).
+Backend names are not listed here: the registry in `engine.backends` owns them and
+`Engine.open` checks them, so a new backend needs no edit to this file.
+
+This module imports nothing heavy: a command's parser is built before any model is touched.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+DS4, EXACT = "ds4", "exact"
+NUMERICS = (DS4, EXACT)
+# auto: DS4_PAGING if set, else by the file's size against the memory and by backend
+PAGING = ("auto", "resident", "prefault", "lowmem", "none")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """backend: a registered name or "auto" (DS4_BACKEND if set, else the best available);
+    numerics: one of NUMERICS; paging: one of PAGING; threads: compute threads, None for the
+    backend's default. Construction checks every field; a bad one is a ValueError of one line."""
+    backend: str = "auto"
+    numerics: str = DS4
+    paging: str = "auto"
+    threads: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.backend, str) or not self.backend.strip():
+            raise ValueError(f"backend must be a backend's name or 'auto', not {self.backend!r}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, not {self.numerics!r}")
+        if self.paging not in PAGING:
+            raise ValueError(f"paging must be one of {', '.join(PAGING)}, not {self.paging!r}")
+        t = self.threads
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"threads must be a whole number of at least 1, not {t!r}")
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> "EngineOptions":
+        """The options from a namespace parsed by a parser that add_engine_flags() set up."""
+        return cls(backend=ns.backend, numerics=ns.numerics, paging=ns.paging, threads=ns.threads)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """--backend, --numerics, --paging and --threads, in a group of their own. Values are checked
+    by EngineOptions (not by argparse choices) so a bad one is one `error:` line and exit 1 in
+    every command, as a bad model file is."""
+    d = EngineOptions()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--backend", default=d.backend, metavar="NAME",
+                   help="compute backend: numpy (the reference), cpu (the C kernels) or another registered "
+                        "one; auto (default) takes $DS4_BACKEND if set, else the best available")
+    g.add_argument("--numerics", default=d.numerics, metavar="{" + ",".join(NUMERICS) + "}",
+                   help="ds4: ds4's own rounding steps, as the model was run (default); "
+                        "exact: float32 throughout")
+    g.add_argument("--paging", default=d.paging, metavar="{" + ",".join(PAGING) + "}",
+                   help="how the weights reach memory: resident (a copy in huge-page memory), prefault "
+                        "(the map populated at open), lowmem (files larger than the memory), none (the "
+                        "kernel's defaults); auto (default) takes $DS4_PAGING if set, else picks by the "
+                        "file's size and the backend")
+    g.add_argument("--threads", type=int, default=d.threads, metavar="N",
+                   help="compute threads (default: the backend's; for cpu $DS4_KERNEL_THREADS, else every "
+                        "core this process may use)")
+    return g
