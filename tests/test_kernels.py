@@ -17,6 +17,8 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -378,7 +380,7 @@ def test_kernel_sources_read_no_uninitialized_variable():
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if not shutil.which(cc):
         pytest.skip(f"no C compiler ({cc}) to analyse the kernel sources with")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(K.__file__)))
+    root = str(Path(K.__file__).resolve().parents[3])   # the project root: engine/backends/cpu/kernels.py
     if not all(os.path.exists(os.path.join(root, s)) for s in SOURCES):
         pytest.skip("the C sources are not next to the package (an installed wheel)")
     procs = {src: subprocess.Popen([cc, "-O2", "-std=gnu11", "-fopenmp", "-Wuninitialized", "-Winit-self", "-c",

@@ -10,7 +10,9 @@ import hashlib
 import os
 
 SOURCES = [
-    "engine/backends/cpu/csrc/_kernels.c",
+    "engine/backends/cpu/csrc/binding.c",
+    "engine/backends/cpu/csrc/sched.c",
+    "engine/backends/cpu/csrc/ops.c",
     "engine/backends/cpu/csrc/kern_tables.c",
     "engine/backends/cpu/csrc/kern_generic.c",
     "engine/backends/cpu/csrc/kern_avx2.c",
@@ -18,6 +20,7 @@ SOURCES = [
     "engine/backends/cpu/csrc/kern_q8.c",
 ]
 DEPENDS = [
+    "engine/backends/cpu/csrc/module.h",
     "engine/backends/cpu/csrc/kern.h",
     "engine/backends/cpu/csrc/kern_dequant_body.h",
     "engine/backends/cpu/csrc/kern_simd_body.h",

@@ -7,7 +7,7 @@
  * (16 bytes at p, zero-extended), vi_and, vi_srli, vi_cvt.  KSUF(name) names this build's
  * functions; PRP x PTT is the panel's register tile, MVT_NT the tokens per in-register pass.
  *
- * Three paths (the dispatcher in csrc/_kernels.c picks one by T):
+ * Three paths (the dispatcher in sched.c, run_matmul, picks one by T):
  * T = 1 ("mv1"): every weight row is decoded in registers, a block at a time, and multiplied
  *   into x; block and sub-block scales are applied to partial sums instead of to every weight,
  *   and the K-quant minimums use per-call sums of x (aux) instead of per-weight subtractions.
