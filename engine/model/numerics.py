@@ -388,7 +388,7 @@ def rope_thetas_ds4(pos, n_rot: int, base: float, *, yarn: dict | None = None) -
 def _ds4_rope_consts(n_rot: int, base: float, yarn: tuple | None):
     """The position-independent half of rope_thetas_ds4: theta_scale and the YaRN blend per pair
     (None without YaRN), computed once per (n_rot, base, yarn): a decode step asks for angles of
-    one new position twice a pass (a call 19 -> 3.7 us, hot); the blend is read-only."""
+    one new position twice a pass, and only this half is costly; the blend is read-only."""
     npair = n_rot // 2
     theta_scale = _F32(float(_F32(base)) ** float(_F32(-2.0) / _F32(n_rot)))
     if yarn is None:

@@ -17,14 +17,26 @@ from ...model import numerics as N
 
 _F32 = np.float32
 
-# RoPE rotations (cos + i sin as complex64) of read-only angle arrays, by the array object passed:
-# a decode step rotates q, kv and the output of every layer with one pass's angles (Model._thetas
-# hands every layer the same objects), and each rotation was ~8 NumPy calls, cold at decode (each
-# kernel call streams the weights through the caches). Only arrays whose root is read-only are
-# kept (their values cannot change: Model._thetas' arrays); an entry holds its array, so the id
-# is not reused while it is kept. A few entries: a pass has four such arrays.
+# RoPE rotations (cos + i sin as complex64) of the angle tables this backend built, by the array
+# object passed: a decode step rotates q, kv and the output of every layer with one pass's angles
+# (Model._thetas hands every layer the same objects), and each rotation was ~8 NumPy calls, cold at
+# decode (each kernel call streams the weights through the caches). Only views of a table that
+# FastOps.rope_thetas made are kept: it made them read-only, so their values cannot change; any
+# other array is rotated afresh. An entry holds its array, so the id is not reused while it is
+# kept. A few entries: a pass has four such arrays.
 _ROTATIONS: dict = {}
 _ROTATION_KEEP = 8
+# the newest angle tables FastOps.rope_thetas made, by id (each entry holds its table)
+_TABLES: dict = {}
+_TABLE_KEEP = 16
+
+
+def _own(table: np.ndarray) -> np.ndarray:
+    table.flags.writeable = False
+    while len(_TABLES) >= _TABLE_KEEP:
+        _TABLES.pop(next(iter(_TABLES)), None)            # the oldest
+    _TABLES[id(table)] = table
+    return table
 
 
 def _rotation(thetas, th, shape, inverse):
@@ -42,7 +54,7 @@ def _rotation(thetas, th, shape, inverse):
     root = thetas
     while isinstance(root, np.ndarray) and isinstance(root.base, np.ndarray):
         root = root.base
-    if isinstance(thetas, np.ndarray) and thetas.dtype == _F32 and not root.flags.writeable:
+    if isinstance(thetas, np.ndarray) and thetas.dtype == _F32 and _TABLES.get(id(root)) is root:
         if entry is None or entry[0] is not thetas:
             while len(_ROTATIONS) >= _ROTATION_KEEP:
                 _ROTATIONS.pop(next(iter(_ROTATIONS)), None)   # the oldest
@@ -53,6 +65,11 @@ def _rotation(thetas, th, shape, inverse):
 
 
 class FastOps:
+    # -- RoPE tables: the reference's values, in tables this backend owns ------------------------
+    def rope_thetas(self, pos, n_rot, base, yarn):
+        """The reference's angles, as a read-only table whose rotations `rope` may keep."""
+        return _own(super().rope_thetas(pos, n_rot, base, yarn))
+
     # -- norms ---------------------------------------------------------------------------------
     @staticmethod
     def rmsnorm(x, w, eps):
@@ -108,7 +125,7 @@ class FastOps:
         with a band mask, of which each query attends 128. Then one [H, D] x [D, K] GEMM for the
         scores and one [H, K] x [K, D] for the output. Measured against 32-query GEMMs with the
         union of their spans (single-thread BLAS, real shapes) this is as fast or faster (no
-        masked FLOPs; ~30 us of Python per query), and a query's result depends only on its own
+        masked FLOPs, little Python per query), and a query's result depends only on its own
         query, attended keys and their order: bit-identical whatever T or the other queries. (Not
         whatever the order: the model hands a ratio-4 layer's compressed rows over in row order
         when all visible rows are used, in indexer-score order when the indexer picks them, and
@@ -137,7 +154,7 @@ class FastOps:
         if n <= 1:
             run(range(T))
         else:   # queries are independent: strided shares on n threads (BLAS and ufuncs release the
-            # GIL; 1.55x at a 256-query block on 2 cores, BLAS kept at one thread per caller)
+            # GIL, so the shares overlap; BLAS kept at one thread per caller)
             list(_query_pool(n).map(run, [range(i, T, n) for i in range(n)]))
         return o
 
@@ -159,8 +176,8 @@ class FastOps:
     # -- indexer -------------------------------------------------------------------------------
     @staticmethod
     def indexer_scores(qi, keys, wts):
-        # NumpyOps.indexer_scores as float32 GEMMs (the reference's float64 einsums cost ~40 ms a
-        # CSA layer per decoded token at 32K context: 64 heads x 128 dims x 8K rows), same blocks
+        # NumpyOps.indexer_scores as float32 GEMMs (the reference's float64 einsums dominate a CSA
+        # layer's decode at long context: 64 heads x 128 dims x 8K rows at 32K), same blocks
         T, H, _ = qi.shape
         qi, kT, wts = np.asarray(qi, _F32), np.ascontiguousarray(np.asarray(keys, _F32).T), np.asarray(wts, _F32)
         out = np.empty((T, kT.shape[1]), dtype=_F32)

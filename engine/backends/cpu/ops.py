@@ -27,8 +27,8 @@ class CpuOps(FastOps, NumpyOps):
     name = "cpu"
     # routed experts with at most this many tokens go to the batched integer call: one parallel
     # region for all of a layer's experts beats one float call per expert up to about here, even
-    # where a single matrix would be faster on the float panel kernels (prefill of 512 measured:
-    # 39-42 t/s against 35-42 with the per-expert path for experts over Q8_MAX_T tokens)
+    # where a single matrix would be faster on the float panel kernels (a prefill's fork/join per
+    # expert costs more than the float kernels gain on experts over Q8_MAX_T tokens)
     routed_q8_max_t = 32
 
     def _mm(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
@@ -63,21 +63,21 @@ class CpuOps(FastOps, NumpyOps):
     @staticmethod
     def rmsnorm(x, w, eps):
         # in C: float64 sums like the reference (so nearly always bit-identical to it), no
-        # float64 copy of x, both threads; the NumPy form cost ~40 us a call at decode (30 a token)
+        # float64 copy of x, both threads; the NumPy form's fixed cost a call adds up at decode (30 a token)
         got = K.rmsnorm(x, w, eps)
         return got if got is not None else FastOps.rmsnorm(x, w, eps)
 
     @staticmethod
     def attention(q, segments, sinks, scale):
         # in C (per query and 4 heads, register tiles, units over the threads): a decode step's
-        # attention 2x FastOps' (one query: 64-head BLAS calls on one thread); a prefill block about
+        # attention beats FastOps' (one query: 64-head BLAS calls on one thread); a prefill block about
         # as fast as FastOps' threaded queries. A query's result depends on its keys alone.
         got = K.attention(q, segments, sinks, scale)
         return got if got is not None else FastOps.attention(q, segments, sinks, scale)
 
     def store_kv(self, rows, n_nope):
-        # in C, bit-identical to numerics' FP8 + F16 emulation (~15 NumPy calls: ~0.25 ms a
-        # cached row at decode, four times a token)
+        # in C, bit-identical to numerics' FP8 + F16 emulation (~15 NumPy calls a cached row,
+        # four times a token at decode)
         if not self.ds4:
             return rows
         got = K.store_kv(rows, n_nope)
@@ -85,16 +85,15 @@ class CpuOps(FastOps, NumpyOps):
 
     @staticmethod
     def hc_post(y, X, post, C):
-        # in C with the reference's float64 sums: FastOps' batched float32 matmul cost ~40 ms a
-        # call at a 512-token prefill (8 calls), a pass over X here
+        # in C with the reference's float64 sums: FastOps' form is a batched 4 x 5 x 4096 float32
+        # matmul per token at prefill, this one pass over X
         got = K.hc_post(y, X, post, C)
         return got if got is not None else FastOps.hc_post(y, X, post, C)
 
     @staticmethod
     def hc_pre_mix(pre, X):
-        # in C with the reference's float64 sums (bit-identical to it): FastOps' float32 np.matmul
-        # cost 31.8 us a call inside a decode step (BLAS set-up for a 1 x 4 x 4096 product), this
-        # 10.8; 9 calls a token
+        # in C with the reference's float64 sums (bit-identical to it): the C pre mix avoids
+        # BLAS set-up for a 1 x 4 x 4096 product, 9 calls a token
         got = K.hc_pre_mix(pre, X)
         return got if got is not None else FastOps.hc_pre_mix(pre, X)
 
@@ -214,7 +213,7 @@ class CpuOps(FastOps, NumpyOps):
         """_experts for one token (decode), bit for bit: the same products, SwiGLU, routing weights
         and sums in the same order, with a few NumPy calls instead of a few per expert. Between
         two kernel calls that streamed the weights through the caches every NumPy call runs from
-        DRAM (5-7x its warm time), so at decode the per-expert bookkeeping cost ~0.8 ms a layer.
+        DRAM (several times its warm time), so at decode per-expert bookkeeping is not cheap.
         The gate/up products land in the rows of one buffer pair and the SwiGLU runs once on all
         of them (elementwise: the same values as separate calls); None where the shared expert's
         width differs from the routed experts' (the general path handles it)."""

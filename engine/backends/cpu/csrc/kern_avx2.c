@@ -135,9 +135,8 @@ void kern_fill_avx2(kern_isa *k) {
     fill_simd_avx2(k);
     fill_q8_avx2(k);
     fill_gemm_avx2(k);
-    /* work-split cost of a Q2_K value (kern_q8_body.h's AVX2 row kernel): 0.41-0.49 of a Q8_0 one
-     * at one token from DRAM (Zen 3, one thread, 6 matrices a call, interleaved), so 2 against Q8_0's
-     * 4; IQ2_XXS measured 1.14-1.58 of Q8_0, near the default 6 */
+    /* work-split cost of a Q2_K value (kern_q8_body.h's AVX2 row kernel): about half a Q8_0 one at
+     * one token from DRAM, so 2 against Q8_0's 4; IQ2_XXS stays near its default 6 */
     k->q8_cost[KT_Q2_K] = 2;
 }
 

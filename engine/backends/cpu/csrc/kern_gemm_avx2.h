@@ -323,12 +323,11 @@ static void KSUF(fill_gemm)(kern_isa *k) {
     k->q8g[KT_Q2_K] = KSUF(q8g_q2_k);
     k->q8g_scratch = KSUF(gemm_scratch);
     k->q8g_xu[KT_IQ2_XXS] = 1; /* Q8_0 takes the sign move on xq (see the top) */
-    /* where the GEMM form overtakes the row kernels (2-core Zen 3, 2 threads, scripts/bench_kernels.py,
-     * row kernels / GEMM time: Q8_0 4096 x 4096 0.90 / 0.93 / 1.15 at T = 8 / 12 / 16; IQ2_XXS
-     * 2048 x 4096 1.06 / 1.37 at T = 4 / 6; Q2_K 0.81 / 1.27 / 1.18 at T = 4 / 6 / 8).  Q8_0 pays a
-     * sign move per product here (4 instructions per 32 products against 3) and crosses at 16, but
-     * past kernels.Q8_MAX_T (8) tokens the alternative is the float kernels (55 GFLOP/s at T = 12
-     * against the GEMM form's 99), so its minimum is the first T they would take */
+    /* where the GEMM form overtakes the row kernels (scripts/bench_kernels.py finds the crossover
+     * per format on a machine).  Q8_0 pays a sign move per product here (4 instructions per 32
+     * products against 3) and crosses late, but past kernels.Q8_MAX_T (8) tokens the alternative
+     * is the float kernels, slower than the GEMM form, so its minimum is the first T they would
+     * take */
     k->q8g_min_t[KT_Q8_0] = 9;
     k->q8g_min_t[KT_IQ2_XXS] = 6;
     k->q8g_min_t[KT_Q2_K] = 6;

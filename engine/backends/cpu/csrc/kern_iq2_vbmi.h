@@ -15,9 +15,8 @@
  * keep the values in code-byte order (iq2v_rows: vector j holds code j of every low and high code
  * byte), with the sign masks transposed out of the sign bytes, the group scales applied once per
  * block, and the activations arranged to match once a job (iq2v_reorder, as kern_isa.q8_arrange);
- * at one token two rows are packed per block (iq2v_rows2).  Measured: Zen 4, one thread, weights
- * in L3, the first row kernel of this file 7.1 against 4.4 GB/s; Sapphire Rapids, 2 threads, from
- * DRAM, decode 12.5-13.0 -> 17.3-17.5 GB/s with the packed rows and the code-byte order.
+ * at one token two rows are packed per block (iq2v_rows2).  Both the packed rows and the
+ * code-byte order raised the decode read rate from DRAM (scripts/bench_kernels.py measures it).
  * Sums are exact integers up to the per-block float multiply-add, as in the plain kernel. */
 
 #define IQ2V_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c")))
@@ -305,16 +304,15 @@ static void fill_iq2_vbmi(kern_isa *k) {
     k->q8[KT_IQ2_XXS] = iq2v_q8k;
     k->q8_arrange[KT_IQ2_XXS] = iq2v_reorder;
     k->q8g[KT_IQ2_XXS] = KSUF(q8g_iq2_xxs_vbmi);
-    /* the faster row kernel moves the crossover: row / GEMM time 0.84-0.92 at T = 8, 1.08 at 9 and
-     * 1.12-1.16 at 10 (64 experts, 2 threads, Zen 4) */
+    /* the faster row kernel moves the crossover to the GEMM form later (scripts/bench_kernels.py
+     * finds it: 9 tokens on a 2-thread Zen 4) */
     k->q8g_min_t[KT_IQ2_XXS] = 9;
     /* the work split's relative costs of a value (Q8_0: the default 4), measured on a decode step's
      * two mixed calls (a layer's 12 routed gate/up matrices with the shared expert's 2, then 6 down
      * matrices with the shared down; 6 layers cycled from DRAM, 2 threads, Sapphire Rapids):
      * - IQ2_XXS: with iq2v_rows2 a value decodes in about half the time a Q8_0 value streams in on
-     *   one thread: 2 (3 had given the streaming thread too little: gate/up 2.56 -> 2.36-2.40 ms;
-     *   on Zen 4 3 had beaten the plain kernels' 6: 2.31-2.36 -> 2.20-2.22);
-     * - Q2_K: 2 (the default 3: down 1.15-1.17 -> 1.09 ms) */
+     *   one thread: 2 (3 gave the streaming thread too little work);
+     * - Q2_K: 2 (the default 3 overweights it with these kernels) */
     k->q8_cost[KT_IQ2_XXS] = 2;
     k->q8_cost[KT_Q2_K] = 2;
 }

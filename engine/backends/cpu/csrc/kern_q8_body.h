@@ -39,9 +39,9 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *q = row + 34 * b;
         /* one L1 and one L2 prefetch per block pair (68 bytes, about a line): PF2's two of each
-         * (a line every 34 bytes) streamed 4096 x 8192 matrices at 28.6-29.2 GB/s against 30.8-31.7
-         * (2 threads, from DRAM, Sapphire Rapids; 1024 x 4096: 23-24 -> 26-27; the output head
-         * within the noise).  Farther distances than PF2's (3 KiB, 16 KiB) measured the same or better. */
+         * (a line every 34 bytes) issue twice the prefetches for the same lines and streamed large
+         * matrices from DRAM more slowly.  Farther distances than PF2's (3 KiB, 16 KiB) measured
+         * the same or better. */
         PFL(q, 3072, _MM_HINT_T0);
         PFL(q, 16384, _MM_HINT_T1);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 2));
@@ -77,8 +77,8 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
  * Decode cost dominates here (8 bytes carry 32 weights).  The AVX-512 form computes a block's 32
  * sign bytes for all 8 groups at once in vector registers (iq2xxs_signs) and takes a group pair's 8
  * sign bytes as its mask register; the AVX2 form looks a group's sign rows up in a table (below);
- * the grid rows are loads (a gather measured slower: 16.6 vs 11.4 ms for 24 experts on Zen 4, and
- * 1.2x slower on Zen 3).  With VBMI + GFNI, kern_iq2_vbmi.h replaces both kernels. */
+ * the grid rows are loads (a gather measured slower on Zen 3 and Zen 4).  With VBMI + GFNI,
+ * kern_iq2_vbmi.h replaces both kernels. */
 #ifdef Q8_HAVE_512
 /* IQ2_XXS groups 2p, 2p + 1 of a block (qs = block + 2): their 64 grid bytes (unsigned magnitudes;
  * 8 row loads composed in registers: with only F/BW/VL/VNNI, a 2-bit code table with word
@@ -88,7 +88,7 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
 KI __m512i KSUF(iq2_pair)(const uint8_t *qs, const long long *sgq, int p, __mmask64 *neg) {
     /* sign byte k of the pair holds the signs of its elements 8k..8k+7 in bits 0..7, so the pair's
      * 8 sign bytes read as one 64-bit word are the mask itself (bit e = element e negative); a
-     * register shuffle + test that spelled the same mask out cost 1.25x in the row kernel */
+     * register shuffle + test that spelled the same mask out made the row kernel slower */
     const uint8_t *q = qs + 16 * p;
     *neg = _cvtu64_mask64((unsigned long long)sgq[p]);
     return _mm512_set_epi64((long long)kern_iq2xxs_grid64[q[11]], (long long)kern_iq2xxs_grid64[q[10]],
@@ -147,9 +147,8 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
  * by their count, so the sign rows come from a table (a load and a blend each, the indices shifted
  * out of the group's aux word) instead of
  * being spread from the block's sign bytes in vector registers (broadcast, shuffle, and, compare,
- * or).  Against that form, on one Zen 3 core, old and new interleaved in one process: 1.21-1.32x
- * at T = 4 with the rows in L2; at T = 1 0.82-1.32x in L2 and 0.95-1.14x streaming from DRAM (a
- * decode step's case), so no measurable gain there. */
+ * or).  Against that form it gains with several tokens and rows in L2; at one token streaming
+ * from DRAM (a decode step's case) the gain is within the noise. */
 KI __m256i KSUF(iq2_rows4)(const uint64_t *tab, uint64_t i0, uint64_t i1, uint64_t i2, uint64_t i3) {
     __m256i r = _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(tab + i0)));
     r = _mm256_blend_epi32(r, _mm256_set1_epi64x((long long)tab[i1]), 0x0C);
@@ -201,9 +200,9 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
 /* AVX-512 form: the 64 code bytes are one zmm; shift j yields elements 32j.. (low half) and
  * 128 + 32j.. (high half) together, with the matching halves of x and four sub-block scales;
  * the scales go in with vpdpwssd and both sums stay in vector lanes to the end of the row (a
- * horizontal sum of the minimums per block cost 1.2x).  The codes come arranged by q2k_pair_x
+ * horizontal sum of the minimums per block is slower).  The codes come arranged by q2k_pair_x
  * (kern_isa.q8_arrange), so vector j of a block is one load instead of two half loads and an
- * insert (1.04-1.10x) */
+ * insert */
 KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                           const int16_t *xs, float *out, const int nt) {
     __m512 acc[Q8_NT];
@@ -253,9 +252,8 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
 #else
 /* AVX2 form: the sub-block scales of a shift j go to their int16 lanes with one shuffle of the 16
  * scale bytes (0x80 control bytes zero-extend them), and the minimums stay in vector lanes to the
- * end of the row, as the AVX-512 form: against the former scalar scale set-up and per-block
- * horizontal sum, 1.56-1.85x from DRAM at T = 1..4 and 1.42-2.07x in L2 (one Zen 3 core,
- * interleaved A/B in one process; T = 4 gains least) */
+ * end of the row, as the AVX-512 form: faster than a scalar scale set-up and a horizontal sum
+ * per block, from DRAM and from L2 alike */
 KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                           const int16_t *xs, float *out, const int nt) {
     __m256 acc[Q8_NT], mins[Q8_NT];
@@ -310,7 +308,7 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
  * to Q8_NT, CALL(k) fills out[0..k) for `row` from the pass's codes xqt (taken from XQ), scales xdt
  * (ABLK values each) and sums of 16 xst.  (The row variable has a name no caller uses: with `r`, a
  * caller's Q8_ROWS(r, ...) declared r = r, uninitialized, and recomputed rows from wherever that
- * pointed -- the VBMI IQ2_XXS wrapper ran 1.4x slower, and 30x on short row ranges.) */
+ * pointed -- silently slower, and far slower on short row ranges.) */
 #define Q8_ROWS(R0, R1, XQ, ABLK, CALL)                                                                         \
     for (int64_t q8_row_ = (R0); q8_row_ < (R1); q8_row_++) {                                                   \
         const uint8_t *row = W + q8_row_ * stride;                                                               \

@@ -36,8 +36,8 @@ int ops_round_q8(int bs, const float *x, int64_t T, int64_t n, float *out, int t
 }
 
 /* hc_split(mix, n, scale, base, eps, iters, pre, post, c): the hyper-connection weights of every
- * token (NumpyOps.hc_split in float32 C: at decode the reference's ~90 NumPy calls on 4 x 4
- * arrays cost ~0.25 ms a call, twice a layer):
+ * token (NumpyOps.hc_split in float32 C: at decode the reference is ~90 NumPy calls on 4 x 4
+ * arrays, twice a layer):
  *   z = mix * scale[part] + base;  pre = sigmoid(z[:n]) + eps;  post = 2 sigmoid(z[n:2n])
  *   C = softmax over j of z[2n:] as [n][n] (row i, column j), + eps
  *   C /= column sums + eps; then iters - 1 times: C /= row sums + eps, C /= column sums + eps */
@@ -105,7 +105,7 @@ void ops_rmsnorm(const float *x, const float *w, int64_t R, int64_t n, double ep
 }
 
 /* one (token, stream) of hc_post: elementwise over E, so the AVX-512 clone vectorizes it with the
- * same float64 operations per element (no reassociation): a decode call 23 -> 12.5 us, hot */
+ * same float64 operations per element (no reassociation) */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx512f", "default")))
 #endif
@@ -122,9 +122,8 @@ static void hc_post_row(const float *Xt, const float *Ct, int64_t n, int64_t k, 
 
 /* hc_post(y, X, post, C, out[, threads]): NumpyOps.hc_post in the same arithmetic: per token t
  * and stream k, out[t*n + k] = float32(float32(post[t, k] * y[t]) + sum_j C[t, j, k] * X[t*n + j])
- * with the sum over j in float64 (y [T, E], X and out [T*n, E], post [T, n], C [T, n*n]). At a
- * 512-token prefill the NumPy float32 form cost ~40 ms a call (a batched 4 x 5 x 4096 matmul per
- * token); this is one pass over X. */
+ * with the sum over j in float64 (y [T, E], X and out [T*n, E], post [T, n], C [T, n*n]). The
+ * NumPy float32 form is a batched 4 x 5 x 4096 matmul per token; this is one pass over X. */
 int ops_hc_post(const float *y, const float *X, const float *P, const float *Cm, int64_t T, int64_t n, int64_t E,
                 float *out, int threads) {
     int failed = 0;
@@ -149,8 +148,8 @@ int ops_hc_post(const float *y, const float *X, const float *P, const float *Cm,
 
 /* hc_pre_mix(pre, X, out): NumpyOps.hc_pre_mix in its arithmetic: out[t] = float32(sum_i
  * float64(pre[t, i]) * X[t*n + i]) with the sum over the streams in float64, in order (pre [T, n],
- * X [T*n, E], out [T, E]). FastOps' float32 np.matmul cost 31.8 us a call inside a decode step (BLAS
- * set-up for a 1 x 4 x 4096 product), this 10.8; the tokens split over threads at prefill */
+ * X [T*n, E], out [T, E]). In C to avoid BLAS set-up for a 1 x 4 x 4096 product at every decode
+ * call; the tokens split over threads at prefill */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx512f", "default")))
 #endif
