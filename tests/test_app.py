@@ -24,8 +24,9 @@ import prompts  # noqa: E402
 from textual import events  # noqa: E402
 from ds4agent import events as E  # noqa: E402
 from ds4agent.agent import Agent, AgentConfig  # noqa: E402
-from ds4agent.app import (Answer, AgentApp, ApprovalBar, NoticeLine, ToolView, UserMessage,  # noqa: E402
-                          coalesce, diff_text, fmt_tokens)
+from ds4agent.app import AgentApp, coalesce  # noqa: E402
+from ds4agent.tui_widgets import (Answer, ApprovalBar, NoticeLine, ToolView, UserMessage,  # noqa: E402
+                                  diff_text, fmt_tokens)
 from engine import Engine  # noqa: E402
 from sessions import SessionStore  # noqa: E402
 
