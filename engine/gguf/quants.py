@@ -490,6 +490,14 @@ def random_blocks(type_id: int, rng: np.random.Generator, n_blocks: int, std: fl
     # per-block scale factor u ~ U[0.5, 1.5]: E[u^2] = 13/12
     u = rng.uniform(0.5, 1.5, size=n) / math.sqrt(13.0 / 12.0)
 
+    _set_block_scales(type_id, blocks, u, std, rng)
+    return raw
+
+
+def _set_block_scales(type_id: int, blocks: np.ndarray, u: np.ndarray, std: float, rng: np.random.Generator) -> None:
+    """random_blocks' scale fields, in place, over the random codes: each block's scale set so
+    that the values' second moment is std**2, times the block's factor u."""
+    n = len(blocks)
     if type_id == Q8_0:
         # q uniform int8: E[q] = -0.5, E[q^2] = 5461.5
         blocks[:, 0:2] = _f16_bytes(u * (std / math.sqrt(5461.5)))
@@ -537,5 +545,4 @@ def random_blocks(type_id: int, rng: np.random.Generator, n_blocks: int, std: fl
         e = (e0 + (rng.random(n) < p)).astype(np.uint8)
         blocks[:, 0] = e
     else:  # pragma: no cover
-        raise ValueError(f"random_blocks: unsupported type {f.name}")
-    return raw
+        raise ValueError(f"random_blocks: unsupported type {_format(type_id).name}")
