@@ -221,7 +221,7 @@ def test_cpu_backend_keeps_freed_memory():
     after a free reuses resident pages instead of faulting in (and zeroing) fresh ones: by default
     every array over 32 MiB is a new mapping, returned to the kernel when freed (its RSS drops)."""
     import os
-    from engine.runtime.session import _keep_freed_memory
+    from engine.backends.host import keep_freed_memory as _keep_freed_memory
     if not os.path.exists("/proc/self/statm"):
         pytest.skip("needs /proc/self/statm (Linux) to see resident memory")
     if not _keep_freed_memory():

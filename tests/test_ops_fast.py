@@ -193,19 +193,20 @@ def test_rope(xshape, tshape):
         FAST.rope(np.zeros((2, 16), np.float32), np.zeros((2, 16), np.float32))
 
 
-def test_rope_rotations_of_read_only_angles_are_reused_and_right():
-    """Read-only angle arrays (the model's per-pass angles) have their rotations kept, by the array
-    object: the same values as computed afresh, for the inverse and for another view of the same
-    angles; writeable angles, or read-only views of writeable ones, are never kept (they may
-    change); the store stays small."""
+def test_rope_rotations_of_the_backends_own_tables_are_reused_and_right():
+    """The angle tables FastOps.rope_thetas built (the model's per-pass angles) have their
+    rotations kept, by the array object: the same values as computed afresh, for the inverse and
+    for another view of the same table; any other array, read-only or not, is never kept (the
+    backend cannot know it will not change); the store stays small."""
     from engine.backends.cpu import fast as ops_fast
     rng = _rng(31)
     x = f32(rng, 3, 4, 128)
-    th = (rng.random((3, 32)) * 100).astype(np.float32)
+    pos = np.arange(40, 43)
+    ro = FAST.rope_thetas(pos, 64, 10000.0, None)
+    th = ro.copy()                                          # the same values, not the backend's
+    assert not ro.flags.writeable and np.array_equal(ro, REF.rope_thetas(pos, 64, 10000.0, None))
     fresh = {inv: FAST.rope(x, th[:, None, :], inverse=inv) for inv in (False, True)}
     fresh_kv = FAST.rope(x[:, 0], th)
-    ro = th.copy()
-    ro.flags.writeable = False
     ro_h = ro[:, None, :]
     for _ in range(2):                                      # computed, then found
         for inv in (False, True):
@@ -214,18 +215,20 @@ def test_rope_rotations_of_read_only_angles_are_reused_and_right():
     assert len(ops_fast._ROTATIONS[id(ro_h)][1]) == 2 and len(ops_fast._ROTATIONS[id(ro)][1]) == 1
     assert np.array_equal(FAST.rope(x[1:], ro[1:, None, :]), fresh[False][1:])   # another view of it
     w = th.copy()
+    other = th.copy()
+    other.flags.writeable = False                           # read-only, but not the backend's table
+    for arr in (w[:, None, :], other[:, None, :], other):
+        got = FAST.rope(x if arr.ndim == 3 else x[:, 0], arr)
+        assert id(arr) not in ops_fast._ROTATIONS
+        assert np.array_equal(got, fresh[False] if arr.ndim == 3 else fresh_kv)
     view = w[:, None, :]
-    view.flags.writeable = False                            # read-only view, writeable root
-    for arr in (w[:, None, :], view):
-        got = FAST.rope(x, arr)
-        assert id(arr) not in ops_fast._ROTATIONS and np.array_equal(got, fresh[False])
     w += 1.0                                                # changed: a new rotation, not a kept one
     assert np.array_equal(FAST.rope(x, view), FAST.rope(x, w.copy()[:, None, :]))
-    for _ in range(2 * ops_fast._ROTATION_KEEP):
-        r = (rng.random((3, 32)) * 100).astype(np.float32)
-        r.flags.writeable = False
+    for i in range(2 * ops_fast._ROTATION_KEEP):
+        r = FAST.rope_thetas(np.arange(i, i + 3), 64, 10000.0, None)
         FAST.rope(x, r[:, None, :])
     assert len(ops_fast._ROTATIONS) <= ops_fast._ROTATION_KEEP
+    assert len(ops_fast._TABLES) <= ops_fast._TABLE_KEEP
 
 
 def test_cpu_backend_uses_fast_ops():

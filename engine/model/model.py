@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..gguf import quants as Q
 from ..gguf.config import CSA_RATIO, ModelConfig
 from .kv_state import KVState, LayerState, frontier_start
-from ..backends.numpy.ops import NumpyOps
+from ..backends.protocol import Ops
 from .weights import CompressorWeights, HCWeights, LayerWeights, ModelWeights, dense_arrays
 
 QUERY_BLOCK = 256  # queries per attention block: bounds the [T, H, keys] score tensor
 
 
 class Model:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, ops: NumpyOps):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, ops: Ops):
         self.c, self.w, self.ops = config, weights, ops
+        self.xp = ops.xp      # the backend's array namespace: the glue below is written against it
         c = config
         self.yarn = dict(factor=c.rope_scale_factor, orig_ctx=c.rope_orig_ctx,
                          beta_fast=c.yarn_beta_fast, beta_slow=c.yarn_beta_slow)
@@ -37,10 +37,11 @@ class Model:
     def forward(self, tokens: np.ndarray, pos0: int, state: KVState, all_logits: bool = False) -> np.ndarray:
         """Logits [T, vocab] (all_logits) or [vocab] for the last token."""
         c = self.c
+        xp = self.xp
         self._theta_cache = {}
-        tokens = np.asarray(tokens, dtype=np.int64)
-        e = Q.dequantize(self.w.embd.type_id, self.w.embd.data[tokens])            # [T, E]
-        X = np.repeat(e[:, None, :], c.n_hc, axis=1).astype(np.float32)           # [T, n_hc, E]
+        tokens = xp.asarray(tokens, dtype=xp.int64)
+        e = self.ops.embed(self.w.embd, tokens)                                    # [T, E]
+        X = xp.repeat(e[:, None, :], c.n_hc, axis=1).astype(xp.float32)           # [T, n_hc, E]
         if self.pager:
             self.pager(self._dense[0])
         for i, (lw, ls) in enumerate(zip(self.w.layers, state.layers)):
@@ -56,12 +57,13 @@ class Model:
     # -- hyper-connections (§3.2, §3.3) ----------------------------------------------------------
     def _hc_pre(self, hc: HCWeights, X):
         c, ops = self.c, self.ops
+        xp = self.xp
         T, n = X.shape[0], c.n_hc
         flat = ops.rmsnorm(X.reshape(T, n * c.n_embd), None, c.rms_eps)
         mix = ops.linear(hc.fn, flat)                                             # [T, hc_mix]
-        pre, post, C = ops.hc_split(mix, n, hc.scale, hc.base, np.float32(c.hc_eps), c.sinkhorn_iters)
+        pre, post, C = ops.hc_split(mix, n, hc.scale, hc.base, xp.float32(c.hc_eps), c.sinkhorn_iters)
         x = ops.hc_pre_mix(pre, X)
-        return x, post.astype(np.float32), C.astype(np.float32)
+        return x, post.astype(xp.float32), C.astype(xp.float32)
 
     def _hc_post(self, y, X, post, C):
         # X_new[k] = post[k] * y + sum_j C[j, k] * X[j]   (C used transposed)
@@ -70,9 +72,9 @@ class Model:
     # -- attention sublayer (§3.4) -------------------------------------------------------------
     def _thetas(self, ratio: int, pos: np.ndarray, n_rot: int, heads: bool = False):
         # the same positions recur in every layer of a forward pass (two kinds: plain and
-        # compressed-layer YaRN angles): computed once per pass, read-only; `heads`: the [T, 1,
-        # n_rot/2] view that broadcasts over heads, also kept, so every layer passes the same
-        # array objects (FastOps.rope keeps their rotations)
+        # compressed-layer YaRN angles): computed once per pass; `heads`: the [T, 1, n_rot/2]
+        # view that broadcasts over heads, also kept, so every layer passes the same array
+        # objects (a backend may keep what it derives from its tables: the cpu backend's rotations)
         c = self.c
         key = (ratio != 0, n_rot, pos.tobytes())
         th = self._theta_cache.get(key)
@@ -81,15 +83,15 @@ class Model:
                 th = self.ops.rope_thetas(pos, n_rot, c.rope_base, None)
             else:
                 th = self.ops.rope_thetas(pos, n_rot, c.compress_rope_base, self.yarn)
-            th.flags.writeable = False
             self._theta_cache[key] = th
             self._theta_cache[key + (True,)] = th[:, None, :]
         return self._theta_cache[key + (True,)] if heads else th
 
     def _attention(self, lw: LayerWeights, ls: LayerState, X, pos0: int):
         c, ops = self.c, self.ops
+        xp = self.xp
         T = X.shape[0]
-        pos = np.arange(pos0, pos0 + T)
+        pos = xp.arange(pos0, pos0 + T)
         x, post, C = self._hc_pre(lw.hc_attn, X)
         h = ops.rmsnorm(x, lw.attn_norm, c.rms_eps)
         qa, kv = ops.linears([lw.q_a, lw.kv], h)                                   # both read h
@@ -113,15 +115,15 @@ class Model:
             self._compress(lw.indexer.comp, ls, h, pos0, index=True)
             sel = self._indexer_select(lw, ls, h, qr, pos, th_fn=lambda p: self._thetas(CSA_RATIO, p, c.n_rot, heads=True))
 
-        o = np.empty_like(q)
-        scale = 1.0 / np.sqrt(c.head_dim)
+        o = xp.empty_like(q)
+        scale = 1.0 / xp.sqrt(c.head_dim)
         for b0 in range(0, T, QUERY_BLOCK):
             b1 = min(T, b0 + QUERY_BLOCK)
             tq = pos[b0:b1]
             # raw keys of this block: positions [tq0 - n_swa + 1, tq_last]
             k0 = max(lo, tq[0] - c.n_swa + 1)
             kraw = raw[k0 - lo: tq[-1] + 1 - lo]
-            kpos = np.arange(k0, tq[-1] + 1)
+            kpos = xp.arange(k0, tq[-1] + 1)
             mraw = (kpos[None, :] <= tq[:, None]) & (kpos[None, :] > tq[:, None] - c.n_swa)
             segments = [(kraw, mraw)]
             if lw.ratio:
@@ -130,7 +132,7 @@ class Model:
                     segments.append((ls.comp[sel[0][b0:b1]], sel[1][b0:b1]))
                 else:                                                               # every visible row
                     nmax = int(n_vis[-1])
-                    segments.append((ls.comp[:nmax], np.arange(nmax)[None, :] < n_vis[:, None]))
+                    segments.append((ls.comp[:nmax], xp.arange(nmax)[None, :] < n_vis[:, None]))
             o[b0:b1] = ops.attention(q[b0:b1], segments, lw.sinks, scale)
 
         o = ops.rope(o, th_h, inverse=True, inplace=True).reshape(T, c.n_head * c.head_dim)
@@ -142,11 +144,12 @@ class Model:
     def _compress(self, cw: CompressorWeights, ls: LayerState, h, pos0: int, index: bool):
         """Project the chunk into the frontier and emit a row for every window the chunk closes."""
         c, ops = self.c, self.ops
+        xp = self.xp
         r, hd = cw.ratio, cw.hd
         T = h.shape[0]
-        pos = np.arange(pos0, pos0 + T)
+        pos = xp.arange(pos0, pos0 + T)
         kvp = ops.linear(cw.kv, h)                                                 # [T, w]
-        scp = (ops.linear(cw.gate, h) + cw.ape[pos % r]).astype(np.float32)
+        scp = (ops.linear(cw.gate, h) + cw.ape[pos % r]).astype(xp.float32)
         ring_kv, ring_sc = (ls.iproj_kv, ls.iproj_sc) if index else (ls.proj_kv, ls.proj_sc)
         lo = frontier_start(pos0, r)
         all_kv = ring_kv.write_window(lo, pos0, kvp)                               # positions lo..pos0+T-1
@@ -155,19 +158,19 @@ class Model:
         if len(ends) == 0:
             return
         ws = ends + 1 - r                                                          # window starts
-        cur = ws[:, None] + np.arange(r)[None, :] - lo                             # [n, r] rows of all_*
+        cur = ws[:, None] + xp.arange(r)[None, :] - lo                             # [n, r] rows of all_*
         if r == CSA_RATIO:
             # overlapping windows: previous window's first half + this window's second half
             kv_c, sc_c = all_kv[cur][:, :, hd:], all_sc[cur][:, :, hd:]
             prev = cur - r
             has_prev = (ws >= r)[:, None, None]
-            kv_p = np.where(has_prev, all_kv[np.maximum(prev, 0)][:, :, :hd], 0.0)
-            sc_p = np.where(has_prev, all_sc[np.maximum(prev, 0)][:, :, :hd], -np.inf)
-            kvs, scs = np.concatenate([kv_p, kv_c], axis=1), np.concatenate([sc_p, sc_c], axis=1)
+            kv_p = xp.where(has_prev, all_kv[xp.maximum(prev, 0)][:, :, :hd], 0.0)
+            sc_p = xp.where(has_prev, all_sc[xp.maximum(prev, 0)][:, :, :hd], -xp.inf)
+            kvs, scs = xp.concatenate([kv_p, kv_c], axis=1), xp.concatenate([sc_p, sc_c], axis=1)
         else:
             kvs, scs = all_kv[cur], all_sc[cur]
         a = ops.softmax(scs, axis=1)
-        pooled = np.sum(a * kvs, axis=1, dtype=np.float32)                         # [n, hd]
+        pooled = xp.sum(a * kvs, axis=1, dtype=xp.float32)                         # [n, hd]
         rows = ops.rmsnorm(pooled, cw.norm, c.rms_eps)
         rows = ops.rope(rows, self._thetas(r, ws, c.n_rot))                       # at the window's first position
         if index:
@@ -184,6 +187,7 @@ class Model:
         """Per query: (indices [T, k], valid [T, k]) of the compressed rows it attends, or None
         where every visible row is used (at most top_k visible)."""
         c, ops = self.c, self.ops
+        xp = self.xp
         k = c.idx_topk
         n_vis = (pos + 1) // CSA_RATIO
         if n_vis[-1] <= k:
@@ -191,45 +195,47 @@ class Model:
         T = len(pos)
         qi = ops.linear(lw.indexer.q_b, qr).reshape(T, c.idx_n_head, c.idx_head_dim)
         qi = ops.index_qat(ops.rope(qi, th_fn(pos)))
-        wts = ops.linear(lw.indexer.proj, h) * np.float32(1.0 / np.sqrt(c.idx_head_dim * c.idx_n_head))
+        wts = ops.linear(lw.indexer.proj, h) * xp.float32(1.0 / xp.sqrt(c.idx_head_dim * c.idx_n_head))
         keys = ls.index[:int(n_vis[-1])]
         score = ops.indexer_scores(qi, keys, wts)                                  # [T, n rows]
-        vis = np.arange(keys.shape[0])[None, :] < n_vis[:, None]
-        score = np.where(vis, score, -np.inf)
+        vis = xp.arange(keys.shape[0])[None, :] < n_vis[:, None]
+        score = xp.where(vis, score, -xp.inf)
         # the picks in row order: where a chunk's early queries see no more than k rows, the
         # indexer picks all of them, and they must come in the order a query that skips the
         # indexer (every visible row, row order) uses, or float32 attention sums depend on chunking
-        idx = np.sort(ops.topk_lowest_index(score, k), axis=1)                     # [T, k]
-        ok = np.take_along_axis(vis, idx, axis=1)                                  # picks on invisible rows drop
+        idx = xp.sort(ops.topk_lowest_index(score, k), axis=1)                     # [T, k]
+        ok = xp.take_along_axis(vis, idx, axis=1)                                  # picks on invisible rows drop
         return idx, ok
 
     # -- FFN sublayer (§3.11) ------------------------------------------------------------------
     def _ffn(self, lw: LayerWeights, X, tokens):
         c, ops = self.c, self.ops
+        xp = self.xp
         x, post, C = self._hc_pre(lw.hc_ffn, X)
         u = ops.rmsnorm(x, lw.ffn_norm, c.rms_eps)
-        p = np.sqrt(ops.softplus(ops.linear(lw.gate_inp, u)))                     # [T, n_expert]
+        p = xp.sqrt(ops.softplus(ops.linear(lw.gate_inp, u)))                     # [T, n_expert]
         if lw.tid2eid is not None:
-            sel = lw.tid2eid[tokens].astype(np.int64)                              # hash routing by token id
+            sel = lw.tid2eid[tokens].astype(xp.int64)                              # hash routing by token id
         else:
             biased = p + lw.bias if lw.bias is not None else p
             sel = ops.topk_lowest_index(biased, c.n_expert_used)
-        wsel = np.take_along_axis(p, sel, axis=1)
+        wsel = xp.take_along_axis(p, sel, axis=1)
         tot = wsel.sum(axis=1, keepdims=True)
-        tot = np.maximum(tot, np.float32(2.0 ** -14)) if ops.ds4 else tot + np.float32(1e-20)
-        wsel = (wsel / tot * np.float32(c.expert_weights_scale)).astype(np.float32)
+        tot = xp.maximum(tot, xp.float32(2.0 ** -14)) if ops.ds4 else tot + xp.float32(1e-20)
+        wsel = (wsel / tot * xp.float32(c.expert_weights_scale)).astype(xp.float32)
         if self.pager and len(tokens) <= 16:     # (a long chunk picks most experts: more than fits)
-            self.pager([t.expert_data(e) for e in np.unique(sel) for t in (lw.gate_exps, lw.up_exps, lw.down_exps)])
-        y = ops.moe(lw, u, sel, wsel, np.float32(self.c.swiglu_clamp[lw.il]))      # routed + shared
+            self.pager([t.expert_data(e) for e in xp.unique(sel) for t in (lw.gate_exps, lw.up_exps, lw.down_exps)])
+        y = ops.moe(lw, u, sel, wsel, xp.float32(self.c.swiglu_clamp[lw.il]))      # routed + shared
         return self._hc_post(y, X, post, C)
 
     # -- output head (§3.12) -------------------------------------------------------------------
     def _head(self, X):
         c, ops, w = self.c, self.ops, self.w
+        xp = self.xp
         T = X.shape[0]
         flat = ops.rmsnorm(X.reshape(T, c.n_hc * c.n_embd), None, c.rms_eps)
         mix = ops.linear(w.hc_head_fn, flat)                                      # [T, n_hc]
-        pre = ops.sigmoid(mix * w.hc_head_scale[0] + w.hc_head_base) + np.float32(c.hc_eps)
+        pre = ops.sigmoid(mix * w.hc_head_scale[0] + w.hc_head_base) + xp.float32(c.hc_eps)
         x = ops.hc_pre_mix(pre, X)
         x = ops.rmsnorm(x, w.out_norm, c.rms_eps)
         return ops.linear(w.output, x)

@@ -15,16 +15,14 @@ import numpy as np
 
 from ..model import snapshot as snap
 from ..errors import ModelFileError
-from ..model.kv_state import KVState
 from ..model.model import Model
 from ..gguf.model_file import ModelFile
-from ..backends.numpy.ops import NumpyOps
+from ..backends import registry
 from ..options import PAGING, EngineOptions
 from .sampling import Rng, SamplingParams, logprob_of, sample, top_logprobs
 from .tokenizer import Tokenizer
-from ..model.weights import bind
 
-BACKENDS = ("numpy", "cpu")
+BACKENDS = registry.names()
 DEFAULT_CHUNK = 2048
 
 
@@ -35,7 +33,8 @@ class ContextFull(ValueError):
 class Engine:
     """A DeepSeek V4 model mapped from a GGUF, with its tokenizer and a compute backend."""
 
-    def __init__(self, model_file: ModelFile, backend: str, numerics: str, threads: int | None):
+    def __init__(self, model_file: ModelFile, backend: str, numerics: str, threads: int | None, ops=None):
+        """ops: the backend's checked ops object (Engine.open makes it before the file is read)."""
         self.file = model_file
         self.config = model_file.config
         self.paging = "none"            # Engine.open sets these
@@ -44,18 +43,11 @@ class Engine:
         self.numerics = numerics
         self.threads = threads
         self.tokenizer = Tokenizer.from_metadata(model_file.tokenizer)
-        if backend == "cpu":
-            from ..backends.cpu.ops import CpuOps
-            # The kernels' OpenMP threads own the cores. OpenBLAS threads left spinning after a
-            # NumPy call (an einsum between two kernel calls) take the second core from the
-            # kernel's worker, so every kernel barrier waits a scheduler tick: decode of the
-            # real-width file went from 378 to 107 ms per token with BLAS on one thread.
-            _blas_threads(1)
-            _keep_freed_memory()
-            ops = CpuOps(numerics)
-        else:
-            ops = NumpyOps(numerics)
-        self.model = Model(self.config, bind(model_file), ops)
+        if ops is None:
+            ops = registry.make_ops(registry.pick(backend), numerics)
+        # the upload/repack hook: its time and the bytes it copied (none for the host backends)
+        weights, self.bind_report = ops.bind_weights(model_file)
+        self.model = Model(self.config, weights, ops)
 
     @classmethod
     def open(cls, path, options: EngineOptions | None = None, *, backend: str | None = None,
@@ -69,22 +61,13 @@ class Engine:
         the kernel's defaults). `resident_seconds` is the copy's time (None without one)."""
         o = _options(options, backend=backend, numerics=numerics, threads=threads, paging=paging)
         backend, numerics, threads, paging = o.backend, o.numerics, o.threads, o.paging
-        if backend == "auto":
-            # DS4_BACKEND picks one for every caller (benchmarks, the agent, the shim); else the
-            # C kernels when they were built, else the NumPy reference
-            backend = os.environ.get("DS4_BACKEND") or ""
-            if not backend:
-                from ..backends.cpu import kernels
-                backend = "cpu" if kernels.available() else "numpy"
-        if backend not in BACKENDS:
-            raise ValueError(f"backend {backend!r} is not available (built: {', '.join(BACKENDS)})")
-        if backend == "cpu":
-            from ..backends.cpu import kernels
-            if not kernels.available():
-                raise ValueError("backend 'cpu' needs the C kernels (engine.backends.cpu._kernels), which were not "
-                                 "built at install time (no C compiler?); use --backend numpy")
-        if threads:
-            _limit_threads(threads, backend)
+        # "auto": DS4_BACKEND for every caller (benchmarks, the agent, the shim), else the best
+        # available; an unknown or unavailable name, or ops that lack an operation, are one-line
+        # BackendErrors here, before the file is read
+        entry = registry.pick(backend)
+        backend = entry.name
+        ops = registry.make_ops(entry, numerics)
+        entry.setup(threads)
         m = ModelFile.open(path)
         try:
             # the resident copy comes before the weights are bound: their views point into it
@@ -95,7 +78,7 @@ class Engine:
                 # page cache + copy over the available memory: drop the cache as the copy grows
                 drop = avail is not None and 2 * m.gguf.size > avail
                 resident_s = m.gguf.load_resident(_read_threads(threads), drop_cache=drop)
-            eng = cls(m, backend, numerics, threads)
+            eng = cls(m, backend, numerics, threads, ops)
             eng.resident_seconds = resident_s
             eng.paging = "resident" if paging == "resident" else _advise(m, paging)
             if eng.paging == "lowmem":
@@ -148,10 +131,10 @@ def _paging_mode(m: ModelFile, paging: str, backend: str, avail: int | None) -> 
     if paging == "auto":
         if avail is None or m.gguf.size > 0.8 * avail:
             return "lowmem"
-        # the cpu backend streams every weight once a token: from huge pages 5 % faster a decode
-        # step (GGUFFile.load_resident); the NumPy reference is not about speed, and without
+        # the backend's choice (the cpu backend's is resident: GGUFFile.load_resident); without
         # transparent huge pages a copy would cost memory and time for nothing
-        return "resident" if backend == "cpu" and _thp_available() else "prefault"
+        mode = registry.get(backend).default_paging
+        return "prefault" if mode == "resident" and not _thp_available() else mode
     if paging == "resident":
         # a copy larger than the memory left would end in the OOM killer halfway through
         if avail is not None and m.gguf.size > 0.9 * avail:
@@ -183,33 +166,6 @@ def _advise(m: ModelFile, paging: str) -> str:
         return "none"          # a platform without madvise: the kernel's defaults
 
 
-def _keep_freed_memory() -> bool:
-    """glibc: serve every allocation from the heap and keep freed memory there. By default an
-    array over the mmap threshold (at most 32 MiB) is a fresh mapping, and every page of it faults
-    and is zeroed by the kernel on first touch: at a 512-token prefill the [T, 4, 4096] streams
-    are 33.5 MiB each, and clear_page was 10 % of the run. Reused heap memory faults once.
-    (Nothing happens on other C libraries.)"""
-    import ctypes
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
-
-
-def _blas_threads(n: int):
-    from threadpoolctl import threadpool_limits
-    threadpool_limits(n, user_api="blas")
-
-
-def _limit_threads(n: int, backend: str):
-    from ..backends.cpu import kernels
-    kernels.set_threads(n)
-    if backend != "cpu":        # the cpu backend keeps BLAS on one thread (Engine.__init__)
-        _blas_threads(n)
-
-
 class Session:
     def __init__(self, engine: Engine, ctx: int, *, chunk: int = DEFAULT_CHUNK, rewind_cap: int | None = None):
         if ctx < 2:
@@ -218,7 +174,7 @@ class Session:
         self.ctx = ctx
         self.chunk = max(1, int(chunk))
         self.rewind_cap = min(ctx, DEFAULT_CHUNK) if rewind_cap is None else rewind_cap
-        self.state = KVState(engine.config, ctx, self.rewind_cap)
+        self.state = engine.model.ops.new_state(engine.config, ctx, self.rewind_cap)
         self._tokens: list[int] = []
         self._logits: np.ndarray | None = None
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
@@ -337,7 +293,9 @@ class Session:
 
     def _forward(self, part: list[int], all_logits: bool):
         t0 = time.perf_counter()
-        out = self.engine.model.forward(np.asarray(part), len(self._tokens), self.state, all_logits=all_logits)
+        model = self.engine.model
+        out = model.ops.logits_to_host(model.forward(np.asarray(part), len(self._tokens), self.state,
+                                                     all_logits=all_logits))
         dt = time.perf_counter() - t0
         key = "decode" if len(part) == 1 else "prefill"
         self.stats[key + "_tokens"] += len(part)
@@ -364,7 +322,7 @@ class Session:
 
     def restore(self, data: bytes):
         # load into a fresh state so a bad payload leaves the current timeline untouched
-        state = KVState(self.engine.config, self.ctx, self.rewind_cap)
+        state = self.engine.model.ops.new_state(self.engine.config, self.ctx, self.rewind_cap)
         tokens, logits = snap.load(self.engine.config, state, data)
         self.state = state
         self._tokens = tokens

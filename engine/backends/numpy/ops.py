@@ -17,11 +17,16 @@ which matters in ds4 mode, where a one-ulp change can move an activation across 
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from ...model import numerics as N
 from ...gguf import quants as Q
 from ...gguf.model_file import QTensor
+from ...model import numerics as N
+from ...model.kv_state import KVState
+from ...model.weights import bind
+from ..protocol import BindReport
 
 EXACT, DS4 = "exact", "ds4"
 NUMERICS = (EXACT, DS4)
@@ -36,12 +41,32 @@ def _f32(x):
 
 class NumpyOps:
     name = "numpy"
+    xp = np            # the array namespace of the model's glue
 
     def __init__(self, numerics: str = DS4):
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.numerics = numerics
         self.ds4 = numerics == DS4
+
+    # -- set-up and hand-offs (host memory: nothing to upload or copy) ---------------------------
+    def bind_weights(self, model_file) -> tuple:
+        """The weights as views of the file's map (decoded a chunk of rows at a time when used)."""
+        t0 = time.perf_counter()
+        weights = bind(model_file)
+        return weights, BindReport(time.perf_counter() - t0, 0)
+
+    def new_state(self, config, ctx: int, rewind_cap: int) -> KVState:
+        return KVState(config, ctx, rewind_cap)
+
+    @staticmethod
+    def embed(embd: QTensor, tokens: np.ndarray) -> np.ndarray:
+        """The rows of `tokens`, decoded from the map (only those rows)."""
+        return Q.dequantize(embd.type_id, embd.data[tokens])
+
+    @staticmethod
+    def logits_to_host(logits) -> np.ndarray:
+        return np.asarray(logits, dtype=np.float32)
 
     # -- matmuls -------------------------------------------------------------------------------
     def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
