@@ -109,10 +109,11 @@ def main(argv=None) -> int:
         print("error: " + GUIDANCE.format(tried=", ".join(tried) or "nothing",
                                          config=agent_home() / "config.toml"), file=sys.stderr)
         return 1
-    from engine import Engine, ModelFile, ModelFileError, SamplingParams
-    try:   # validate up front (O(metadata)): a bad file is one line and exit 1, before any UI
+    from engine import BackendError, Engine, ModelFile, ModelFileError, SamplingParams
+    try:   # validate up front (O(metadata)): a bad file or backend is one line and exit 1, before any UI
         ModelFile.open(model).close()
-    except ModelFileError as e:
+        options.check()
+    except (ModelFileError, BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if a.serve:

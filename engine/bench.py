@@ -279,6 +279,17 @@ def main(argv=None) -> int:
         return _err("interrupted")
 
 
+def _read_prompt(path: str | None) -> tuple[str, str]:
+    """The prompt file's path (--prompt-file, else the default text) and its text."""
+    prompt = path or default_prompt_file()
+    if prompt is None:
+        raise BenchError("no --prompt-file given and the default promessi_sposi.txt is absent")
+    try:
+        return prompt, Path(prompt).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BenchError(f"{prompt}: cannot read the prompt: {getattr(e, 'strerror', None) or e}")
+
+
 def _main(argv) -> int:
     a = build_parser().parse_args(argv)
     if a.step_incr is None and a.step_mul is None:
@@ -286,13 +297,7 @@ def _main(argv) -> int:
     options = EngineOptions.from_args(a)        # a bad value: ValueError, one line (main)
     if not Path(a.model).is_file():
         raise BenchError(f"{a.model}: no such model file")
-    prompt = a.prompt_file or default_prompt_file()
-    if prompt is None:
-        raise BenchError("no --prompt-file given and the default promessi_sposi.txt is absent")
-    try:
-        text = Path(prompt).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise BenchError(f"{prompt}: cannot read the prompt: {getattr(e, 'strerror', None) or e}")
+    prompt, text = _read_prompt(a.prompt_file)
     if a.ctx_start > a.ctx_max:
         raise BenchError(f"--ctx-start {a.ctx_start} is above --ctx-max {a.ctx_max}")
     ctx = a.ctx if a.ctx is not None else a.ctx_max + a.gen_tokens + 1

@@ -4,12 +4,14 @@
 on their parser and `EngineOptions.from_args()` on the result, so a choice is spelled, checked
 and documented once. `Engine.open(path, options=...)` takes the value.
 
-"numerics" is the one name of the arithmetic a backend follows: "ds4" (ds4's own rounding steps,
-what the published model was run with) or "exact" (float32 throughout, the golden references).
+"numerics" is the one name of the arithmetic a backend follows, in options, on Engine and on
+every ops object: "ds4" (ds4's own rounding steps, engine/model/numerics.py, what the published
+model was run with) or "exact" (plain float32, as transformers computes it: the golden references).
 Backend names are not listed here: the registry in `engine.backends` owns them and
 `Engine.open` checks them, so a new backend needs no edit to this file.
 
-This module imports nothing heavy: a command's parser is built before any model is touched.
+Nothing here loads compute code: the registry's entries are cheap to import, so a command's
+parser is built before any model or kernel is touched.
 """
 from __future__ import annotations
 
@@ -51,19 +53,33 @@ class EngineOptions:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def check(self) -> str:
+        """The backend these options resolve to ("auto" included), or engine.errors.BackendError
+        (one line) when it is unknown, cannot serve here or lacks these numerics: what Engine.open
+        checks, without reading a file, so a command can refuse before it starts a UI or writes
+        anything."""
+        from .backends import registry
+        from .errors import BackendError
+        entry = registry.pick(self.backend)
+        if self.numerics not in entry.numerics:
+            raise BackendError(f"backend {entry.name!r} does not support numerics {self.numerics!r} "
+                               f"(it has: {', '.join(entry.numerics)})")
+        return entry.name
+
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """--backend, --numerics, --paging and --threads, in a group of their own. Values are checked
     by EngineOptions (not by argparse choices) so a bad one is one `error:` line and exit 1 in
     every command, as a bad model file is."""
+    from .backends import registry
     d = EngineOptions()
     g = parser.add_argument_group("engine")
     g.add_argument("--backend", default=d.backend, metavar="NAME",
-                   help="compute backend: numpy (the reference), cpu (the C kernels) or another registered "
-                        "one; auto (default) takes $DS4_BACKEND if set, else the best available")
+                   help=f"compute backend: {', '.join(registry.names())}, best first; auto (default) takes "
+                        "$DS4_BACKEND if set, else the best that can serve here")
     g.add_argument("--numerics", default=d.numerics, metavar="{" + ",".join(NUMERICS) + "}",
                    help="ds4: ds4's own rounding steps, as the model was run (default); "
-                        "exact: float32 throughout")
+                        "exact: plain float32, as transformers computes it")
     g.add_argument("--paging", default=d.paging, metavar="{" + ",".join(PAGING) + "}",
                    help="how the weights reach memory: resident (a copy in huge-page memory), prefault "
                         "(the map populated at open), lowmem (files larger than the memory), none (the "

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
         options = EngineOptions.from_args(a)
-    except ValueError as e:
+        options.check()             # before the model file is written
+    except ValueError as e:         # BackendError is one
         print(f"error: {e}", file=sys.stderr)
         return 1
     from engine import Engine, ModelFile, Session

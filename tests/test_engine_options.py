@@ -106,7 +106,7 @@ def test_ds4_backend_mlx_without_mlx_is_one_line(small_model, capsys):
     _one_line_exit_1(rc, capsys.readouterr().err, "mlx")
 
 
-@pytest.mark.parametrize("args,words", [a for a in BAD if a[0][0] != "--backend"])
+@pytest.mark.parametrize("args,words", BAD)
 def test_agent_bad_engine_option_is_one_line(agent_model, tmp_path, monkeypatch, capsys, args, words):
     monkeypatch.setenv("DS4_AGENT_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
@@ -135,7 +135,7 @@ def test_bench_bad_engine_option_is_one_line(small_model, tmp_path, capsys, args
     _one_line_exit_1(rc, err, words)
 
 
-@pytest.mark.parametrize("args,words", [a for a in BAD if a[0][0] != "--backend"])
+@pytest.mark.parametrize("args,words", BAD)
 def test_bench_layer_bad_engine_option_is_one_line(tmp_path, capsys, args, words):
     """Checked before the script writes its (multi-GB) file: the path given is never created."""
     path = tmp_path / "never.gguf"
@@ -183,3 +183,33 @@ def test_engine_open_takes_options_as_the_keywords(small_model):
         Engine.open(small_model, options=o, numerics="ds4")
     with pytest.raises(ValueError, match="threads"):
         Engine.open(small_model, threads=0)
+
+
+def test_check_resolves_auto_and_names_what_cannot_serve(monkeypatch):
+    from engine.backends import registry
+    from engine.errors import BackendError
+    monkeypatch.setenv("DS4_BACKEND", "numpy")
+    assert EngineOptions().check() == "numpy"
+    with pytest.raises(BackendError, match="unknown backend 'nosuch'"):
+        EngineOptions(backend="nosuch").check()
+    if importlib.util.find_spec("mlx") is None:
+        with pytest.raises(BackendError, match="mlx is not installed"):
+            EngineOptions(backend="mlx").check()
+    numpy = registry.get("numpy")
+    registry.register(registry.Backend(name="exactonly", summary="test", available=lambda: None,
+                                       make_ops=numpy.make_ops, numerics=("exact",)))
+    try:
+        assert EngineOptions(backend="exactonly", numerics="exact").check() == "exactonly"
+        with pytest.raises(BackendError, match="'exactonly' does not support numerics 'ds4'"):
+            EngineOptions(backend="exactonly").check()
+    finally:
+        registry.unregister("exactonly")
+
+
+def test_agent_backend_mlx_without_mlx_is_one_line(agent_model, tmp_path, monkeypatch, capsys):
+    if importlib.util.find_spec("mlx") is not None:
+        pytest.skip("mlx is installed here: the mlx backend's own tests cover it")
+    monkeypatch.setenv("DS4_AGENT_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    rc = agent_cli.main(["-m", str(agent_model), "--backend", "mlx"])    # the TUI never starts
+    _one_line_exit_1(rc, capsys.readouterr().err, "mlx is not installed")
