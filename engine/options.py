@@ -85,7 +85,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                         "(the map populated at open), lowmem (files larger than the memory), none (the "
                         "kernel's defaults); auto (default) takes $DS4_PAGING if set, else picks by the "
                         "file's size and the backend")
-    g.add_argument("--threads", type=int, default=d.threads, metavar="N",
+    g.add_argument("-t", "--threads", type=int, default=d.threads, metavar="N",
                    help="compute threads (default: the backend's; for cpu $DS4_KERNEL_THREADS, else every "
                         "core this process may use)")
     return g

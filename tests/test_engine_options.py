@@ -15,7 +15,7 @@ from engine import Engine, Session, bench
 from engine.options import NUMERICS, PAGING, EngineOptions, add_engine_flags
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ("--backend", "--numerics", "--paging", "--threads")
+FLAGS = ("--backend", "--numerics", "--paging", "--threads", "-t")      # -t as in ds4
 
 
 def _script(name: str):
@@ -54,8 +54,7 @@ def test_options_round_trip_through_every_parser(command):
     p = PARSERS[command]()
     assert EngineOptions.from_args(p.parse_args(_required(command))) == EngineOptions()
     want = EngineOptions(backend="numpy", numerics="exact", paging="lowmem", threads=3)
-    argv = _required(command) + ["--backend", "numpy", "--numerics", "exact", "--paging", "lowmem",
-                                 "--threads", "3"]
+    argv = _required(command) + ["--backend", "numpy", "--numerics", "exact", "--paging", "lowmem", "-t", "3"]
     got = EngineOptions.from_args(p.parse_args(argv))
     assert got == want and EngineOptions(**got.as_dict()) == got
 
