@@ -185,7 +185,8 @@ def test_the_engine_goes_through_the_backends_hooks(monkeypatch, small_model):
 
 def test_every_backend_declares_only_what_it_inherits(backend):
     ops = _ops(backend, "ds4")
-    assert isinstance(ops, Ops)
+    assert isinstance(ops, Ops) and ops.name == backend
+    assert ops.numerics == "ds4" and not hasattr(ops, "ds4")     # numerics has one name
     for op in R.pick(backend).reference_ops:
         assert getattr(type(ops), op) is getattr(NumpyOps, op), f"{backend} declares {op} but defines its own"
 

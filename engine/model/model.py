@@ -221,7 +221,7 @@ class Model:
             sel = ops.topk_lowest_index(biased, c.n_expert_used)
         wsel = xp.take_along_axis(p, sel, axis=1)
         tot = wsel.sum(axis=1, keepdims=True)
-        tot = xp.maximum(tot, xp.float32(2.0 ** -14)) if ops.ds4 else tot + xp.float32(1e-20)
+        tot = xp.maximum(tot, xp.float32(2.0 ** -14)) if ops.numerics == "ds4" else tot + xp.float32(1e-20)
         wsel = (wsel / tot * xp.float32(c.expert_weights_scale)).astype(xp.float32)
         if self.pager and len(tokens) <= 16:     # (a long chunk picks most experts: more than fits)
             self.pager([t.expert_data(e) for e in xp.unique(sel) for t in (lw.gate_exps, lw.up_exps, lw.down_exps)])

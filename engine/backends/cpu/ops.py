@@ -43,7 +43,7 @@ class CpuOps(FastOps, NumpyOps):
     def _int_path(self, type_id: int, T: int) -> bool:
         """ds4 numerics and an integer kernel for the weight type that beats the float kernels at
         T tokens (row kernels for a few tokens, the GEMM form for many)."""
-        return self.ds4 and K.q8_beats_float(type_id, T)
+        return self._ds4 and K.q8_beats_float(type_id, T)
 
     def _mm_act(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         """ds4 mode, a weight whose input ds4 quantizes (Q8_0 / Q8_K): few tokens take the
@@ -78,7 +78,7 @@ class CpuOps(FastOps, NumpyOps):
     def store_kv(self, rows, n_nope):
         # in C, bit-identical to numerics' FP8 + F16 emulation (~15 NumPy calls a cached row,
         # four times a token at decode)
-        if not self.ds4:
+        if not self._ds4:
             return rows
         got = K.store_kv(rows, n_nope)
         return got if got is not None else super().store_kv(rows, n_nope)
@@ -103,7 +103,7 @@ class CpuOps(FastOps, NumpyOps):
         return got if got is not None else super().hc_split(mix, n, scale, base, eps, iters)
 
     def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
-        if self.ds4 and w.type_id == Q.Q8_0:
+        if self._ds4 and w.type_id == Q.Q8_0:
             return self._mm_act(w, x, rows)
         return self._mm(w, x, rows)
 
@@ -134,16 +134,16 @@ class CpuOps(FastOps, NumpyOps):
     def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         # the rounding of weights with an integer kernel is done by expert_linear (per expert,
         # on its own rows: rounding is per token, so that is the same rounding)
-        return x if self.ds4 and w.type_id in K.Q8_ACT_BLOCK else super().expert_act(w, x)
+        return x if self._ds4 and w.type_id in K.Q8_ACT_BLOCK else super().expert_act(w, x)
 
     def expert_linear(self, w: QTensor, x_act: np.ndarray) -> np.ndarray:
-        if self.ds4 and w.type_id in K.Q8_ACT_BLOCK:
+        if self._ds4 and w.type_id in K.Q8_ACT_BLOCK:
             return self._mm_act(w, x_act)
         return self._mm(w, x_act)
 
     def _batched_experts(self, lw) -> bool:
         ge, ue, de = lw.gate_exps, lw.up_exps, lw.down_exps
-        return self.ds4 and ge.type_id == ue.type_id and K.has_q8(ge.type_id) and K.has_q8(de.type_id)
+        return self._ds4 and ge.type_id == ue.type_id and K.has_q8(ge.type_id) and K.has_q8(de.type_id)
 
     def routed(self, lw, u, sel, wsel, limit):
         """ds4 mode with integer kernels for the expert weights: the experts up to

@@ -47,7 +47,7 @@ class NumpyOps:
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.numerics = numerics
-        self.ds4 = numerics == DS4
+        self._ds4 = numerics == DS4     # (a shorthand inside the ops; `numerics` is the one public name)
 
     # -- set-up and hand-offs (host memory: nothing to upload or copy) ---------------------------
     def bind_weights(self, model_file) -> tuple:
@@ -72,7 +72,7 @@ class NumpyOps:
     def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         """x [T, in] -> [T, out] with W's rows (output units) `rows`. ds4 rounds the input of a
         Q8_0 weight to Q8_0 blocks first, as its quantized dot product does."""
-        if self.ds4 and w.type_id == Q.Q8_0:
+        if self._ds4 and w.type_id == Q.Q8_0:
             x = N.q8_0_round(x)
         return Q.matvec(w.type_id, w.data, _f32(x).T, rows, accumulate=np.float64).T
 
@@ -89,7 +89,7 @@ class NumpyOps:
 
     def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """Activation rounding of a routed-expert matmul input (identity in exact mode)."""
-        if not self.ds4 or w.type_id in (Q.F32, Q.F16, Q.BF16):
+        if not self._ds4 or w.type_id in (Q.F32, Q.F16, Q.BF16):
             return x
         return N.q8_0_round(x) if w.type_id in _EXPERT_ACT_Q8_0 else N.q8_k_round(x)
 
@@ -127,20 +127,20 @@ class NumpyOps:
     # -- KV-row numerics -----------------------------------------------------------------------
     def store_kv(self, rows: np.ndarray, n_nope: int) -> np.ndarray:
         """An attention KV row (raw or compressed) as it is cached: FP8 on the non-RoPE dims, then F16."""
-        if not self.ds4:
+        if not self._ds4:
             return rows
         return N.f16_round(N.fp8_e4m3_roundtrip(rows, n_nope))
 
     def index_qat(self, rows: np.ndarray) -> np.ndarray:
         """Indexer queries and keys: 128-point Hadamard + FP4 round trip (ds4 / the official graph)."""
-        return N.indexer_qat(rows) if self.ds4 else rows
+        return N.indexer_qat(rows) if self._ds4 else rows
 
     def store_index(self, rows: np.ndarray) -> np.ndarray:
-        return N.f16_round(N.indexer_qat(rows)) if self.ds4 else rows
+        return N.f16_round(N.indexer_qat(rows)) if self._ds4 else rows
 
     # -- RoPE ----------------------------------------------------------------------------------
     def rope_thetas(self, pos: np.ndarray, n_rot: int, base: float, yarn: dict | None) -> np.ndarray:
-        f = N.rope_thetas_ds4 if self.ds4 else N.rope_thetas_exact
+        f = N.rope_thetas_ds4 if self._ds4 else N.rope_thetas_exact
         return f(np.asarray(pos), n_rot, base, yarn=yarn)
 
     @staticmethod
@@ -257,6 +257,6 @@ class NumpyOps:
         g = self.expert_linear(lw.gate_exps.expert(e), xe)
         v = self.expert_linear(lw.up_exps.expert(e), xe)
         m = self.swiglu(g, v, limit)
-        if self.ds4:   # ds4 weights the SwiGLU output before the down projection (and rounds it)
+        if self._ds4:   # ds4 weights the SwiGLU output before the down projection (and rounds it)
             return self.expert_linear(lw.down_exps.expert(e), self.expert_act(lw.down_exps, m * we))
         return self.expert_linear(lw.down_exps.expert(e), m) * we     # transformers: the output
