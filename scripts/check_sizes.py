@@ -19,8 +19,6 @@ FUNC_MAX = 80
 # today's offenders: "path" for a file, "path::qualified.name" for a function -> lines then.
 # Shrink an entry (or drop it) when the code is split; never raise one.
 ALLOWED: dict[str, int] = {
-    "ds4agent/serve/app.py::create_app": 195,
-    "ds4agent/serve/app.py::create_app.completion": 119,
     "ds4agent/serve/worker.py::Worker._prepare": 85,
 }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 import time
@@ -48,200 +49,222 @@ TRIM_AFTER_BYTES = 1 << 20
 
 
 def create_app(shim: Shim) -> Starlette:
-    cfg = shim.cfg
-    warning = exposure_warning(cfg)
+    warning = exposure_warning(shim.cfg)
     if warning:
         log.warning("%s", warning)
+    h = _Handlers(shim)
+    routes = [Route("/v1/models", h.models, methods=["GET"]),
+              Route("/v1/models/{model:path}", h.models, methods=["GET"])]
+    for path in _API_OF:
+        routes.append(Route(path, h.completion, methods=["POST"]))
+    for path in list(_API_OF) + ["/v1/models", "/v1/models/{model:path}"]:
+        routes.append(Route(path, h.options, methods=["OPTIONS"]))
+    routes.append(Route("/{rest:path}", h.unknown,
+                        methods=["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]))
+    app = Starlette(routes=routes, middleware=[Middleware(EdgeGuard, cfg=shim.cfg, cors_headers=_CORS)],
+                    exception_handlers={Exception: _internal_error, HTTPException: h.http_error})
+    app.state.shim = shim
+    return app
 
-    def headers() -> dict:
-        return dict(_CORS) if cfg.cors else {}
 
-    def json_response(body: str, status: int = 200) -> Response:
+class _Handlers:
+    """The routes' handlers over one shim: a completion's steps (read and prepare, queue, answer
+    whole or as SSE) are methods of their own."""
+
+    def __init__(self, shim: Shim):
+        self.shim = shim
+        self.cfg = shim.cfg
+
+    def headers(self) -> dict:
+        return dict(_CORS) if self.cfg.cors else {}
+
+    def json_response(self, body: str, status: int = 200) -> Response:
         return Response(body.encode("utf-8", "replace"), status_code=status,
-                        media_type="application/json", headers=headers())
+                        media_type="application/json", headers=self.headers())
 
-    def fail(api: str | None, status: int, message: str, extra: dict | None = None) -> Response:
-        r = json_response(error_body(api or "openai_chat", message, status), status)
+    def fail(self, api: str | None, status: int, message: str, extra: dict | None = None) -> Response:
+        r = self.json_response(error_body(api or "openai_chat", message, status), status)
         r.headers.update(extra or {})
         return r
 
-    def authorized(request: Request) -> bool:
-        if not cfg.api_key:
+    def authorized(self, request: Request) -> bool:
+        if not self.cfg.api_key:
             return True
         auth = request.headers.get("authorization", "")
         key = request.headers.get("x-api-key", "")
-        return auth == f"Bearer {cfg.api_key}" or key == cfg.api_key
+        return auth == f"Bearer {self.cfg.api_key}" or key == self.cfg.api_key
 
-    async def models(request: Request) -> Response:
+    async def models(self, request: Request) -> Response:
         import json
-        if not authorized(request):
-            return fail(api_for_path(request.url.path), 401, "invalid API key")
-        data = shim.models()
+        if not self.authorized(request):
+            return self.fail(api_for_path(request.url.path), 401, "invalid API key")
+        data = self.shim.models()
         mid = request.path_params.get("model")
         if mid is None:
-            return json_response(json.dumps({"object": "list", "data": data}) + "\n")
+            return self.json_response(json.dumps({"object": "list", "data": data}) + "\n")
         for m in data:
             if m["id"] == mid:
-                return json_response(json.dumps(m) + "\n")
-        return fail(api_for_path(request.url.path), 404, f"unknown model {mid}")
+                return self.json_response(json.dumps(m) + "\n")
+        return self.fail(api_for_path(request.url.path), 404, f"unknown model {mid}")
 
-    async def completion(request: Request) -> Response:
+    async def completion(self, request: Request) -> Response:
         api = _API_OF[request.url.path]
-        if not authorized(request):
-            return fail(api, 401, "invalid API key")
+        if not self.authorized(request):
+            return self.fail(api, 401, "invalid API key")
         t0 = time.time()
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        job = None
 
         def emit(ev):          # called on the worker thread
             try:
                 loop.call_soon_threadsafe(q.put_nowait, ev)
             except RuntimeError:   # the event loop is closed (server stopped): nobody will read
-                job.cancel.set()   # (raising here would kill the inference thread)
+                if job is not None:
+                    job.cancel.set()   # (raising here would kill the inference thread)
 
-        size = 0
-        try:
-            shim.worker.check_room()
-            body = await _read_body(request)
-            size = len(body)
-            job = await anyio.to_thread.run_sync(shim.prepare, api, body, emit)
-        except ContextLengthError as e:
-            return json_response(e.body(api), e.status)
-        except _BodyTooLarge:
-            size = MAX_BODY_BYTES          # what was read of it is freed: trim below
-            return fail(api, 413, f"request body exceeds {MAX_BODY_BYTES} bytes", {"Connection": "close"})
-        except RequestError as e:
-            return fail(api, e.status, e.message)
-        except ClientDisconnect:
-            return fail(api, 400, "bad HTTP request")
-        except QueueFull as e:          # full before the body was even read
-            return _busy(fail(api, 503, str(e)), e)
-        finally:
-            body = None
-            if size >= TRIM_AFTER_BYTES:
-                await anyio.to_thread.run_sync(_trim_heap)
+        job = await self._prepare(api, request, emit)
+        if isinstance(job, Response):
+            return job
         conv = job.rendered.conversation
         stream = bool(conv.params.get("stream"))
-        wire = make_wire(api, conv, model=shim.model_for(conv), seq=shim.next_seq(), created=int(t0),
+        wire = make_wire(api, conv, model=self.shim.model_for(conv), seq=self.shim.next_seq(), created=int(t0),
                          stream=stream)
-        record = job.trace
-
-        def done(status: int, ev=None):
-            record.update(status=status, secs=round(time.time() - t0, 3))
-            if isinstance(ev, E.Finish):
-                record.update(finish=ev.finish, calls=[c.name for c in ev.calls])
-            elif isinstance(ev, E.Failure):
-                record.update(error=ev.message)
-            shim.trace(record)
-
+        done = functools.partial(self._done, job.trace, t0)
         try:
-            shim.worker.submit(job)
+            self.shim.worker.submit(job)
         except QueueFull as e:          # past --max-queue: an answer now, not a wait with no byte sent
             done(503)
-            return _busy(fail(api, 503, str(e)), e)
+            return _busy(self.fail(api, 503, str(e)), e)
         try:
-            first = await _next_event(q, request, job, cfg.keepalive_s)
+            first = await _next_event(q, request, job, self.cfg.keepalive_s)
         except _Gone:
             done(499)
             return Response(status_code=499)
         if isinstance(first, E.Failure):
             done(first.status, first)
-            return fail(api, first.status, first.message)
+            return self.fail(api, first.status, first.message)
         if not stream:
-            ev = first
-            checked = time.monotonic()
-            try:
-                while not isinstance(ev, (E.Finish, E.Failure)):
-                    ev = await _next_event(q, request, job)
-                    # events come every token while generating, so _next_event's own check (on a
-                    # quiet queue) never runs then: look for a client that hung up on the clock too
-                    if time.monotonic() - checked >= min(cfg.keepalive_s, 1.0):
-                        checked = time.monotonic()
-                        if await request.is_disconnected():
-                            job.cancel.set()
-                            raise _Gone()
-            except _Gone:
-                done(499)
-                return Response(status_code=499)
-            if isinstance(ev, E.Failure):
-                done(ev.status, ev)
-                return fail(api, ev.status, ev.message)
-            done(200, ev)
-            return json_response(wire.body(ev))
-
-        async def sse():
-            ev = first
-            last_ev = None
-            sent = 0.0
-            try:
-                while True:
-                    if ev is None or (isinstance(ev, E.Prefill) and time.monotonic() - sent >= cfg.keepalive_s):
-                        sent = time.monotonic()
-                        yield b": prefill\n\n"
-                    elif isinstance(ev, E.Failure):
-                        for f in wire.error_frames(ev.message):
-                            yield f.encode("utf-8", "replace")
-                        last_ev = ev
-                        return
-                    else:
-                        for f in wire.frames(ev):
-                            yield f.encode("utf-8", "replace")
-                        if isinstance(ev, E.Finish):
-                            last_ev = ev
-                            return
-                    try:
-                        ev = await asyncio.wait_for(q.get(), cfg.keepalive_s)
-                    except asyncio.TimeoutError:
-                        ev = None
-            finally:
-                # normal end, or the client went away (the response task is cancelled)
-                if last_ev is None:
-                    job.cancel.set()
-                done(200 if isinstance(last_ev, E.Finish) else 499 if last_ev is None else last_ev.status,
-                     last_ev)
-
-        h = headers()
+            return await self._whole(api, request, job, q, first, wire, done)
+        h = self.headers()
         h["Cache-Control"] = "no-cache"
         h["X-Accel-Buffering"] = "no"
-        return StreamingResponse(sse(), media_type="text/event-stream", headers=h)
+        return StreamingResponse(self._sse(job, q, first, wire, done), media_type="text/event-stream", headers=h)
 
-    async def options(request: Request) -> Response:
-        return Response(status_code=204, headers=headers())
+    async def _prepare(self, api: str, request: Request, emit):
+        """The request read, parsed, rendered and tokenized (on the thread pool): its job, or the
+        error Response that refuses it."""
+        size = 0
+        try:
+            self.shim.worker.check_room()
+            body = await _read_body(request)
+            size = len(body)
+            return await anyio.to_thread.run_sync(self.shim.prepare, api, body, emit)
+        except ContextLengthError as e:
+            return self.json_response(e.body(api), e.status)
+        except _BodyTooLarge:
+            size = MAX_BODY_BYTES          # what was read of it is freed: trim below
+            return self.fail(api, 413, f"request body exceeds {MAX_BODY_BYTES} bytes", {"Connection": "close"})
+        except RequestError as e:
+            return self.fail(api, e.status, e.message)
+        except ClientDisconnect:
+            return self.fail(api, 400, "bad HTTP request")
+        except QueueFull as e:          # full before the body was even read
+            return _busy(self.fail(api, 503, str(e)), e)
+        finally:
+            body = None
+            if size >= TRIM_AFTER_BYTES:
+                await anyio.to_thread.run_sync(_trim_heap)
 
-    def refuse_path(request: Request) -> Response:
+    def _done(self, record: dict, t0: float, status: int, ev=None) -> None:
+        """The request's trace record completed and written."""
+        record.update(status=status, secs=round(time.time() - t0, 3))
+        if isinstance(ev, E.Finish):
+            record.update(finish=ev.finish, calls=[c.name for c in ev.calls])
+        elif isinstance(ev, E.Failure):
+            record.update(error=ev.message)
+        self.shim.trace(record)
+
+    async def _whole(self, api: str, request: Request, job, q: asyncio.Queue, first, wire, done) -> Response:
+        """A non-streaming answer: every event until the last, then one JSON body."""
+        ev = first
+        checked = time.monotonic()
+        try:
+            while not isinstance(ev, (E.Finish, E.Failure)):
+                ev = await _next_event(q, request, job)
+                # events come every token while generating, so _next_event's own check (on a
+                # quiet queue) never runs then: look for a client that hung up on the clock too
+                if time.monotonic() - checked >= min(self.cfg.keepalive_s, 1.0):
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        job.cancel.set()
+                        raise _Gone()
+        except _Gone:
+            done(499)
+            return Response(status_code=499)
+        if isinstance(ev, E.Failure):
+            done(ev.status, ev)
+            return self.fail(api, ev.status, ev.message)
+        done(200, ev)
+        return self.json_response(wire.body(ev))
+
+    async def _sse(self, job, q: asyncio.Queue, first, wire, done):
+        """The streaming answer's bytes: the API's frames per event, `: prefill` keep-alives."""
+        ev = first
+        last_ev = None
+        sent = 0.0
+        keepalive_s = self.cfg.keepalive_s
+        try:
+            while True:
+                if ev is None or (isinstance(ev, E.Prefill) and time.monotonic() - sent >= keepalive_s):
+                    sent = time.monotonic()
+                    yield b": prefill\n\n"
+                elif isinstance(ev, E.Failure):
+                    for f in wire.error_frames(ev.message):
+                        yield f.encode("utf-8", "replace")
+                    last_ev = ev
+                    return
+                else:
+                    for f in wire.frames(ev):
+                        yield f.encode("utf-8", "replace")
+                    if isinstance(ev, E.Finish):
+                        last_ev = ev
+                        return
+                try:
+                    ev = await asyncio.wait_for(q.get(), keepalive_s)
+                except asyncio.TimeoutError:
+                    ev = None
+        finally:
+            # normal end, or the client went away (the response task is cancelled)
+            if last_ev is None:
+                job.cancel.set()
+            done(200 if isinstance(last_ev, E.Finish) else 499 if last_ev is None else last_ev.status,
+                 last_ev)
+
+    async def options(self, request: Request) -> Response:
+        return Response(status_code=204, headers=self.headers())
+
+    def refuse_path(self, request: Request) -> Response:
         """404 for a path nobody serves, 405 (with Allow) for a method its route does not take;
         JSON in the path's API shape (never Starlette's plain text)."""
         path, api = request.url.path, api_for_path(request.url.path)
         allow = _allowed_methods(path)
         if allow is None:
-            return fail(api, 404, f"unknown endpoint {path}")
-        return fail(api, 405, f"method {request.method} not allowed on {path} (use {allow})",
-                    {"Allow": allow})
+            return self.fail(api, 404, f"unknown endpoint {path}")
+        return self.fail(api, 405, f"method {request.method} not allowed on {path} (use {allow})",
+                         {"Allow": allow})
 
-    async def unknown(request: Request) -> Response:
+    async def unknown(self, request: Request) -> Response:
         if request.method == "OPTIONS":
-            return await options(request)
-        return refuse_path(request)
+            return await self.options(request)
+        return self.refuse_path(request)
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
         # the router's own refusals: a method that no route of the path takes
         if exc.status_code in (404, 405):
-            return refuse_path(request)
-        return fail(api_for_path(request.url.path), exc.status_code, exc.detail or "bad request",
-                    dict(exc.headers or {}))
-
-    routes = [Route("/v1/models", models, methods=["GET"]),
-              Route("/v1/models/{model:path}", models, methods=["GET"])]
-    for path in _API_OF:
-        routes.append(Route(path, completion, methods=["POST"]))
-    for path in list(_API_OF) + ["/v1/models", "/v1/models/{model:path}"]:
-        routes.append(Route(path, options, methods=["OPTIONS"]))
-    routes.append(Route("/{rest:path}", unknown,
-                        methods=["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]))
-    app = Starlette(routes=routes, middleware=[Middleware(EdgeGuard, cfg=cfg, cors_headers=_CORS)],
-                    exception_handlers={Exception: _internal_error, HTTPException: http_error})
-    app.state.shim = shim
-    return app
+            return self.refuse_path(request)
+        return self.fail(api_for_path(request.url.path), exc.status_code, exc.detail or "bad request",
+                         dict(exc.headers or {}))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
