@@ -87,6 +87,22 @@ def test_a_backend_that_cannot_serve_is_one_line(name, small_model):
         assert "not installed" in msg or "not built yet" in msg
 
 
+def test_register_checks_the_entry_and_auto_says_when_nothing_serves(monkeypatch):
+    monkeypatch.setattr(R, "_entries", dict(R._entries))
+    ok = dict(summary="x", available=lambda: None, make_ops=NumpyOps)
+    for bad in ("auto", "Big", "two words", ""):
+        with pytest.raises(ValueError, match="lower-case identifier"):
+            R.register(R.Backend(name=bad, **ok))
+    with pytest.raises(ValueError, match="not operations.*'rmsnrom'"):
+        R.register(R.Backend(name="typo", reference_ops=frozenset({"rmsnrom"}), **ok))
+    monkeypatch.delenv("DS4_BACKEND", raising=False)
+    for n in R.names():
+        R._entries[n] = R.Backend(name=n, summary="x", available=lambda n=n: f"no {n} here", make_ops=NumpyOps)
+    with pytest.raises(BackendError, match="no backend is available: .*no numpy here") as err:
+        R.pick("auto")
+    assert "\n" not in str(err.value)
+
+
 def test_mlx_installed_but_not_built_says_so(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec
