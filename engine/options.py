@@ -5,8 +5,9 @@ on their parser and `EngineOptions.from_args()` on the result, so a choice is sp
 and documented once. `Engine.open(path, options=...)` takes the value.
 
 "numerics" is the one name of the arithmetic a backend follows, in options, on Engine and on
-every ops object: "ds4" (ds4's own rounding steps, engine/model/numerics.py, what the published
-model was run with) or "exact" (plain float32, as transformers computes it: the golden references).
+every ops object: "ds4" (ds4's own rounding steps, what the published model was run with) or
+"exact" (plain float32, as transformers computes it: the golden references). The two names are
+defined beside ds4's rounding math, in engine/model/numerics.py.
 Backend names are not listed here: the registry in `engine.backends` owns them and
 `Engine.open` checks them, so a new backend needs no edit to this file.
 
@@ -18,8 +19,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass
 
-DS4, EXACT = "ds4", "exact"
-NUMERICS = (DS4, EXACT)
+from .model.numerics import DS4, EXACT, NUMERICS  # noqa: F401 (EXACT: part of this module's names)
+
 # auto: DS4_PAGING if set, else by the file's size against the memory and by backend
 PAGING = ("auto", "resident", "prefault", "lowmem", "none")
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import BackendError
+from ..model.numerics import NUMERICS
 from .protocol import ATTRIBUTES, OPERATIONS
 
 AUTO = "auto"
-NUMERICS = ("exact", "ds4")
 # the registry lines of the backends in this package: name -> module defining BACKEND
 BUILTIN = {
     "numpy": "engine.backends.numpy.backend",

@@ -33,7 +33,16 @@ import math
 
 import numpy as np
 
+# The numerics modes: the one name of the arithmetic, in EngineOptions, on Engine and on every
+# ops object. "ds4" is this module's rounding steps; "exact" is plain float32, as transformers
+# computes it (the golden references).
+DS4, EXACT = "ds4", "exact"
+NUMERICS = (DS4, EXACT)
+
 __all__ = [
+    "DS4",
+    "EXACT",
+    "NUMERICS",
     "f16_round",
     "fp8_e4m3_roundtrip",
     "e4m3_round",

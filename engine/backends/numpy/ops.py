@@ -26,10 +26,9 @@ from ...gguf.model_file import QTensor
 from ...model import numerics as N
 from ...model.kv_state import KVState
 from ...model.weights import bind
+from ...model.numerics import DS4, NUMERICS
 from ..protocol import BindReport
 
-EXACT, DS4 = "exact", "ds4"
-NUMERICS = (EXACT, DS4)
 # Routed-expert activations: ggml's K-quant and IQ dot products take Q8_K (256-value) activations;
 # MXFP4's takes Q8_0 (32-value) ones.
 _EXPERT_ACT_Q8_0 = frozenset({Q.MXFP4, Q.Q8_0})
