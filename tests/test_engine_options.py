@@ -212,3 +212,12 @@ def test_agent_backend_mlx_without_mlx_is_one_line(agent_model, tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     rc = agent_cli.main(["-m", str(agent_model), "--backend", "mlx"])    # the TUI never starts
     _one_line_exit_1(rc, capsys.readouterr().err, "mlx is not installed")
+
+
+def test_serve_main_reports_an_engine_that_cannot_open(agent_model, capsys):
+    """serve_main opens the engine itself: a backend refused there (the agent's check passed, or
+    an embedder called it directly) is one line and exit 1, not a traceback."""
+    from ds4agent.serve.cli import serve_main
+    a = agent_cli._parser().parse_args(["--serve", "--port", "0"])
+    rc = serve_main(a, str(agent_model), 4096, EngineOptions(backend="nosuch"))
+    _one_line_exit_1(rc, capsys.readouterr().err, "unknown backend 'nosuch'")
