@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass
 
-from .model.numerics import DS4, EXACT, NUMERICS  # noqa: F401 (EXACT: part of this module's names)
+from .model.numerics import DS4, EXACT, NUMERICS
+
+__all__ = ["DS4", "EXACT", "NUMERICS", "PAGING", "EngineOptions", "add_engine_flags"]
 
 # auto: DS4_PAGING if set, else by the file's size against the memory and by backend
 PAGING = ("auto", "resident", "prefault", "lowmem", "none")
