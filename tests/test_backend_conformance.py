@@ -70,9 +70,11 @@ def test_auto_picks_the_best_available(monkeypatch):
     assert R.pick("auto").name == BACKENDS[0]
     monkeypatch.setenv("DS4_BACKEND", "numpy")
     assert R.pick("auto").name == "numpy"
-    monkeypatch.setenv("DS4_BACKEND", "nosuch")
-    with pytest.raises(BackendError, match="unknown backend 'nosuch'"):
+    monkeypatch.setenv("DS4_BACKEND", "nosuch")        # the line says where the name came from
+    with pytest.raises(BackendError, match="^DS4_BACKEND: unknown backend 'nosuch'"):
         R.pick("auto")
+    monkeypatch.setenv("DS4_BACKEND", "auto")          # means what no variable means
+    assert R.pick("auto").name == BACKENDS[0]
 
 
 @pytest.mark.parametrize("name", ["nosuch", "mlx", "cupy"])

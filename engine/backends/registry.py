@@ -116,8 +116,12 @@ def pick(name: str | None = AUTO) -> Backend:
     """The entry for `name`: "auto" (or None) is DS4_BACKEND when set, else the available backend
     with the highest priority. Raises BackendError (one line) for an unknown or unavailable name."""
     name = (name or AUTO).strip().lower()
-    if name == AUTO:
-        name = (os.environ.get("DS4_BACKEND") or AUTO).strip().lower()
+    env = (os.environ.get("DS4_BACKEND") or "").strip().lower()
+    if name == AUTO and env not in ("", AUTO):
+        try:
+            return pick(env)
+        except BackendError as e:       # say where the name came from: no flag named it
+            raise BackendError(f"DS4_BACKEND: {e}") from None
     if name == AUTO:
         for n in names():
             if _entries[n].available() is None:
