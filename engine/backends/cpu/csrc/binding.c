@@ -134,6 +134,63 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* product i of matmul_q8_batch checked into job j: its type (type_o), weight (w_o), input (x_o,
+ * or row i / 0 of the 2-D xb2 when NULL) and output (y_o, or row i of yb2 when NULL). The buffers
+ * it holds are in b[0..2] (released here on an error; the 2-D forms' slots stay empty). */
+static int get_q8_job(const kern_isa *K, PyObject *type_o, PyObject *w_o, PyObject *x_o, PyObject *y_o,
+                      const Py_buffer *xb2, const Py_buffer *yb2, Py_ssize_t i, Py_buffer *b, q8_job *j) {
+    const long tl = PyLong_AsLong(type_o);
+    if (tl == -1 && PyErr_Occurred()) return -1;
+    const int type = (int)tl;
+    if (check_type(type) < 0) return -1;
+    if (!K->q8[type]) {
+        PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", type);
+        return -1;
+    }
+    j->type = type;
+    if (get_weight(w_o, type, &b[0], &j->n_rows, &j->n_in, &j->stride) < 0) return -1;
+    if (!x_o) {
+        if (xb2->shape[1] != j->n_in) {
+            PyErr_Format(PyExc_ValueError, "xs has %zd columns, product %zd takes %lld", xb2->shape[1], i,
+                         (long long)j->n_in);
+            PyBuffer_Release(&b[0]);
+            return -1;
+        }
+        j->T = 1;
+        j->x = (const float *)xb2->buf + (xb2->shape[0] == 1 ? 0 : i * j->n_in);
+    } else {
+        if (get_f32(x_o, &b[1], 0, "x", -1, j->n_in) < 0) {
+            PyBuffer_Release(&b[0]);
+            return -1;
+        }
+        j->T = b[1].shape[0];
+        j->x = (const float *)b[1].buf;
+    }
+    if (!y_o) {
+        if (j->T != 1 || yb2->shape[1] != j->n_rows) {
+            PyErr_Format(PyExc_ValueError, "ys as one array takes one token and %zd rows a product; product %zd "
+                         "has %lld tokens and %lld rows", yb2->shape[1], i, (long long)j->T, (long long)j->n_rows);
+            PyBuffer_Release(&b[0]);
+            PyBuffer_Release(&b[1]);
+            return -1;
+        }
+        j->y = (float *)yb2->buf + i * j->n_rows;
+    } else {
+        if (get_f32(y_o, &b[2], 1, "y", j->T, j->n_rows) < 0) {
+            PyBuffer_Release(&b[0]);
+            PyBuffer_Release(&b[1]);
+            return -1;
+        }
+        j->y = (float *)b[2].buf;
+    }
+    j->W = (const uint8_t *)b[0].buf;
+    if (j->n_in == 0 || j->T == 0) { /* nothing to multiply: zeros, and no rows to schedule */
+        memset(j->y, 0, (size_t)(j->T * j->n_rows) * sizeof(float));
+        j->n_rows = 0;
+    }
+    return 0;
+}
+
 /* matmul_q8_batch(types, ws, xs, ys[, threads]): ys[i] = q8(xs[i]) @ ws[i].T for every i, in one
  * parallel region; types: one ggml type id for all, or one per product.  One token a product (a
  * decode step) may pass xs as one float32 array [1 or n, n_in] (every product's input, or product
@@ -188,59 +245,11 @@ static PyObject *py_matmul_q8_batch(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    for (; got < n; got++) {
-        Py_buffer *b = bufs + 3 * got;
-        q8_job *j = jobs + got;
-        const long tl = PyLong_AsLong(tf ? PySequence_Fast_GET_ITEM(tf, got) : to);
-        if (tl == -1 && PyErr_Occurred()) goto done;
-        const int type = (int)tl;
-        if (check_type(type) < 0) goto done;
-        if (!K->q8[type]) {
-            PyErr_Format(PyExc_ValueError, "no integer-activation kernel for ggml type %d", type);
+    for (; got < n; got++)
+        if (get_q8_job(K, tf ? PySequence_Fast_GET_ITEM(tf, got) : to, PySequence_Fast_GET_ITEM(wf, got),
+                       x2d ? NULL : PySequence_Fast_GET_ITEM(xf, got), y2d ? NULL : PySequence_Fast_GET_ITEM(yf, got),
+                       &xb2, &yb2, got, bufs + 3 * got, jobs + got) < 0)
             goto done;
-        }
-        j->type = type;
-        if (get_weight(PySequence_Fast_GET_ITEM(wf, got), type, &b[0], &j->n_rows, &j->n_in, &j->stride) < 0) goto done;
-        if (x2d) {
-            if (xb2.shape[1] != j->n_in) {
-                PyErr_Format(PyExc_ValueError, "xs has %zd columns, product %zd takes %lld", xb2.shape[1], got,
-                             (long long)j->n_in);
-                PyBuffer_Release(&b[0]);
-                goto done;
-            }
-            j->T = 1;
-            j->x = (const float *)xb2.buf + (xb2.shape[0] == 1 ? 0 : got * j->n_in);
-        } else {
-            if (get_f32(PySequence_Fast_GET_ITEM(xf, got), &b[1], 0, "x", -1, j->n_in) < 0) {
-                PyBuffer_Release(&b[0]);
-                goto done;
-            }
-            j->T = b[1].shape[0];
-            j->x = (const float *)b[1].buf;
-        }
-        if (y2d) {
-            if (j->T != 1 || yb2.shape[1] != j->n_rows) {
-                PyErr_Format(PyExc_ValueError, "ys as one array takes one token and %zd rows a product; product %zd "
-                             "has %lld tokens and %lld rows", yb2.shape[1], got, (long long)j->T, (long long)j->n_rows);
-                PyBuffer_Release(&b[0]);
-                PyBuffer_Release(&b[1]);
-                goto done;
-            }
-            j->y = (float *)yb2.buf + got * j->n_rows;
-        } else {
-            if (get_f32(PySequence_Fast_GET_ITEM(yf, got), &b[2], 1, "y", j->T, j->n_rows) < 0) {
-                PyBuffer_Release(&b[0]);
-                PyBuffer_Release(&b[1]);
-                goto done;
-            }
-            j->y = (float *)b[2].buf;
-        }
-        j->W = (const uint8_t *)b[0].buf;
-        if (j->n_in == 0 || j->T == 0) { /* nothing to multiply: zeros, and no rows to schedule */
-            memset(j->y, 0, (size_t)(j->T * j->n_rows) * sizeof(float));
-            j->n_rows = 0;
-        }
-    }
     {
         int rc;
         Py_BEGIN_ALLOW_THREADS
@@ -506,6 +515,28 @@ static PyObject *py_store_kv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* one (keys, mask, per_query) segment of attention: both buffers held in kb, mb (released here on
+ * an error) and described in seg */
+static int get_segment(PyObject *it, int64_t T, int64_t D, Py_buffer *kb, Py_buffer *mb, attn_seg *seg) {
+    PyObject *ko, *mo;
+    int perq;
+    if (!PyArg_ParseTuple(it, "OOp", &ko, &mo, &perq)) return -1;
+    if (get_f32(ko, kb, 0, "keys", -1, D) < 0) return -1;
+    if (PyObject_GetBuffer(mo, mb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(kb);
+        return -1;
+    }
+    const int64_t Km = mb->ndim == 2 ? mb->shape[1] : -1;
+    if (mb->ndim != 2 || mb->itemsize != 1 || mb->shape[0] != T || kb->shape[0] != (perq ? T * Km : Km)) {
+        PyErr_SetString(PyExc_ValueError, "attention: a mask must be uint8 [T, K] and its keys [K or T * K, D]");
+        PyBuffer_Release(kb);
+        PyBuffer_Release(mb);
+        return -1;
+    }
+    *seg = (attn_seg){(const float *)kb->buf, (const uint8_t *)mb->buf, Km, perq};
+    return 0;
+}
+
 /* attention(q, sinks, out, segments[, threads]): ops_attention; a segment is (keys, mask, per_query) */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     PyObject *qo, *so, *oo, *sl;
@@ -526,7 +557,6 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     const int64_t D = qb.shape[1], T = H > 0 ? qb.shape[0] / H : 0;
     PyObject *segf = NULL, *ret = NULL;
     Py_buffer *kb = NULL, *mb = NULL;
-    int *perq = NULL;
     attn_seg *segs = NULL;
     Py_ssize_t nseg = 0, held = 0;
     if (H < 1 || qb.shape[0] != T * H) {
@@ -545,32 +575,15 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     nseg = PySequence_Fast_GET_SIZE(segf);
     kb = (Py_buffer *)calloc((size_t)nseg + 1, sizeof(Py_buffer));
     mb = (Py_buffer *)calloc((size_t)nseg + 1, sizeof(Py_buffer));
-    perq = (int *)calloc((size_t)nseg + 1, sizeof(int));
     segs = (attn_seg *)calloc((size_t)nseg + 1, sizeof(attn_seg));
-    if (!kb || !mb || !perq || !segs) {
+    if (!kb || !mb || !segs) {
         PyErr_NoMemory();
         goto done;
     }
     int64_t nmax = 0;
     for (; held < nseg; held++) {
-        PyObject *it = PySequence_Fast_GET_ITEM(segf, held), *ko, *mo;
-        if (!PyArg_ParseTuple(it, "OOp", &ko, &mo, &perq[held])) goto done;
-        if (get_f32(ko, &kb[held], 0, "keys", -1, D) < 0) goto done;
-        if (PyObject_GetBuffer(mo, &mb[held], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-            PyBuffer_Release(&kb[held]);
-            goto done;
-        }
-        const Py_buffer *m = &mb[held];
-        const int64_t Km = m->ndim == 2 ? m->shape[1] : -1;
-        if (m->ndim != 2 || m->itemsize != 1 || m->shape[0] != T ||
-            kb[held].shape[0] != (perq[held] ? T * Km : Km)) {
-            PyErr_SetString(PyExc_ValueError, "attention: a mask must be uint8 [T, K] and its keys [K or T * K, D]");
-            PyBuffer_Release(&kb[held]);
-            PyBuffer_Release(&mb[held]);
-            goto done;
-        }
-        segs[held] = (attn_seg){(const float *)kb[held].buf, (const uint8_t *)m->buf, Km, perq[held]};
-        nmax += Km;
+        if (get_segment(PySequence_Fast_GET_ITEM(segf, held), T, D, &kb[held], &mb[held], &segs[held]) < 0) goto done;
+        nmax += segs[held].K;
     }
     {
         int rc;
@@ -592,7 +605,6 @@ done:
     }
     free(kb);
     free(mb);
-    free(perq);
     free(segs);
     Py_XDECREF(segf);
     PyBuffer_Release(&qb);

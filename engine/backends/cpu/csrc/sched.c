@@ -174,14 +174,20 @@ static int64_t q8_cost(const kern_isa *K, int type) {
     return type == KT_IQ2_XXS ? 6 : type == KT_Q2_K ? 3 : 4;
 }
 
-int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, int max_threads) {
-    int64_t nq = 0, nd = 0, ns = 0, nu = 0, units = 0, work = 0, gscratch = 0;
+/* a batch's activation buffer sizes (values), its 16-row units and their work */
+typedef struct {
+    int64_t nq, nd, ns, nu, units, work, gscratch;
+} q8_sizes;
+
+/* each job's form (GEMM or rows) and the earlier job whose codes it shares, and the sizes */
+static void q8_plan(const kern_isa *K, q8_job *jobs, int64_t n_jobs, q8_sizes *z) {
+    memset(z, 0, sizeof(*z));
     for (int64_t i = 0; i < n_jobs; i++) {
         q8_job *j = &jobs[i];
         const int bs = kern_q8_block(j->type);
         j->gemm = K->q8g[j->type] && !g_invariant && j->T >= K->q8g_min_t[j->type];
-        units += (j->n_rows + 15) / 16;
-        work += j->n_rows * (j->n_in / kern_block_elems(j->type) * kern_block_bytes(j->type)) * (j->T < 4 ? j->T : 4);
+        z->units += (j->n_rows + 15) / 16;
+        z->work += j->n_rows * (j->n_in / kern_block_elems(j->type) * kern_block_bytes(j->type)) * (j->T < 4 ? j->T : 4);
         j->same = -1;
         for (int64_t k = i - 1; k >= 0 && k >= i - 64; k--)   /* (a decode batch's 26-28 jobs) */
             if (jobs[k].same < 0 && q8_same_codes(K, &jobs[k], j)) {
@@ -191,30 +197,21 @@ int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, int max
         if (j->same >= 0) continue;
         if (j->gemm) {
             const int64_t g = K->q8g_scratch(j->n_in);
-            gscratch = g > gscratch ? g : gscratch;
-            nu += K->q8g_xu[j->type] ? j->T * j->n_in : 0; /* the form reads x + 128 */
+            z->gscratch = g > z->gscratch ? g : z->gscratch;
+            z->nu += K->q8g_xu[j->type] ? j->T * j->n_in : 0; /* the form reads x + 128 */
         } else if (K->q8_arrange[j->type])
-            nu += j->T * j->n_in; /* the row kernel's order */
-        nq += j->T * j->n_in;
-        nd += j->T * (j->n_in / bs);
-        ns += bs == 256 ? j->T * (j->n_in / 16) : 0;
+            z->nu += j->T * j->n_in; /* the row kernel's order */
+        z->nq += j->T * j->n_in;
+        z->nd += j->T * (j->n_in / bs);
+        z->ns += bs == 256 ? j->T * (j->n_in / 16) : 0;
     }
-    int8_t *xq = (int8_t *)malloc((size_t)nq + 1);
-    uint8_t *xu = (uint8_t *)malloc((size_t)nu + 1); /* a second copy of some jobs' codes: xu or xr */
-    float *xd = (float *)malloc((size_t)nd * sizeof(float) + 1);
-    int16_t *xs = (int16_t *)malloc((size_t)ns * sizeof(int16_t) + 1);
-    int64_t *unit_job = (int64_t *)malloc((size_t)units * sizeof(int64_t) + 1);
-    int64_t *unit_cum = (int64_t *)malloc((size_t)(units + 1) * sizeof(int64_t));
-    if (!xq || !xu || !xd || !xs || !unit_job || !unit_cum) {
-        free(xq);
-        free(xu);
-        free(xd);
-        free(xs);
-        free(unit_job);
-        free(unit_cum);
-        return -1;
-    }
-    nq = nd = ns = nu = 0;
+}
+
+/* each job's slices of the shared buffers (a job that shares codes takes the earlier job's), and
+ * the job of every 16-row unit */
+static void q8_assign(const kern_isa *K, q8_job *jobs, int64_t n_jobs, int8_t *xq, uint8_t *xu, float *xd,
+                      int16_t *xs, int64_t *unit_job) {
+    int64_t nq = 0, nd = 0, ns = 0, nu = 0;
     for (int64_t i = 0, u = 0; i < n_jobs; i++) {
         q8_job *j = &jobs[i];
         const int bs = kern_q8_block(j->type);
@@ -238,18 +235,11 @@ int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, int max
         nd += j->T * (j->n_in / bs);
         ns += bs == 256 ? j->T * (j->n_in / 16) : 0;
     }
-    /* the units' work (rows x values x (tokens + 2): decoding a row costs about two tokens'
-     * products, times the format's cost), summed: the threads split the work, not the unit count
-     * (a prefill's experts have 1 to 32 tokens each) */
-    unit_cum[0] = 0;
-    for (int64_t u = 0; u < units; u++) {
-        const q8_job *j = &jobs[unit_job[u]];
-        /* the GEMM form: decoding and packing a row costs about two tokens, and a token's products
-         * about a quarter of the row kernels' */
-        unit_cum[u + 1] = unit_cum[u] + 16 * j->n_in * q8_cost(K, j->type) * (j->gemm ? (j->T + 3) / 4 + 2 : j->T + 2);
-    }
-    const int nt = thread_count(units, work, 64 * 1024, max_threads);
-    int failed = 0; /* a GEMM job's scratch could not be had */
+}
+
+/* the parallel region: quantize every job's x, then each thread its run of units, equal in work */
+static void q8_run(const kern_isa *K, const q8_job *jobs, int64_t n_jobs, const int64_t *unit_job,
+                   const int64_t *unit_cum, int64_t units, int64_t gscratch, int nt, int *failed) {
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int tid = OMP_TID(), nth = OMP_NTH();
@@ -294,11 +284,39 @@ int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, int max
                     K->q8g[j->type](j->W, j->stride, j->n_in, a, b, j->xq, j->xu, j->xd, j->xs, j->T, j->y, j->n_rows, gs);
                 else
 #pragma omp atomic write
-                    failed = 1;
+                    *failed = 1;
             } else
                 K->q8[j->type](j->W, j->stride, j->n_in, a, b, j->xr ? j->xr : j->xq, j->xd, j->xs, j->T, j->y, j->n_rows);
             u = last + 1;
         }
+    }
+}
+
+int run_matmul_q8_batch(const kern_isa *K, q8_job *jobs, int64_t n_jobs, int max_threads) {
+    q8_sizes z;
+    q8_plan(K, jobs, n_jobs, &z);
+    const int64_t units = z.units;
+    int8_t *xq = (int8_t *)malloc((size_t)z.nq + 1);
+    uint8_t *xu = (uint8_t *)malloc((size_t)z.nu + 1); /* a second copy of some jobs' codes: xu or xr */
+    float *xd = (float *)malloc((size_t)z.nd * sizeof(float) + 1);
+    int16_t *xs = (int16_t *)malloc((size_t)z.ns * sizeof(int16_t) + 1);
+    int64_t *unit_job = (int64_t *)malloc((size_t)units * sizeof(int64_t) + 1);
+    int64_t *unit_cum = (int64_t *)malloc((size_t)(units + 1) * sizeof(int64_t));
+    int failed = !xq || !xu || !xd || !xs || !unit_job || !unit_cum; /* or: a GEMM job's scratch could not be had */
+    if (!failed) {
+        q8_assign(K, jobs, n_jobs, xq, xu, xd, xs, unit_job);
+        /* the units' work (rows x values x (tokens + 2): decoding a row costs about two tokens'
+         * products, times the format's cost), summed: the threads split the work, not the unit count
+         * (a prefill's experts have 1 to 32 tokens each) */
+        unit_cum[0] = 0;
+        for (int64_t u = 0; u < units; u++) {
+            const q8_job *j = &jobs[unit_job[u]];
+            /* the GEMM form: decoding and packing a row costs about two tokens, and a token's products
+             * about a quarter of the row kernels' */
+            unit_cum[u + 1] = unit_cum[u] + 16 * j->n_in * q8_cost(K, j->type) * (j->gemm ? (j->T + 3) / 4 + 2 : j->T + 2);
+        }
+        q8_run(K, jobs, n_jobs, unit_job, unit_cum, units, z.gscratch, thread_count(units, z.work, 64 * 1024, max_threads),
+               &failed);
     }
     free(xq);
     free(xu);
