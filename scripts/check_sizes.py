@@ -16,11 +16,9 @@ PACKAGES = ("ds4agent", "engine", "prompts", "sessions", "tools", "scripts")
 FILE_MAX = 700
 FUNC_MAX = 80
 
-# today's offenders: "path" for a file, "path::qualified.name" for a function -> lines then.
-# Shrink an entry (or drop it) when the code is split; never raise one.
-ALLOWED: dict[str, int] = {
-    "ds4agent/serve/worker.py::Worker._prepare": 85,
-}
+# offenders allowed at their size: "path" for a file, "path::qualified.name" for a function ->
+# lines then. None today; an entry may only shrink or go, never grow.
+ALLOWED: dict[str, int] = {}
 
 
 def python_files(root: Path = ROOT) -> list[Path]:

@@ -259,6 +259,12 @@ class Worker:
             tail = _decode_tail(prompt[len(live_text):])
             if tail is not None:
                 return extend(tail, "memory-text")
+        return self._prepare_branch(job, prompt)
+
+    def _prepare_branch(self, job: Job, prompt: bytes) -> tuple[str, int]:
+        """Steps 8-9 of _prepare: the prompt shares only part of the live timeline (or nothing)."""
+        s = self.session
+        L = s.pos
         # 8: part of the live timeline, cut back in place, or a disk checkpoint: the longer wins
         keep = s.reusable(job.tokens) if L else 0
         cand = self.cache.find(prompt, s) if self.cache is not None else None
