@@ -178,6 +178,14 @@ class _Counting(NumpyOps):
         self._count("new_state")
         return NumpyOps.new_state(self, config, ctx, rewind_cap)
 
+    def state_to_host(self, state):
+        self._count("state_to_host")
+        return NumpyOps.state_to_host(state)
+
+    def state_from_host(self, host):
+        self._count("state_from_host")
+        return NumpyOps.state_from_host(host)
+
     def embed(self, embd, tokens):
         self._count("embed")
         return NumpyOps.embed(embd, tokens)
@@ -188,7 +196,7 @@ class _Counting(NumpyOps):
 
 
 def test_the_engine_goes_through_the_backends_hooks(monkeypatch, small_model):
-    hooks = {"bind_weights", "new_state", "embed", "logits_to_host"}
+    hooks = {"bind_weights", "new_state", "state_to_host", "state_from_host", "embed", "logits_to_host"}
     _register(monkeypatch, "counting", _Counting, set(OPERATIONS) - hooks)
     _Counting.calls = {}
     monkeypatch.setenv("DS4_BACKEND", "counting")              # auto takes it, as any caller would
@@ -198,7 +206,8 @@ def test_the_engine_goes_through_the_backends_hooks(monkeypatch, small_model):
         s.sync([1, 2, 3])
         s.eval(4)
         s.restore(s.snapshot())
-    assert _Counting.calls == {"bind_weights": 1, "new_state": 2, "embed": 2, "logits_to_host": 2}
+    assert _Counting.calls == {"bind_weights": 1, "new_state": 1, "state_to_host": 1, "state_from_host": 1,
+                               "embed": 2, "logits_to_host": 2}
 
 
 def test_every_backend_declares_only_what_it_inherits(backend):

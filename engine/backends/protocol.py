@@ -9,7 +9,8 @@ backend that forgets one never runs it silently in host NumPy.
 Arrays: the model hands ops "arrays" of the backend's own kind (NumPy for numpy and cpu) and does
 its small index glue (arange, where, sort, take_along_axis, ...) through `ops.xp`, the backend's
 NumPy-compatible namespace. Host copies happen in three places only: `logits_to_host` (what
-sampling reads), and the KV state's snapshot/restore (engine/model/snapshot.py).
+sampling reads), and the KV state's snapshot and restore (`state_to_host`, `state_from_host`
+around engine/model/snapshot.py, which reads and fills host KVState rings).
 """
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ class Ops(Protocol):
 
     def new_state(self, config, ctx: int, rewind_cap: int):
         """A fresh KV state for a timeline of `ctx` tokens, owned by the backend (its device)."""
+
+    def state_to_host(self, state):
+        """The KV state as a host KVState (engine.model.kv_state), what a snapshot reads: the
+        state itself where it lives in host memory, a copy from the device elsewhere."""
+
+    def state_from_host(self, host):
+        """The backend's KV state made from a host KVState that a restore filled (the same
+        object where the state lives in host memory, an upload elsewhere)."""
 
     def embed(self, embd, tokens):
         """The embedding rows of `tokens` (int64 [T]) from the table `embd` (a QTensor): [T, E]."""

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..model import snapshot as snap
 from ..errors import ModelFileError
+from ..model.kv_state import KVState
 from ..model.model import Model
 from ..gguf.model_file import ModelFile
 from ..backends import registry
@@ -318,13 +319,15 @@ class Session:
     # -- snapshots -----------------------------------------------------------------------------
     def snapshot(self) -> bytes:
         logits = self._logits if self._logits is not None else np.zeros(self.engine.config.n_vocab, np.float32)
-        return snap.save(self.engine.config, self.state, self._tokens, logits, self.chunk)
+        host = self.engine.model.ops.state_to_host(self.state)
+        return snap.save(self.engine.config, host, self._tokens, logits, self.chunk)
 
     def restore(self, data: bytes):
-        # load into a fresh state so a bad payload leaves the current timeline untouched
-        state = self.engine.model.ops.new_state(self.engine.config, self.ctx, self.rewind_cap)
-        tokens, logits = snap.load(self.engine.config, state, data)
-        self.state = state
+        # load into a fresh host state so a bad payload leaves the current timeline untouched;
+        # the backend then takes it over (an upload where its state lives on a device)
+        host = KVState(self.engine.config, self.ctx, self.rewind_cap)
+        tokens, logits = snap.load(self.engine.config, host, data)
+        self.state = self.engine.model.ops.state_from_host(host)
         self._tokens = tokens
         self._logits = logits if tokens else None
 

@@ -38,4 +38,5 @@ BACKEND = Backend(
     # taken from the NumPy reference on purpose: cheap elementwise ops, the indexer's rounding,
     # and the host glue (weights, state, embedding, logits)
     reference_ops=frozenset({"sigmoid", "softplus", "softmax", "store_index", "index_qat",
-                             "topk_lowest_index", "bind_weights", "new_state", "embed", "logits_to_host"}))
+                             "topk_lowest_index", "bind_weights", "new_state", "state_to_host", "state_from_host", "embed",
+                             "logits_to_host"}))

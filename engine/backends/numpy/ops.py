@@ -59,6 +59,14 @@ class NumpyOps:
         return KVState(config, ctx, rewind_cap)
 
     @staticmethod
+    def state_to_host(state: KVState) -> KVState:
+        return state             # host memory already: a snapshot reads it in place
+
+    @staticmethod
+    def state_from_host(host: KVState) -> KVState:
+        return host
+
+    @staticmethod
     def embed(embd: QTensor, tokens: np.ndarray) -> np.ndarray:
         """The rows of `tokens`, decoded from the map (only those rows)."""
         return Q.dequantize(embd.type_id, embd.data[tokens])
