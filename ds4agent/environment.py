@@ -5,8 +5,10 @@ import datetime
 import platform
 from pathlib import Path
 
-from prompts.system_prompt import agent_system_text
+from prompts.system_prompt import AGENTS_MD_LIMIT, agent_system_text
+from tools.base import ToolContext, ToolError
 from tools.gitsafe import Git, GitError, NotARepository
+from tools.safefs import read_inside
 
 
 def git_summary(root: Path) -> str:
@@ -50,11 +52,19 @@ def _branch(head: str) -> str:
 
 def system_text(root: Path) -> str:
     root = Path(root)
-    agents = root / "AGENTS.md"
-    try:
-        agents_md = agents.read_text(encoding="utf-8", errors="replace") if agents.is_file() else None
-    except OSError:
-        agents_md = None
     return agent_system_text(cwd=str(root), os_name=f"{platform.system()} {platform.release()}",
                              date=datetime.date.today().isoformat(), git=git_summary(root),
-                             agents_md=agents_md)
+                             agents_md=read_agents_md(root))
+
+
+def read_agents_md(root: Path) -> str | None:
+    """The project's AGENTS.md, read as the read tool reads: a regular file whose opened descriptor
+    lies inside the project (a cloned repository can commit AGENTS.md as a symlink to
+    /proc/self/environ or ~/.ssh/id_rsa, which would go into the prompt), of a bounded size (the
+    prompt keeps its first AGENTS_MD_LIMIT characters; a multi-GB target is not read)."""
+    root = Path(root)
+    try:
+        _, data = read_inside(ToolContext(root=root), root / "AGENTS.md", limit=4 * AGENTS_MD_LIMIT + 4096)
+    except (OSError, ToolError):
+        return None
+    return data.decode("utf-8", "replace") if data is not None else None

@@ -76,3 +76,27 @@ def test_sigterm_ends_the_agent_like_ctrl_c(tmp_path, agent_model):
             p.kill()
     assert p.returncode == 130, err.decode(errors="replace")[-2000:]
     assert b"Traceback" not in err
+
+
+def test_agents_md_is_read_only_from_inside_the_project(tmp_path):
+    """A cloned repository can commit AGENTS.md as a symlink to a file outside it (a key, the
+    process environment): its bytes must not reach the prompt. A link inside the project is
+    followed; a FIFO does not block; an oversized file is left out."""
+    import os
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET-42")
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "AGENTS.md").symlink_to(secret)
+    assert "TOPSECRET-42" not in system_text(proj)
+    (proj / "AGENTS.md").unlink()
+    (proj / "CLAUDE.md").write_text("use tabs")
+    (proj / "AGENTS.md").symlink_to("CLAUDE.md")
+    assert "use tabs" in system_text(proj)
+    (proj / "AGENTS.md").unlink()
+    os.mkfifo(proj / "fifo")
+    (proj / "AGENTS.md").symlink_to("fifo")
+    system_text(proj)                  # returns: the FIFO is opened non-blocking and refused
+    (proj / "AGENTS.md").unlink()
+    (proj / "AGENTS.md").write_text("x" * 10_000_000)
+    assert "xxxxxxxxxx" not in system_text(proj)
