@@ -403,6 +403,63 @@ def test_core_worktree_cannot_point_outside(tmp_path):
     assert "PRIVATE-KEY-MATERIAL" not in call("search", {"pattern": "PRIVATE"}, ctx).text
 
 
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "protocol.file.allow=always",
+                           *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("how", ["gitdir file", "symlink", "commondir"])
+def test_a_git_pointer_to_another_repository_is_not_followed(tmp_path, how):
+    """A project unpacked from an archive can carry a `.git` file (`gitdir: ../victim/.git`), a
+    `.git` symlink or a `commondir` file naming another repository on the disk: git would then
+    show that repository's files. The tools refuse it (search and list walk the folder instead)."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    _git(victim, "init", "-q")
+    (victim / "key").write_text("VICTIM-SECRET-91\n")
+    _git(victim, "add", "key")
+    _git(victim, "commit", "-qm", "s")
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "a.txt").write_text("hello\n")
+    if how == "gitdir file":
+        (proj / ".git").write_text("gitdir: ../victim/.git\n")
+    elif how == "symlink":
+        (proj / ".git").symlink_to(victim / ".git")
+    else:
+        for d in ("refs", "objects"):
+            (proj / ".git" / d).mkdir(parents=True)
+        (proj / ".git" / "HEAD").write_text((victim / ".git" / "HEAD").read_text())
+        (proj / ".git" / "commondir").write_text("../../victim/.git\n")
+    assert "VICTIM-SECRET-91" in _git(proj, "log", "-p")               # plain git follows it
+    ctx = ToolContext(root=proj)
+    for args in ({"subcommand": "log"}, {"subcommand": "show"}, {"subcommand": "status"},
+                 {"subcommand": "show", "ref": "HEAD:key"}, {"subcommand": "diff", "ref": "HEAD"}):
+        assert "VICTIM-SECRET-91" not in call("git", args, ctx).text, args
+    assert "a.txt" in call("list", {"path": "."}, ctx).text
+    assert "VICTIM-SECRET-91" not in call("search", {"pattern": "VICTIM"}, ctx).text
+    assert "VICTIM-SECRET-91" not in system_text(proj)
+
+
+def test_linked_work_trees_and_submodules_still_work(tmp_path):
+    main = tmp_path / "main"
+    main.mkdir()
+    _git(main, "init", "-q")
+    (main / "a.txt").write_text("in main\n")
+    _git(main, "add", "a.txt")
+    _git(main, "commit", "-qm", "first")
+    _git(main, "worktree", "add", "-q", str(tmp_path / "wt"))
+    res = call("git", {"subcommand": "log"}, ToolContext(root=tmp_path / "wt"))
+    assert res.ok and "first" in res.text, res.text
+    sup = tmp_path / "super"
+    sup.mkdir()
+    _git(sup, "init", "-q")
+    _git(sup, "submodule", "add", "-q", str(main), "sub")
+    assert (sup / "sub" / ".git").is_file()
+    res = call("git", {"subcommand": "log"}, ToolContext(root=sup / "sub"))
+    assert res.ok and "first" in res.text, res.text
+
+
 # ---------------------------------------------------------------------------------------- item 9
 
 SECRET = "TOP-SECRET-6f1d"
@@ -442,7 +499,10 @@ def ref_shapes(r: Repo) -> list[str]:
             "HEAD~1...HEAD", "HEAD", "HEAD~1", "HEAD HEAD~1", "HEAD~1:secret.txt HEAD:secret.txt",
             "HEAD:secret.txt HEAD:proj/a.txt", "HEAD:proj/a.txt HEAD:secret.txt", "HEAD~1: HEAD:",
             "HEAD:proj", "HEAD^!", "^HEAD~1 HEAD", "HEAD^{commit}^{tree}", f"{blob}:", "HEAD:.",
-            "HEAD~1:./a.txt HEAD:secret.txt", "HEAD^{tree}:secret.txt", f"{tree}:secret.txt"]
+            "HEAD~1:./a.txt HEAD:secret.txt", "HEAD^{tree}:secret.txt", f"{tree}:secret.txt",
+            # git splits at '..' before it reads REV:path: two objects, one of them outside
+            "HEAD:proj/a.txt..HEAD:../secret.txt", "HEAD~1:./a.txt..HEAD:../secret.txt",
+            "HEAD:proj/a.txt...HEAD:secret.txt", "HEAD:..HEAD:../secret.txt"]
 
 
 def shown_outside(r: Repo, extras: list[dict]) -> int:

@@ -91,6 +91,21 @@ def _check_commits(g: Git, names: list[str], sub: str) -> None:
                         "path inside the project)")
 
 
+def _past_leading_dots(path: str) -> str:
+    """The path after its leading ./ and ../ segments: the only place '..' can stand without git
+    splitting the argument into a range (what follows a leading '..' starts with '/', never a
+    revision)."""
+    while True:
+        if path.startswith("./"):
+            path = path[2:]
+        elif path.startswith("../"):
+            path = path[3:]
+        elif path in (".", ".."):
+            return ""
+        else:
+            return path
+
+
 def confine(g: Git, parts: list[str], sub: str, *, allow_outside: bool) -> tuple[list[str], int]:
     """`parts` with every path confined to the project and rewritten from the root; and how many
     of them were `REV:path` forms. Raises ToolError for anything naming content outside."""
@@ -104,6 +119,10 @@ def confine(g: Git, parts: list[str], sub: str, *, allow_outside: bool) -> tuple
             out.append(part)
             continue
         rev, path = split
+        if not allow_outside and (".." in rev or ".." in _past_leading_dots(path)):
+            raise ToolError(f"git {sub}: {part!r}: git reads '..' inside a REV:path as a revision range "
+                            "(each side a different object); name one object, with ./ or ../ only "
+                            "at the start of its path (refused)")
         full = root_path(g.prefix, path)
         if not allow_outside and not inside(g.prefix, full):
             where = g.prefix or "the repository's root"

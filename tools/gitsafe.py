@@ -84,6 +84,7 @@ _DRIVER_CONFIG = {
     "remote": {"uploadpack": "false", "receivepack": "false", "vcs": "none"},
     "difftool": {"cmd": "false"}, "mergetool": {"cmd": "false"},
     "trailer": {"command": "false", "cmd": "false"},
+    "hook": {"command": "true"},               # hooks defined in config (git 2.54+): hooksPath does not cover them
 }
 
 # Config the user wrote (not the repository): filter drivers defined there are kept.
@@ -131,6 +132,52 @@ def find_worktree(start: Path) -> Path | None:
     return None
 
 
+def _inside(p: str, top: Path) -> bool:
+    return os.path.commonpath([p, str(top)]) == str(top)
+
+
+def _check_git_dir(top: Path, timeout: float) -> None:
+    """The repository found at `top` must be this work tree's own. A `.git` file (`gitdir:`), a
+    `.git` symlink or a `commondir` file can point at another repository anywhere on the disk (a
+    project unpacked from an archive), and every git call would then show that repository's
+    files. Its git folder (and common folder) must lie inside `top`, or be git's own record of
+    a linked work tree or submodule whose work tree is `top`."""
+    r = _spawn(["git", "rev-parse", "--absolute-git-dir", "--git-common-dir"], top,
+               _config_env(base_env(top), list(FIXED_CONFIG)), timeout, None)
+    lines = r.stdout.decode("utf-8", "surrogateescape").splitlines()
+    if r.returncode != 0 or len(lines) < 2:
+        raise NotARepository(f"{top} is not inside a git work tree")
+    gitdir = os.path.realpath(lines[0])
+    common = os.path.realpath(os.path.join(top, lines[1]))
+    if _inside(gitdir, top) and _inside(common, top):
+        return
+    if not _inside(gitdir, top) and _names_work_tree(gitdir, top):
+        return
+    where = common if _inside(gitdir, top) else gitdir
+    raise NotARepository(f"{top}: its .git points at a repository elsewhere ({where}) that does "
+                         "not name this folder as its work tree; git is not used here")
+
+
+def _names_work_tree(gitdir: str, top: Path) -> bool:
+    """Whether the git folder `gitdir` (outside `top`) is a linked work tree's record
+    (`<gitdir>/gitdir` names top/.git) or a submodule's (its config's core.worktree is top)."""
+    want = os.path.realpath(top / ".git")
+    try:
+        with open(os.path.join(gitdir, "gitdir"), "rb") as f:
+            back = f.read(4096).decode("utf-8", "surrogateescape").strip()
+        if os.path.isabs(back) and os.path.realpath(back) == want:
+            return True
+    except OSError:
+        pass
+    try:
+        with open(os.path.join(gitdir, "config"), "rb") as f:
+            text = f.read(1 << 20).decode("utf-8", "surrogateescape")
+    except OSError:
+        return False
+    m = re.search(r"^\s*worktree\s*=\s*(.+?)\s*$", text, re.M)
+    return bool(m) and os.path.realpath(os.path.join(gitdir, m.group(1))) == os.path.realpath(top)
+
+
 def driver_overrides(entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """For each driver key (`section.<name>.key`, or `pager.<command>`) among the config
     `entries` (scope, name), the override that disables it. Filters the user defined in their own
@@ -169,7 +216,11 @@ def base_env(worktree: Path | None) -> dict:
     env.update({"GIT_TERMINAL_PROMPT": "0", "GIT_PAGER": "cat", "PAGER": "cat",
                 "GIT_EDITOR": "true", "GIT_SEQUENCE_EDITOR": "true", "GIT_ASKPASS": "",
                 "GIT_OPTIONAL_LOCKS": "0", "GIT_LITERAL_PATHSPECS": "1", "GIT_NO_LAZY_FETCH": "1",
-                "GIT_PROTOCOL_FROM_USER": "0", "GIT_NO_REPLACE_OBJECTS": "1"})
+                "GIT_PROTOCOL_FROM_USER": "0", "GIT_NO_REPLACE_OBJECTS": "1",
+                # no transport at all, whatever protocol.<name>.allow the repository sets (a git
+                # that ignores GIT_NO_LAZY_FETCH would fetch a partial clone's missing blob
+                # through an ext:: remote, which runs a command)
+                "GIT_ALLOW_PROTOCOL": ""})
     if worktree is not None:
         env["GIT_WORK_TREE"] = str(worktree)
     return env
@@ -233,6 +284,7 @@ class Git:
         if top is None:
             raise NotARepository(f"{self.cwd} is not inside a git work tree")
         self.top = top
+        _check_git_dir(top, self.timeout)
         rel = os.path.relpath(self.cwd, top)
         self.prefix = "" if rel == "." else Path(rel).as_posix()   # the cwd inside the repository
         base = base_env(top)
