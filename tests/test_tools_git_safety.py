@@ -347,6 +347,19 @@ def test_the_users_own_filter_still_applies(tmp_path, monkeypatch):
     assert " M a.txt" in call("git", {"subcommand": "status"}, ctx).text
 
 
+def test_the_users_lfs_filter_is_off_where_the_repository_names_lfs_programs():
+    """git-lfs's own config can name programs (lfs.extension.<x>.clean, custom transfer agents);
+    where the repository sets one, the user's filters are disabled like the repository's."""
+    from tools.gitsafe import driver_overrides
+    user = [("global", "filter.lfs.clean"), ("global", "filter.lfs.process")]
+    assert not [k for k, _ in driver_overrides(user) if k.startswith("filter.lfs.")]
+    for key in ("lfs.extension.x.clean", "lfs.customtransfer.y.path", "lfs.standalonetransferagent"):
+        got = dict(driver_overrides(user + [("local", key)]))
+        assert got["filter.lfs.clean"] == "" and got["filter.lfs.process"] == "", key
+    assert not [k for k, _ in driver_overrides(user + [("global", "lfs.extension.x.clean")])
+                if k.startswith("filter.lfs.")]                 # the user's own lfs settings
+
+
 def test_status_is_not_hidden_by_the_repository(tmp_path):
     r = make_repo(tmp_path)
     r.config("status.showUntrackedFiles", "no")

@@ -89,6 +89,7 @@ _DRIVER_CONFIG = {
 
 # Config the user wrote (not the repository): filter drivers defined there are kept.
 _USER_SCOPES = {"global", "system"}
+_LFS_PROGRAMS = ("lfs.extension.", "lfs.customtransfer.", "lfs.standalonetransferagent")
 
 # Commands that can show a diff: git's own flags keep textconv, external diff and gpg out.
 _DIFF_COMMANDS = {"diff": ["--no-textconv", "--no-ext-diff"],
@@ -185,6 +186,10 @@ def driver_overrides(entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
     modified); the repository only picks which applies, and cannot redefine one (its value would
     be overridden here)."""
     out: list[tuple[str, str]] = []
+    # git-lfs's filter runs programs its own config names (lfs.extension.<x>.clean, custom
+    # transfer agents): set by the repository, the user's filter is no longer the user's choice
+    keep_user = not any(scope not in _USER_SCOPES and name.lower().startswith(_LFS_PROGRAMS)
+                        for scope, name in entries)
     for scope, name in entries:
         section, _, rest = name.partition(".")
         sub, _, key = rest.rpartition(".")
@@ -192,7 +197,7 @@ def driver_overrides(entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
         if section == "pager":
             pairs = [] if sub else [(f"pager.{rest}", "false")]
         elif section == "filter" and sub:
-            pairs = [] if scope in _USER_SCOPES else [
+            pairs = [] if scope in _USER_SCOPES and keep_user else [
                 (f"filter.{sub}.{k}", v) for k, v in _DRIVER_CONFIG["filter"].items()]
         elif sub and key in (_DRIVER_CONFIG.get(section) or {}):
             pairs = [(f"{section}.{sub}.{key}", _DRIVER_CONFIG[section][key])]
