@@ -282,6 +282,8 @@ def test_exposure_warning(caplog):
     assert exposure_warning(ServeConfig(host="0.0.0.0", api_key="k")) is None
     for host in ("0.0.0.0", "::", "192.168.1.5"):
         assert "--api-key" in exposure_warning(ServeConfig(host=host)), host
+    assert "DNS rebinding" in exposure_warning(ServeConfig(host="0.0.0.0"))      # any Host accepted
+    assert "DNS rebinding" not in exposure_warning(ServeConfig(host="192.168.1.5"))
     with caplog.at_level(logging.WARNING, logger="ds4agent.serve"):
         create_app(SimpleNamespace(cfg=ServeConfig(host="0.0.0.0")))
     assert any("without --api-key" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)

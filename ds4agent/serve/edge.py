@@ -180,8 +180,10 @@ def exposure_warning(cfg: ServeConfig) -> str | None:
     if bind not in ALL_INTERFACES and name is not None and _is_loopback(name):
         return None
     where = "all interfaces" if bind in ALL_INTERFACES else cfg.host
-    return (f"warning: serving on {where} without --api-key: anyone who can reach this port can "
-            f"run the model and read its answers (add --api-key KEY, or bind to 127.0.0.1)")
+    # on all interfaces any Host name is accepted, so a web page can reach it by DNS rebinding
+    browsers = " (web pages too, through DNS rebinding)" if bind in ALL_INTERFACES else ""
+    return (f"warning: serving on {where} without --api-key: anyone who can reach this port{browsers} "
+            f"can run the model and read its answers (add --api-key KEY, or bind to 127.0.0.1)")
 
 
 # ------------------------------------------------------------------------------------------
