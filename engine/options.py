@@ -23,6 +23,8 @@ from .model.numerics import DS4, EXACT, NUMERICS
 
 __all__ = ["DS4", "EXACT", "NUMERICS", "PAGING", "EngineOptions", "add_engine_flags"]
 
+MAX_THREADS = 1024     # the C kernels' own limit, checked here too: before the agent's UI starts
+
 # auto: DS4_PAGING if set, else by the file's size against the memory and by backend
 PAGING = ("auto", "resident", "prefault", "lowmem", "none")
 
@@ -45,8 +47,8 @@ class EngineOptions:
         if self.paging not in PAGING:
             raise ValueError(f"paging must be one of {', '.join(PAGING)}, not {self.paging!r}")
         t = self.threads
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
-            raise ValueError(f"threads must be a whole number of at least 1, not {t!r}")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_THREADS):
+            raise ValueError(f"threads must be a whole number from 1 to {MAX_THREADS}, not {t!r}")
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "EngineOptions":

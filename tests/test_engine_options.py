@@ -66,7 +66,8 @@ def _required(command: str) -> list[str]:
 @pytest.mark.parametrize("field,value,words", [
     ("numerics", "fast", "numerics must be one of ds4, exact, not 'fast'"),
     ("paging", "bogus", "paging must be one of auto, resident, prefault, lowmem, none, not 'bogus'"),
-    ("threads", 0, "threads must be a whole number of at least 1, not 0"),
+    ("threads", 0, "threads must be a whole number from 1 to 1024, not 0"),
+    ("threads", 5000, "threads must be a whole number from 1 to 1024, not 5000"),
     ("threads", True, "threads must be a whole number"),
     ("backend", "", "backend must be a backend's name"),
 ])
@@ -89,6 +90,7 @@ def _one_line_exit_1(rc: int, err: str, words: str):
 BAD = [(["--backend", "nosuch"], "nosuch"),
        (["--paging", "bogus"], "paging must be one of"),
        (["--threads", "0"], "threads must be"),
+       (["-t", "5000"], "threads must be"),            # the kernels' limit, before any start-up
        (["--numerics", "fast"], "numerics must be one of")]
 
 

@@ -23,7 +23,6 @@ from ..options import PAGING, EngineOptions
 from .sampling import Rng, SamplingParams, logprob_of, sample, top_logprobs
 from .tokenizer import Tokenizer
 
-BACKENDS = registry.names()
 DEFAULT_CHUNK = 2048
 
 

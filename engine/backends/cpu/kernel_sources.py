@@ -33,7 +33,8 @@ DEPENDS = [
 
 def source_hash(root: str) -> str | None:
     """16 hex digits of sha256 over every source and header (paths relative to the project root
-    `root`); None when a file is missing (an installed wheel ships no C sources)."""
+    `root`); None when a file is missing (the wheel ships them beside the package, so an installed
+    copy checks its build too)."""
     h = hashlib.sha256()
     for rel in sorted(SOURCES + DEPENDS):
         try:

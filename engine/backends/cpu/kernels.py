@@ -74,7 +74,7 @@ _TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.M
 
 def build_is_current() -> bool | None:
     """Whether the loaded extension was built from the C sources next to this package (their
-    hash is compiled in). None without the extension or without the sources (an installed wheel).
+    hash is compiled in). None without the extension or without the sources.
     False means a rebuild failed and pip kept the old binary (the extension is optional)."""
     if _K is None:
         return None
