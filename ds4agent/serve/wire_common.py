@@ -186,10 +186,6 @@ class Wire:
         """An error after the SSE headers were sent (§5.1)."""
         return [sse({"error": {"message": message, "type": "server_error"}}, "error")]
 
-    def status_of(self, fin: Finish) -> int:
-        # Decoding errors are reported in-band (finish "error") with HTTP 200 (§5.1).
-        return 200
-
     # -- shared helpers -------------------------------------------------------------------------
     def tail(self, fin: Finish) -> str:
         """Final text the stream has not shown yet: after a malformed DSML block the final parse

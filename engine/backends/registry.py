@@ -12,6 +12,7 @@ numerics)` builds the ops object and checks it against the protocol (check_ops).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -56,6 +57,23 @@ class Backend:
     default_paging: str = "prefault"
     setup: Callable[[int | None], None] = _no_setup
     reference_ops: frozenset[str] = field(default_factory=frozenset)
+
+
+def planned(name: str, *, package: str, extra: str, summary: str, priority: int, comes_with: str) -> Backend:
+    """The entry of a backend whose ops come with a later issue: `auto` passes it over, and naming
+    it says why it cannot serve (its package missing, else not built yet)."""
+    not_yet = f"the {name} backend is not built yet ({comes_with})"
+
+    def available() -> str | None:
+        if importlib.util.find_spec(package) is None:
+            return f"{package} is not installed (pip install 'ds4-agent[{extra}]')"
+        return not_yet
+
+    def make_ops(numerics: str):
+        raise BackendError(f"backend {name!r} is not available: {not_yet}")
+
+    return Backend(name=name, summary=summary, available=available, make_ops=make_ops,
+                   priority=priority, default_paging="prefault")
 
 
 _entries: dict[str, Backend] = {}
