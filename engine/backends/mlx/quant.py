@@ -1,0 +1,276 @@
+"""GGUF weights bound to MLX (repacks), and the products with them.
+
+One GGUF tensor (engine.gguf.model_file.QTensor) becomes one MxWeight:
+
+* Q8_0  -> "affine8", group 32: code q + 128 (MLX's codes are unsigned), scale d, bias -128*d.
+* Q4_K  -> "affine4", group 32 (one Q4_K sub-block): scale d*sc, bias -dmin*m.
+* MXFP4 -> "mxfp4": ggml's E8M0 byte is MLX's scale byte as is (ggml's kvalues are the E2M1 values
+  doubled and its "half" scale is 2^(e-128), so both read 2^(e-127) * e2m1); only the nibble order
+  differs: ggml puts element j in the low and j+16 in the high nibble of byte j, MLX packs element
+  2i in the low and 2i+1 in the high nibble of byte i. Code 8 (-0 in MLX, +0 in ggml) becomes code 0.
+  E8M0 255 is NaN/inf for MLX but 2^127 for ggml: a tensor that uses it is bound "dense" float32.
+* F32 / F16 / BF16 -> "dense", in their own dtype (16-bit stays 16-bit: half the memory).
+* IQ2_XXS / Q2_K -> the raw block bytes; quant_twin decodes them with mx ops.
+
+Scales and biases are float16 when every one of a tensor's values is exactly a float16 (computed in
+float32, cast, compared), else float32, so ``dequantize`` is bit-exact with engine.gguf.quants in both
+cases. Q8_0: d is an f16 and -128*d only shifts the exponent, so float16 unless |d| > 511.75 (the
+bias would overflow). Q4_K: d*sc has up to 17 significant bits, so nearly always float32.
+One known difference: a Q8_0 code 0 in a block with a negative d is -0.0 in ggml (d * 0) and +0.0
+here (128d - 128d); no product can tell them apart.
+
+Shapes: [n_out, ...] for a matrix, [n_expert, n_out, ...] for an expert tensor.
+Only engine/ code touches these arrays (layering rule of the project).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from engine.gguf import quants as Q
+
+from .quant_twin import decode_rows, gather_by_expert, twin_gather_matmul, twin_matmul
+
+# GGUF bytes converted per step while binding: the extra host memory of a repack is O(slab).
+_SLAB_BYTES = 16 << 20
+_TWIN = (Q.IQ2_XXS, Q.Q2_K)
+_DENSE_DTYPES = {Q.F32: (np.float32, mx.float32), Q.F16: (np.float16, mx.float16),
+                 Q.BF16: (np.uint16, mx.bfloat16)}   # bf16 bits travel as uint16, then a view
+
+
+@dataclass
+class MxWeight:
+    type_id: int          # the GGUF type it came from
+    kind: str             # "affine8" | "affine4" | "mxfp4" | "dense" | "iq2_xxs" | "q2_k"
+    n_in: int
+    n_out: int
+    n_expert: int         # 0 for a 2-D matrix
+    w: mx.array           # MLX quantize() layout; dense: the matrix; iq2_xxs/q2_k: GGUF block bytes
+    scales: mx.array | None
+    biases: mx.array | None
+    group_size: int | None
+    bits: int | None
+    mode: str | None
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.w, self.scales, self.biases) if a is not None)
+
+    def _qargs(self) -> dict:
+        return dict(group_size=self.group_size, bits=self.bits, mode=self.mode)
+
+
+# ---------------------------------------------------------------------------
+# slab converters: GGUF rows uint8 [r, row_bytes] -> (codes uint8 [r, packed], scale f32, bias f32)
+
+
+def _conv_q8_0(rows: np.ndarray):
+    r = rows.shape[0]
+    b = rows.reshape(r, -1, 34)
+    d = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)     # [r, groups]
+    codes = (b[:, :, 2:] ^ np.uint8(0x80)).reshape(r, -1)   # int8 q -> q + 128 (flip the top bit)
+    return codes, d, (d * np.float32(-128.0))
+
+
+def _conv_q4_k(rows: np.ndarray):
+    r = rows.shape[0]
+    b = rows.reshape(-1, 144)
+    n = b.shape[0]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)                # [n, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q._q4_k_scale_min(b[:, 4:16])
+    scale = d * sc                                       # same float32 products as _dec_q4_k
+    bias = -(dmin * mn)
+    qs = b[:, 16:144].reshape(n, 4, 1, 32)
+    q = (qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(15)  # [n, p, h, l]: 64p+32h+l
+    q = q.reshape(n, 128, 2)                             # consecutive pairs -> one MLX byte
+    codes = q[:, :, 0] | (q[:, :, 1] << np.uint8(4))
+    return codes.reshape(r, -1), scale.reshape(r, -1), bias.reshape(r, -1)
+
+
+def _conv_mxfp4(rows: np.ndarray):
+    r = rows.shape[0]
+    b = rows.reshape(-1, 17)
+    n = b.shape[0]
+    qs = b[:, 1:17]
+    nib = np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=1)      # element order 0..31
+    nib[nib == 8] = 0                                    # -0 -> +0, as ggml's kvalues[8] = 0
+    codes = nib[:, 0::2] | (nib[:, 1::2] << np.uint8(4))
+    return codes.reshape(r, -1), b[:, 0].reshape(r, -1).copy(), None
+
+
+_CONVERTERS = {Q.Q8_0: ("affine8", 8, _conv_q8_0), Q.Q4_K: ("affine4", 4, _conv_q4_k),
+               Q.MXFP4: ("mxfp4", 4, _conv_mxfp4)}
+
+
+def _fits_f16(v: np.ndarray) -> bool:
+    with np.errstate(over="ignore"):
+        h = v.astype(np.float16).astype(np.float32)
+    return bool(np.array_equal(h.view(np.uint32), v.view(np.uint32)))   # bits: keeps -0.0 apart
+
+
+def _host_array(shape: tuple[int, ...], dtype) -> tuple[mx.array, np.ndarray]:
+    """A new mx array and a writable NumPy view of its memory (filled slab by slab, no second copy)."""
+    a = mx.zeros(shape, dtype=dtype)
+    mx.eval(a)
+    v = np.array(a, copy=False)
+    if not (v.flags.writeable and v.flags.c_contiguous and v.shape == tuple(shape)):
+        raise RuntimeError("mlx did not hand out a writable contiguous buffer")  # pragma: no cover
+    return a, v
+
+
+def _slabs(data: np.ndarray):
+    step = max(1, _SLAB_BYTES // max(1, data.shape[1]))
+    for r0 in range(0, data.shape[0], step):
+        yield r0, min(data.shape[0], r0 + step)
+
+
+def _lead(t) -> tuple[int, ...]:
+    """The leading shape of the bound arrays: (n_out,) or (n_expert, n_out)."""
+    return (t.dims[2], t.dims[1]) if len(t.dims) == 3 else (t.dims[1],)
+
+
+def repack(t) -> MxWeight:
+    """Bind a GGUF QTensor (2-D matrix or 3-D experts) to MLX arrays; see the module notes."""
+    tid = int(t.type_id)
+    if len(t.dims) not in (2, 3):
+        raise ValueError(f"{t.name}: repack takes matrices and expert tensors, got dims {t.dims}")
+    n_in, n_out = int(t.dims[0]), int(t.dims[1])
+    n_exp = int(t.dims[2]) if len(t.dims) == 3 else 0
+    data = Q._as_bytes(t.data)
+    if data.shape != (n_out * max(1, n_exp), Q.row_bytes(tid, n_in)):
+        raise ValueError(f"{t.name}: data {data.shape} does not match dims {t.dims} of {Q.type_name(tid)}")
+    lead = _lead(t)
+    base = dict(type_id=tid, n_in=n_in, n_out=n_out, n_expert=n_exp)
+    if tid in _TWIN:
+        w = mx.array(data).reshape(*lead, data.shape[1])   # one copy of the file's bytes
+        return MxWeight(kind=Q.type_name(tid).lower(), w=w, scales=None, biases=None,
+                        group_size=None, bits=None, mode=None, **base)
+    if tid in _DENSE_DTYPES:
+        np_dt, mx_dt = _DENSE_DTYPES[tid]
+        w = mx.array(data.view(np_dt)).reshape(*lead, n_in)
+        if tid == Q.BF16:
+            w = w.view(mx.bfloat16)
+        return MxWeight(kind="dense", w=w, scales=None, biases=None,
+                        group_size=None, bits=None, mode=None, **base)
+    if tid not in _CONVERTERS:
+        raise ValueError(f"{t.name}: no MLX binding for {Q.type_name(tid)}")
+    kind, bits, conv = _CONVERTERS[tid]
+    # pass 1 (headers only): can scales and biases be float16, and can MLX read every E8M0 byte?
+    f16 = True
+    for r0, r1 in _slabs(data):
+        _, s, b = conv(np.ascontiguousarray(data[r0:r1]))
+        if tid == Q.MXFP4 and np.any(s == 255):
+            return _dense_f32(data, lead, n_in, base)
+        f16 = f16 and b is not None and _fits_f16(s) and _fits_f16(b)
+    # pass 2: fill the arrays slab by slab
+    n_rows, groups = data.shape[0], n_in // 32
+    w, wv = _host_array((n_rows, n_in * bits // 32), mx.uint32)
+    sdt = mx.uint8 if tid == Q.MXFP4 else (mx.float16 if f16 else mx.float32)
+    scales, sv = _host_array((n_rows, groups), sdt)
+    biases, bv = (None, None) if tid == Q.MXFP4 else _host_array((n_rows, groups), sdt)
+    for r0, r1 in _slabs(data):
+        codes, s, b = conv(np.ascontiguousarray(data[r0:r1]))
+        wv[r0:r1] = codes.view(np.uint32)      # little endian: byte k holds bits 8k..8k+7 of the word
+        sv[r0:r1] = s
+        if bv is not None:
+            bv[r0:r1] = b
+    del wv, sv, bv
+    shape = lambda a: a.reshape(*lead, a.shape[-1])   # noqa: E731
+    return MxWeight(kind=kind, w=shape(w), scales=shape(scales),
+                    biases=None if biases is None else shape(biases), group_size=32, bits=bits,
+                    mode="mxfp4" if tid == Q.MXFP4 else "affine", **base)
+
+
+def _dense_f32(data: np.ndarray, lead: tuple[int, ...], n_in: int, base: dict) -> MxWeight:
+    """Fallback: the GGUF decode as float32 (MXFP4 with E8M0 255, which MLX reads as NaN/inf)."""
+    w, wv = _host_array((data.shape[0], n_in), mx.float32)
+    for r0, r1 in _slabs(data):
+        wv[r0:r1] = Q.dequantize(base["type_id"], data[r0:r1])
+    del wv
+    return MxWeight(kind="dense", w=w.reshape(*lead, n_in), scales=None, biases=None,
+                    group_size=None, bits=None, mode=None, **base)
+
+
+# ---------------------------------------------------------------------------
+# decode and products
+
+
+def _f32(a: mx.array | None) -> mx.array | None:
+    if a is None or a.dtype in (mx.uint8, mx.float32):   # uint8: E8M0 bytes, read by MLX as they are
+        return a
+    return a.astype(mx.float32)
+
+
+def dequantize(w: MxWeight, expert: int | None = None) -> mx.array:
+    """float32 [n_out, n_in]; for an expert tensor with expert None: [n_expert, n_out, n_in].
+
+    Bit-exact with engine.gguf.quants.dequantize (Q8_0: up to the sign of zero, see the module notes).
+    """
+    if expert is not None and not w.n_expert:
+        raise ValueError("expert= given for a 2-D weight")
+    sel = (lambda a: a) if expert is None else (lambda a: None if a is None else a[int(expert)])
+    wq = sel(w.w)
+    if w.kind == "dense":
+        return wq.astype(mx.float32)
+    if w.kind in ("iq2_xxs", "q2_k"):
+        return decode_rows(w.type_id, wq, w.n_in)
+    # float16 scales are exact in float32: upcast, so the products are float32 as in the GGUF decode
+    return mx.dequantize(wq, _f32(sel(w.scales)), _f32(sel(w.biases)), dtype=mx.float32, **w._qargs())
+
+
+def matmul(w: MxWeight, x: mx.array, rows: slice | None = None) -> mx.array:
+    """x [T, n_in] float32 -> x @ W[rows].T, float32 [T, n_out or len(rows)] (2-D weights)."""
+    if w.n_expert:
+        raise ValueError("matmul takes a 2-D weight; use gather_matmul for experts")
+    if x.ndim != 2 or x.shape[1] != w.n_in:
+        raise ValueError(f"x of shape {x.shape} does not match n_in {w.n_in}")
+    if rows is not None and not isinstance(rows, slice):
+        raise TypeError("rows must be a slice or None")
+    cut = (lambda a: a) if rows is None else (lambda a: None if a is None else a[rows])
+    x = x.astype(mx.float32)
+    if w.kind == "dense":
+        return x @ cut(w.w).astype(mx.float32).T
+    if w.kind in ("iq2_xxs", "q2_k"):
+        return twin_matmul(w.type_id, cut(w.w), w.n_in, x)
+    return mx.quantized_matmul(x, cut(w.w), cut(w.scales), cut(w.biases), transpose=True, **w._qargs())
+
+
+def gather_matmul(w: MxWeight, x: mx.array, experts: mx.array, toks: mx.array,
+                  check_sorted: bool = True) -> mx.array:
+    """Routed experts: out[p] = W[experts[p]] @ x[toks[p]] -> float32 [P, n_out].
+
+    x: float32 [T, n_in]; experts, toks: integer [P]. The pairs MUST be sorted by expert (the caller
+    sorts; MLX's gather kernels and the twin's per-expert runs rely on it). check_sorted reads
+    ``experts`` on the host and raises ValueError when they are not sorted or out of range; pass False
+    to skip that sync when the caller sorted them itself (the twin and the 16-bit dense experts read
+    ``experts`` on the host anyway).
+    """
+    if not w.n_expert:
+        raise ValueError("gather_matmul takes an expert (3-D) weight")
+    if x.ndim != 2 or x.shape[1] != w.n_in:
+        raise ValueError(f"x of shape {x.shape} does not match n_in {w.n_in}")
+    if experts.ndim != 1 or toks.ndim != 1 or experts.shape != toks.shape:
+        raise ValueError(f"experts {experts.shape} and toks {toks.shape} must be 1-D of the same length")
+    x = x.astype(mx.float32)
+    toks = toks.astype(mx.uint32)
+    host = w.kind in ("iq2_xxs", "q2_k") or (w.kind == "dense" and w.w.dtype != mx.float32)
+    if check_sorted or host:
+        e_np = np.array(experts).astype(np.int64)
+        if e_np.size and (np.any(np.diff(e_np) < 0) or e_np[0] < 0 or e_np[-1] >= w.n_expert):
+            raise ValueError("gather_matmul: experts must be sorted and within [0, n_expert)")
+    if experts.shape[0] == 0:
+        return mx.zeros((0, w.n_out), dtype=mx.float32)
+    if w.kind in ("iq2_xxs", "q2_k"):
+        return twin_gather_matmul(w.type_id, w.w, w.n_in, x, e_np, toks)
+    if host:   # float16 / bfloat16 experts: upcast only the experts that occur
+        return gather_by_expert(lambda sel: w.w[sel].astype(mx.float32), w.n_out, w.n_in, x, e_np, toks)
+    e = experts.astype(mx.uint32)
+    xt = x[:, None, :]
+    if w.kind == "dense":
+        y = mx.gather_mm(xt, w.w.swapaxes(1, 2), lhs_indices=toks, rhs_indices=e, sorted_indices=True)
+    else:
+        y = mx.gather_qmm(xt, w.w, w.scales, w.biases, lhs_indices=toks, rhs_indices=e,
+                          transpose=True, sorted_indices=True, **w._qargs())
+    return y.reshape(experts.shape[0], w.n_out)
