@@ -11,6 +11,12 @@ Rings hold `rewind_cap` positions more than the math needs, so the timeline can 
 to that many tokens in place (ds4 can only extend its state; we rewind without re-prefilling).
 `avail_lo` is the lowest position each ring can still produce; a rewind below what the rings hold
 falls back to a rebuild.
+
+The arrays live where the backend computes: `xp` is the backend's array namespace (NumPy for the
+host backends; a device backend passes its own, with `full`, `zeros` and `concatenate`). A device
+array there has value semantics (a slice is a new array, not a view into the ring), so only the
+NumPy rings hand out read-only views. `to_host` / `from_host` copy a whole state across, what a
+device backend's state_to_host / state_from_host are made of.
 """
 from __future__ import annotations
 
@@ -29,9 +35,10 @@ class PosRing:
     n_swa raw rows) or its compressor frontier as a view instead of a copy (two copies of 256 KB a
     layer a token for the raw rows, each from memory the previous kernel call had evicted)."""
 
-    def __init__(self, cap: int, width: int, fill=0.0, mirror: int = 0):
+    def __init__(self, cap: int, width: int, fill=0.0, mirror: int = 0, xp=np):
         self.cap, self.width, self.mirror = cap, width, min(mirror, cap)
-        self.rows = np.full((cap + self.mirror, width), fill, dtype=np.float32)
+        self.xp, self._host = xp, xp is np
+        self.rows = xp.full((cap + self.mirror, width), fill, dtype=xp.float32)
         self.avail_lo = 0  # positions >= avail_lo (and >= written_hi - cap) are readable
 
     # (read and write as at most two slices: at decode these run several times a layer, and each
@@ -60,24 +67,26 @@ class PosRing:
     def read(self, p0: int, p1: int) -> np.ndarray:
         """A copy of the rows of positions [p0, p1)."""
         if p1 <= p0:
-            return np.zeros((0, self.width), np.float32)
+            return self.xp.zeros((0, self.width), dtype=self.xp.float32)
         self._check(p0, p1)
         a, n = p0 % self.cap, p1 - p0
         if a + n <= self.cap:
-            return self.rows[a:a + n].copy()
-        return np.concatenate((self.rows[a:self.cap], self.rows[:a + n - self.cap]))
+            v = self.rows[a:a + n]
+            return v.copy() if self._host else v
+        return self.xp.concatenate((self.rows[a:self.cap], self.rows[:a + n - self.cap]))
 
     def window(self, p0: int, p1: int) -> np.ndarray:
         """The rows of positions [p0, p1), read-only: a view of the storage where they lie in one
         slice (always, for at most mirror + 1 rows), else a copy. Valid until the next write."""
         if p1 <= p0:
-            return np.zeros((0, self.width), np.float32)
+            return self.xp.zeros((0, self.width), dtype=self.xp.float32)
         self._check(p0, p1)
         a, n = p0 % self.cap, p1 - p0
         if a + n > self.cap + self.mirror:
             return self.read(p0, p1)
         v = self.rows[a:a + n]
-        v.flags.writeable = False
+        if self._host:
+            v.flags.writeable = False
         return v
 
     def write_window(self, lo: int, p0: int, rows: np.ndarray) -> np.ndarray:
@@ -88,7 +97,7 @@ class PosRing:
         if p1 - lo <= self.cap:               # the older rows survive the write
             self.write(p0, rows)
             return self.window(lo, p1)
-        out = np.concatenate([self.read(lo, p0), rows])
+        out = self.xp.concatenate([self.read(lo, p0), rows])
         self.write(p0, rows)
         return out
 
@@ -99,6 +108,13 @@ class PosRing:
     def nbytes(self) -> int:
         return self.rows.nbytes
 
+    def copy_to(self, xp, convert) -> "PosRing":
+        """This ring with its rows converted by `convert` into a ring of namespace `xp`."""
+        out = PosRing.__new__(PosRing)
+        out.__dict__.update(self.__dict__)
+        out.xp, out._host, out.rows = xp, xp is np, convert(self.rows)
+        return out
+
 
 def frontier_start(n_tokens: int, ratio: int) -> int:
     """First position whose projection the compressor still needs when n_tokens are in."""
@@ -107,23 +123,38 @@ def frontier_start(n_tokens: int, ratio: int) -> int:
 
 
 class LayerState:
-    def __init__(self, c: ModelConfig, il: int, ctx: int, rewind_cap: int):
+    RINGS = ("raw", "proj_kv", "proj_sc", "iproj_kv", "iproj_sc")
+    ROWS = ("comp", "index")
+
+    def __init__(self, c: ModelConfig, il: int, ctx: int, rewind_cap: int, xp=np):
         self.ratio = r = c.ratio(il)
         # mirrors: a decode step's window (n_swa raw rows; a frontier of up to coff * r rows) is one slice
-        self.raw = PosRing(min(c.n_swa, ctx) + rewind_cap, c.head_dim, mirror=c.n_swa)
+        self.raw = PosRing(min(c.n_swa, ctx) + rewind_cap, c.head_dim, mirror=c.n_swa, xp=xp)
         self.n_comp = 0
         self.n_index = 0
         if r:
             w = c.compressor_width(il)
             coff = 2 if r == CSA_RATIO else 1
             self.comp_cap = ctx // r + 2
-            self.comp = np.zeros((self.comp_cap, c.head_dim), np.float32)
-            self.proj_kv = PosRing(coff * r + rewind_cap, w, mirror=coff * r)
-            self.proj_sc = PosRing(coff * r + rewind_cap, w, NEG_INF_SCORE, mirror=coff * r)
+            self.comp = xp.zeros((self.comp_cap, c.head_dim), dtype=xp.float32)
+            self.proj_kv = PosRing(coff * r + rewind_cap, w, mirror=coff * r, xp=xp)
+            self.proj_sc = PosRing(coff * r + rewind_cap, w, NEG_INF_SCORE, mirror=coff * r, xp=xp)
         if r == CSA_RATIO:
-            self.index = np.zeros((self.comp_cap, c.idx_head_dim), np.float32)
-            self.iproj_kv = PosRing(2 * r + rewind_cap, 2 * c.idx_head_dim, mirror=2 * r)
-            self.iproj_sc = PosRing(2 * r + rewind_cap, 2 * c.idx_head_dim, NEG_INF_SCORE, mirror=2 * r)
+            self.index = xp.zeros((self.comp_cap, c.idx_head_dim), dtype=xp.float32)
+            self.iproj_kv = PosRing(2 * r + rewind_cap, 2 * c.idx_head_dim, mirror=2 * r, xp=xp)
+            self.iproj_sc = PosRing(2 * r + rewind_cap, 2 * c.idx_head_dim, NEG_INF_SCORE, mirror=2 * r, xp=xp)
+
+    def copy_to(self, xp, convert) -> "LayerState":
+        """This layer's state with every array converted by `convert` (host <-> device)."""
+        out = LayerState.__new__(LayerState)
+        out.__dict__.update(self.__dict__)
+        for k in self.RINGS:
+            if k in self.__dict__:
+                setattr(out, k, getattr(self, k).copy_to(xp, convert))
+        for k in self.ROWS:
+            if k in self.__dict__:
+                setattr(out, k, convert(getattr(self, k)))
+        return out
 
     def rings(self):
         out = [self.raw]
@@ -150,9 +181,17 @@ class LayerState:
 
 
 class KVState:
-    def __init__(self, c: ModelConfig, ctx: int, rewind_cap: int):
+    def __init__(self, c: ModelConfig, ctx: int, rewind_cap: int, xp=np):
         self.config, self.ctx, self.rewind_cap = c, ctx, rewind_cap
-        self.layers = [LayerState(c, il, ctx, rewind_cap) for il in range(c.n_layer)]
+        self.layers = [LayerState(c, il, ctx, rewind_cap, xp) for il in range(c.n_layer)]
+
+    def copy_to(self, xp, convert) -> "KVState":
+        """The same logical state in namespace `xp`, every array converted by `convert`: a device
+        backend's state_to_host (convert = to NumPy) and state_from_host (convert = upload)."""
+        out = KVState.__new__(KVState)
+        out.__dict__.update(self.__dict__)
+        out.layers = [layer.copy_to(xp, convert) for layer in self.layers]
+        return out
 
     def nbytes(self) -> int:
         """Bytes allocated for this context (capacity, not use)."""

@@ -6,12 +6,18 @@ projections, FFN) is batched over the chunk, and the cache-dependent work (KV ro
 windows, indexer selection, attention) is done in the equivalent parallel form with causal masks.
 A chunk of one token is a decode step; any chunking gives the same function up to float32
 summation order, which the tests check.
+
+Where arrays live: activations, weights and the KV state are the backend's (`ops.xp` arrays:
+NumPy on the host backends, mx arrays on MLX). What follows from positions alone -- token ids,
+positions, masks, window rows -- is computed here on the host with NumPy (it is known before any
+kernel runs, and small) and handed over with `xp.asarray`, a no-op on the host backends.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..gguf.config import CSA_RATIO, ModelConfig
+from ..gguf.model_file import QTensor
 from .kv_state import KVState, LayerState, frontier_start
 from ..backends.protocol import Ops
 from .weights import CompressorWeights, HCWeights, LayerWeights, ModelWeights, dense_arrays
@@ -31,7 +37,8 @@ class Model:
         # layer's selected experts as soon as routing has picked them
         self.pager = None
         self._theta_cache: dict = {}
-        self._dense = [dense_arrays(lw) for lw in weights.layers] + [[weights.hc_head_fn.data, weights.output.data]]
+        head = [t.data for t in (weights.hc_head_fn, weights.output) if isinstance(t, QTensor)]   # (map views)
+        self._dense = [dense_arrays(lw) for lw in weights.layers] + [head]
 
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, pos0: int, state: KVState, all_logits: bool = False) -> np.ndarray:
@@ -39,7 +46,7 @@ class Model:
         c = self.c
         xp = self.xp
         self._theta_cache = {}
-        tokens = xp.asarray(tokens, dtype=xp.int64)
+        tokens = np.asarray(tokens, dtype=np.int64)             # host: the hash layers index a host table
         e = self.ops.embed(self.w.embd, tokens)                                    # [T, E]
         X = xp.repeat(e[:, None, :], c.n_hc, axis=1).astype(xp.float32)           # [T, n_hc, E]
         if self.pager:
@@ -61,7 +68,7 @@ class Model:
         T, n = X.shape[0], c.n_hc
         flat = ops.rmsnorm(X.reshape(T, n * c.n_embd), None, c.rms_eps)
         mix = ops.linear(hc.fn, flat)                                             # [T, hc_mix]
-        pre, post, C = ops.hc_split(mix, n, hc.scale, hc.base, xp.float32(c.hc_eps), c.sinkhorn_iters)
+        pre, post, C = ops.hc_split(mix, n, hc.scale, hc.base, np.float32(c.hc_eps), c.sinkhorn_iters)
         x = ops.hc_pre_mix(pre, X)
         return x, post.astype(xp.float32), C.astype(xp.float32)
 
@@ -91,7 +98,7 @@ class Model:
         c, ops = self.c, self.ops
         xp = self.xp
         T = X.shape[0]
-        pos = xp.arange(pos0, pos0 + T)
+        pos = np.arange(pos0, pos0 + T)                                            # host
         x, post, C = self._hc_pre(lw.hc_attn, X)
         h = ops.rmsnorm(x, lw.attn_norm, c.rms_eps)
         qa, kv = ops.linears([lw.q_a, lw.kv], h)                                   # both read h
@@ -115,15 +122,15 @@ class Model:
             self._compress(lw.indexer.comp, ls, h, pos0, index=True)
             sel = self._indexer_select(lw, ls, h, qr, pos, th_fn=lambda p: self._thetas(CSA_RATIO, p, c.n_rot, heads=True))
 
-        o = xp.empty_like(q)
-        scale = 1.0 / xp.sqrt(c.head_dim)
+        o = []
+        scale = 1.0 / np.sqrt(c.head_dim)
         for b0 in range(0, T, QUERY_BLOCK):
             b1 = min(T, b0 + QUERY_BLOCK)
             tq = pos[b0:b1]
             # raw keys of this block: positions [tq0 - n_swa + 1, tq_last]
             k0 = max(lo, tq[0] - c.n_swa + 1)
             kraw = raw[k0 - lo: tq[-1] + 1 - lo]
-            kpos = xp.arange(k0, tq[-1] + 1)
+            kpos = np.arange(k0, tq[-1] + 1)
             mraw = (kpos[None, :] <= tq[:, None]) & (kpos[None, :] > tq[:, None] - c.n_swa)
             segments = [(kraw, mraw)]
             if lw.ratio:
@@ -132,9 +139,10 @@ class Model:
                     segments.append((ls.comp[sel[0][b0:b1]], sel[1][b0:b1]))
                 else:                                                               # every visible row
                     nmax = int(n_vis[-1])
-                    segments.append((ls.comp[:nmax], xp.arange(nmax)[None, :] < n_vis[:, None]))
-            o[b0:b1] = ops.attention(q[b0:b1], segments, lw.sinks, scale)
+                    segments.append((ls.comp[:nmax], np.arange(nmax)[None, :] < n_vis[:, None]))
+            o.append(ops.attention(q[b0:b1], segments, lw.sinks, scale))
 
+        o = o[0] if len(o) == 1 else xp.concatenate(o, axis=0)
         o = ops.rope(o, th_h, inverse=True, inplace=True).reshape(T, c.n_head * c.head_dim)
         z = ops.grouped_linear(lw.out_a, o, c.o_groups)
         y = ops.linear(lw.out_b, z)
@@ -147,9 +155,9 @@ class Model:
         xp = self.xp
         r, hd = cw.ratio, cw.hd
         T = h.shape[0]
-        pos = xp.arange(pos0, pos0 + T)
+        pos = np.arange(pos0, pos0 + T)                                            # host
         kvp = ops.linear(cw.kv, h)                                                 # [T, w]
-        scp = (ops.linear(cw.gate, h) + cw.ape[pos % r]).astype(xp.float32)
+        scp = (ops.linear(cw.gate, h) + xp.asarray(cw.ape[pos % r])).astype(xp.float32)   # ape: host
         ring_kv, ring_sc = (ls.iproj_kv, ls.iproj_sc) if index else (ls.proj_kv, ls.proj_sc)
         lo = frontier_start(pos0, r)
         all_kv = ring_kv.write_window(lo, pos0, kvp)                               # positions lo..pos0+T-1
@@ -158,19 +166,21 @@ class Model:
         if len(ends) == 0:
             return
         ws = ends + 1 - r                                                          # window starts
-        cur = ws[:, None] + xp.arange(r)[None, :] - lo                             # [n, r] rows of all_*
+        cur = ws[:, None] + np.arange(r)[None, :] - lo                             # [n, r] rows of all_*
         if r == CSA_RATIO:
             # overlapping windows: previous window's first half + this window's second half
-            kv_c, sc_c = all_kv[cur][:, :, hd:], all_sc[cur][:, :, hd:]
-            prev = cur - r
-            has_prev = (ws >= r)[:, None, None]
-            kv_p = xp.where(has_prev, all_kv[xp.maximum(prev, 0)][:, :, :hd], 0.0)
-            sc_p = xp.where(has_prev, all_sc[xp.maximum(prev, 0)][:, :, :hd], -xp.inf)
+            cur_x = xp.asarray(cur)
+            kv_c, sc_c = all_kv[cur_x][:, :, hd:], all_sc[cur_x][:, :, hd:]
+            prev = xp.asarray(np.maximum(cur - r, 0))
+            has_prev = xp.asarray((ws >= r)[:, None, None])
+            kv_p = xp.where(has_prev, all_kv[prev][:, :, :hd], 0.0)
+            sc_p = xp.where(has_prev, all_sc[prev][:, :, :hd], -np.inf)
             kvs, scs = xp.concatenate([kv_p, kv_c], axis=1), xp.concatenate([sc_p, sc_c], axis=1)
         else:
-            kvs, scs = all_kv[cur], all_sc[cur]
+            cur_x = xp.asarray(cur)
+            kvs, scs = all_kv[cur_x], all_sc[cur_x]
         a = ops.softmax(scs, axis=1)
-        pooled = xp.sum(a * kvs, axis=1, dtype=xp.float32)                         # [n, hd]
+        pooled = (a * kvs).sum(axis=1)                                             # [n, hd] float32
         rows = ops.rmsnorm(pooled, cw.norm, c.rms_eps)
         rows = ops.rope(rows, self._thetas(r, ws, c.n_rot))                       # at the window's first position
         if index:
@@ -195,11 +205,11 @@ class Model:
         T = len(pos)
         qi = ops.linear(lw.indexer.q_b, qr).reshape(T, c.idx_n_head, c.idx_head_dim)
         qi = ops.index_qat(ops.rope(qi, th_fn(pos)))
-        wts = ops.linear(lw.indexer.proj, h) * xp.float32(1.0 / xp.sqrt(c.idx_head_dim * c.idx_n_head))
+        wts = ops.linear(lw.indexer.proj, h) * xp.asarray(1.0 / np.sqrt(c.idx_head_dim * c.idx_n_head), dtype=xp.float32)
         keys = ls.index[:int(n_vis[-1])]
         score = ops.indexer_scores(qi, keys, wts)                                  # [T, n rows]
-        vis = xp.arange(keys.shape[0])[None, :] < n_vis[:, None]
-        score = xp.where(vis, score, -xp.inf)
+        vis = xp.asarray(np.arange(keys.shape[0])[None, :] < n_vis[:, None])
+        score = xp.where(vis, score, -np.inf)
         # the picks in row order: where a chunk's early queries see no more than k rows, the
         # indexer picks all of them, and they must come in the order a query that skips the
         # indexer (every visible row, row order) uses, or float32 attention sums depend on chunking
@@ -215,17 +225,18 @@ class Model:
         u = ops.rmsnorm(x, lw.ffn_norm, c.rms_eps)
         p = xp.sqrt(ops.softplus(ops.linear(lw.gate_inp, u)))                     # [T, n_expert]
         if lw.tid2eid is not None:
-            sel = lw.tid2eid[tokens].astype(xp.int64)                              # hash routing by token id
+            sel = xp.asarray(lw.tid2eid[tokens].astype(np.int64))                  # hash routing by token id (host table)
         else:
             biased = p + lw.bias if lw.bias is not None else p
             sel = ops.topk_lowest_index(biased, c.n_expert_used)
         wsel = xp.take_along_axis(p, sel, axis=1)
         tot = wsel.sum(axis=1, keepdims=True)
-        tot = xp.maximum(tot, xp.float32(2.0 ** -14)) if ops.numerics == "ds4" else tot + xp.float32(1e-20)
-        wsel = (wsel / tot * xp.float32(c.expert_weights_scale)).astype(xp.float32)
+        f32 = xp.float32
+        tot = xp.maximum(tot, xp.asarray(2.0 ** -14, dtype=f32)) if ops.numerics == "ds4" else tot + xp.asarray(1e-20, dtype=f32)
+        wsel = (wsel / tot * xp.asarray(c.expert_weights_scale, dtype=f32)).astype(f32)
         if self.pager and len(tokens) <= 16:     # (a long chunk picks most experts: more than fits)
             self.pager([t.expert_data(e) for e in xp.unique(sel) for t in (lw.gate_exps, lw.up_exps, lw.down_exps)])
-        y = ops.moe(lw, u, sel, wsel, xp.float32(self.c.swiglu_clamp[lw.il]))      # routed + shared
+        y = ops.moe(lw, u, sel, wsel, np.float32(self.c.swiglu_clamp[lw.il]))      # routed + shared
         return self._hc_post(y, X, post, C)
 
     # -- output head (§3.12) -------------------------------------------------------------------
@@ -235,7 +246,7 @@ class Model:
         T = X.shape[0]
         flat = ops.rmsnorm(X.reshape(T, c.n_hc * c.n_embd), None, c.rms_eps)
         mix = ops.linear(w.hc_head_fn, flat)                                      # [T, n_hc]
-        pre = ops.sigmoid(mix * w.hc_head_scale[0] + w.hc_head_base) + xp.float32(c.hc_eps)
+        pre = ops.sigmoid(mix * w.hc_head_scale[0] + w.hc_head_base) + xp.asarray(c.hc_eps, dtype=xp.float32)
         x = ops.hc_pre_mix(pre, X)
         x = ops.rmsnorm(x, w.out_norm, c.rms_eps)
         return ops.linear(w.output, x)

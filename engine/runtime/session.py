@@ -81,7 +81,7 @@ class Engine:
             eng = cls(m, backend, numerics, threads, ops)
             eng.resident_seconds = resident_s
             eng.paging = "resident" if paging == "resident" else _advise(m, paging)
-            if eng.paging == "lowmem":
+            if eng.paging == "lowmem" and eng.model.xp is np:     # (hints for host backends that read the map)
                 eng.model.pager = m.gguf.willneed
             return eng
         except BaseException:
