@@ -21,17 +21,18 @@ from engine.gguf import quants as Q
 _DECODE_BUDGET = 256 << 20
 
 # IQ2_XXS: one table row per (grid index, sign pattern) = grid[g] with the signs of ksigns[s]
-# applied, as float32 [256 * 128, 8]; one mx.take moves the 8 signed values of a group.
+# applied, 8 int8 values packed in one uint64 [256 * 128]: one mx.take moves a group's 8 signed
+# values (8 bytes, the table stays in cache: 256 KiB), about twice as fast as a float32 row table.
 _SIGN_BITS = (Q.KSIGNS_IQ2XS[:, None] >> np.arange(8, dtype=np.uint8)) & np.uint8(1)   # [128, 8]
-_SIGNED_GRID_NP = (Q.IQ2XXS_GRID_BYTES.astype(np.float32)[:, None, :]
-                   * (1.0 - 2.0 * _SIGN_BITS.astype(np.float32))[None, :, :]).reshape(256 * 128, 8)
+_SIGNED_GRID_NP = (Q.IQ2XXS_GRID_BYTES.astype(np.int8)[:, None, :]                      # values <= 43
+                   * (1 - 2 * _SIGN_BITS.astype(np.int8))[None, :, :]).reshape(256 * 128, 8)
 _SIGNED_GRID: mx.array | None = None   # built on first use (import stays free of mx allocations)
 
 
 def _signed_grid() -> mx.array:
     global _SIGNED_GRID
     if _SIGNED_GRID is None:
-        _SIGNED_GRID = mx.array(_SIGNED_GRID_NP)
+        _SIGNED_GRID = mx.array(np.ascontiguousarray(_SIGNED_GRID_NP).view(np.uint64).reshape(-1))
     return _SIGNED_GRID
 
 
@@ -59,8 +60,8 @@ def decode_iq2_xxs(blocks: mx.array) -> mx.array:
     db = d * (mx.array(0.5, mx.float32) + (a1 >> 28).astype(mx.float32)) * mx.array(0.25, mx.float32)
     sign_idx = (a1[:, :, None] >> (mx.arange(4, dtype=mx.uint32) * 7)) & 127    # [n, 8, 4]
     row = (groups[:, :, 0:4].astype(mx.uint32) << 7) | sign_idx                 # grid * 128 + sign
-    vals = mx.take(_signed_grid(), row.reshape(-1), axis=0).reshape(n, 8, 32)
-    return (db[:, :, None] * vals).reshape(n, 256)
+    vals = mx.take(_signed_grid(), row.reshape(-1)).view(mx.int8).reshape(n, 8, 32)
+    return (db[:, :, None] * vals.astype(mx.float32)).reshape(n, 256)
 
 
 def decode_q2_k(blocks: mx.array) -> mx.array:
