@@ -63,6 +63,16 @@ def test_q8_0_round(rng, width):
     _bits_equal(M.q8_0_round(mx.array(x)), N.q8_0_round(x), f"q8_0_round width {width}")
 
 
+def test_q8_0_round_near_code_boundaries(rng):
+    """Values within an ulp of (k + 1/2) * amax / 127: which code they get depends on computing
+    id = 127 / amax (the spec) rather than 1 / d."""
+    amax = np.exp2(rng.uniform(-20, 20, size=(4000, 1))).astype(np.float32)
+    k = np.arange(-16, 15, dtype=np.float64) + 0.5
+    x = (amax.astype(np.float64) * k / 127.0).astype(np.float32)
+    x = np.concatenate([x, amax], axis=1)                              # 31 probes + the max: 32
+    _bits_equal(M.q8_0_round(mx.array(x)), N.q8_0_round(x), "q8_0_round near boundaries")
+
+
 def test_q8_k_round(rng):
     x = _data(rng, 16, 512, 256)
     x[10, 3] = 7.0                       # first maximum wins over a later one of equal |x|
