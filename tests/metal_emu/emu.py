@@ -87,17 +87,19 @@ def _read(file: Path, patch: dict) -> str:
     return text
 
 
-def generate(patch: dict | None = None) -> str:
-    """The driver's C++ source; patch = {file name: (old, new)} edits a kernel file's text."""
+def generate(patch: dict | None = None, only: tuple = ()) -> str:
+    """The driver's C++ source; patch = {file name: (old, new)} edits a kernel file's text;
+    only = the entries to build (default all)."""
     patch = patch or {}
     header = KERNEL_DIR / "common.metal"
     parts = ['#include "metal_compat.h"', f'#line 1 "{header}"', _read(header, patch)]
-    for entry, (kernel, templ) in ENTRIES.items():
+    entries = {e: ENTRIES[e] for e in (only or ENTRIES)}
+    for entry, (kernel, templ) in entries.items():
         body_file = KERNEL_DIR / metal.KERNELS[kernel][0]
         parts.append(_wrapper(entry, kernel, templ, _read(body_file, patch), body_file))
     parts.append("struct Entry { const char* name; void (*fn)(void**); };")
     parts.append("static const Entry ENTRIES[] = {" + ", ".join(
-        f'{{"{e}", k_{e}::body}}' for e in ENTRIES) + "};")
+        f'{{"{e}", k_{e}::body}}' for e in entries) + "};")
     parts.append('#include "driver.cpp"')
     return "\n".join(parts) + "\n"
 

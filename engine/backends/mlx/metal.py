@@ -78,6 +78,8 @@ def gather_matvec(kind: str, raw, x, experts, toks):
         raise ValueError(f"{kind}: rows of {row_bytes} bytes do not hold {n_in} values")
     P = experts.shape[0]
     dims = mx.array([n_out, n_in, row_bytes], dtype=mx.int32)
+    raw, x = raw.astype(mx.uint8), x.astype(mx.float32)
+    experts, toks = experts.astype(mx.int32), toks.astype(mx.int32)
     e_host = np.array(experts)
     if use_batched(e_host):
         perm, chunks = batch_plan(e_host)

@@ -15,9 +15,9 @@ const uint th = threadgroup_position_in_grid.y, t = th / H, h = th % H;
 const uint sg = simdgroup_index_in_threadgroup, lane = thread_index_in_simdgroup;
 const uint n_sg = threads_per_threadgroup.x / 32;
 const uint nd = D / 32;
-const device float* qt = q + ulong(th) * D;
-const device float* kt = keys + (dims[4] != 0 ? ulong(t) * K * D : 0ul);
-const device uint8_t* mt = mask + ulong(t) * K;
+auto qt = q + ulong(th) * D;
+auto kt = keys + (dims[4] != 0 ? ulong(t) * K * D : ulong(0));
+auto mt = mask + ulong(t) * K;
 float qv[DMAX / 32], o[DMAX / 32], kv[DMAX / 32];
 for (uint i = 0; i < nd; ++i) { qv[i] = qt[lane + 32 * i]; o[i] = 0.0f; }
 float m = -INFINITY, l = 0.0f;

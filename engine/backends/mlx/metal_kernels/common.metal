@@ -1,6 +1,8 @@
 // Shared helpers of the MLX backend's Metal kernels: passed as `header=` to mx.fast.metal_kernel
 // (and included by the host emulation, tests/metal_emu). Helpers take their pointers as template
-// parameters, so one helper serves device, threadgroup and thread memory alike.
+// parameters, so one helper serves device, threadgroup and thread memory alike. Kernel bodies
+// derive pointers with `auto` for the same reason: MLX passes a small input (under 8 elements) in
+// the constant address space and a large one in device, so a body cannot name the space.
 
 // ---- GGUF block formats (layouts: engine/gguf/quants.py) ------------------------------------
 // IQ2_XXS, 256 values in 66 bytes: f16 d, then 8 groups of (u8 a0[4], u32 a1); group g holds

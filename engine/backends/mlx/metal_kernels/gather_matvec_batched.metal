@@ -21,7 +21,7 @@ for (uint b = 0; b < n_in / QK_K; ++b) {
   {  // dequantize: 16 rows x 8 groups of 32 = one group per thread
     const uint rr = tid / 8, u = tid % 8;
     if (r0 + rr < n_out) {
-      const device uint8_t* blk = raw + (ulong(e) * n_out + r0 + rr) * row_bytes + b * block_bytes<KIND>();
+      auto blk = raw + (ulong(e) * n_out + r0 + rr) * row_bytes + b * block_bytes<KIND>();
       dequant32<KIND>(blk, u, &wt[rr * LD + 32 * u]);
     }
   }

@@ -9,15 +9,15 @@ const uint rows_per_tg = threads_per_threadgroup.x / 32;
 const uint row = threadgroup_position_in_grid.x * rows_per_tg + simdgroup_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
 if (row >= n_out) return;                 // the whole simdgroup leaves: simd_sum below stays uniform
-const device uint8_t* w = raw + (ulong(uint(experts[p])) * n_out + row) * row_bytes;
-const device float* xt = x + ulong(uint(toks[p])) * n_in;
+auto w = raw + (ulong(uint(experts[p])) * n_out + row) * row_bytes;
+auto xt = x + ulong(uint(toks[p])) * n_in;
 // lane = 8 * b0 + u: group u of blocks b0, b0 + 4, b0 + 8, ... (8 lanes share a block's bytes)
 const uint u = lane % 8;
 float acc = 0.0f;
 float v[32];
 for (uint b = lane / 8; b < n_in / QK_K; b += 4) {
   dequant32<KIND>(w + b * block_bytes<KIND>(), u, v);
-  const device float* xb = xt + b * QK_K + 32 * u;
+  auto xb = xt + b * QK_K + 32 * u;
   for (uint i = 0; i < 32; ++i) acc += v[i] * xb[i];
 }
 acc = simd_sum(acc);

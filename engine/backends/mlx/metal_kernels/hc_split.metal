@@ -8,7 +8,7 @@
 const uint t = thread_position_in_grid.x;
 if (t >= uint(dims[0])) return;
 const uint W = 2 * N + N * N;
-const device float* m = mix + ulong(t) * W;
+auto m = mix + ulong(t) * W;
 const float e = eps[0];
 for (uint i = 0; i < N; ++i) {
   const float a = m[i] * scale[0] + base[i];
@@ -28,8 +28,8 @@ for (uint i = 0; i < N; ++i) {
   for (uint j = 0; j < N; ++j) c[i * N + j] = c[i * N + j] / s + e;
 }
 const int rounds = metal::max(int(iters[0]), 1);   // iters <= 1: the column pass only
-for (int round = 0; round < rounds; ++round) {
-  if (round > 0) {                       // rows (not in the first round: columns come first)
+for (int r = 0; r < rounds; ++r) {
+  if (r > 0) {                           // rows (not in the first round: columns come first)
     for (uint i = 0; i < N; ++i) {
       float s = 0.0f;
       for (uint j = 0; j < N; ++j) s += c[i * N + j];

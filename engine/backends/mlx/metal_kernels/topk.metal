@@ -17,7 +17,7 @@ const uint C = uint(dims[1]), k = uint(dims[2]);
 const uint row = threadgroup_position_in_grid.y;
 const uint tid = thread_index_in_threadgroup, nt = threads_per_threadgroup.x;
 const uint sg = simdgroup_index_in_threadgroup, lane = thread_index_in_simdgroup;
-const device float* s = scores + ulong(row) * C;
+auto s = scores + ulong(row) * C;
 // 1. radix select
 uint prefix = 0, pmask = 0, need = k;
 for (int shift = 24; shift >= 0; shift -= 8) {
