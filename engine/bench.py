@@ -30,8 +30,15 @@ Machine floors, measured once per run and reported on stderr per row:
   i.e. two FLOPs per multiply-add of the weights a token actually touches (attention score work
   and norms are left out). The row prints F * prefill_tps / R.
 
-`--plot FILE.svg` draws prefill and generation t/s against ctx_tokens (standard library only).
-Bad input prints one `error:` line and exits 1.
+`--peer NAME` measures a second backend in the same run (engine/bench_peer.py): the same tokens,
+frontiers, numerics, paging and threads, opened after the first one is closed (never both in
+memory), against the same floors. The CSV then has a leading `backend` column (the measured
+backend's rows, then the peer's), stderr prints each row's prefill and decode ratio against the
+peer, and every backend's open line says its bind time and copy, its device (for mlx: MLX's default
+device, the CPU off Apple Silicon) and its resident memory after the sweep.
+
+`--plot FILE.svg` draws prefill and generation t/s against ctx_tokens (standard library only; both
+backends with --peer). Bad input prints one `error:` line and exits 1.
 """
 from __future__ import annotations
 
@@ -43,13 +50,14 @@ import math
 import sys
 import time
 from pathlib import Path
-from xml.sax.saxutils import escape
 
 import numpy as np
 
 from .errors import ModelFileError
 from .options import EngineOptions, add_engine_flags
 from .gguf.layout import EMBED, HASH, ROUTED
+from .bench_peer import device_line, peer_options, ratio_lines, rss_bytes
+from .bench_svg import svg_plot
 
 HEADER = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes"]
 _DATA = Path("shared") / "ds4-data" / "promessi_sposi.txt"
@@ -161,58 +169,29 @@ def run_bench(session, tokens: list[int], fronts: list[int], gen_tokens: int, eo
     return rows, probes
 
 
+def _cells(r: dict) -> list:
+    return [r["ctx_tokens"], r["prefill_tokens"], f"{r['prefill_tps']:.2f}", r["gen_tokens"],
+            f"{r['gen_tps']:.2f}", r["kvcache_bytes"]]
+
+
 def format_csv(rows: list[dict]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(HEADER)
     for r in rows:
-        w.writerow([r["ctx_tokens"], r["prefill_tokens"], f"{r['prefill_tps']:.2f}", r["gen_tokens"],
-                    f"{r['gen_tps']:.2f}", r["kvcache_bytes"]])
+        w.writerow(_cells(r))
     return buf.getvalue()
 
 
-def svg_plot(rows: list[dict], title: str = "ds4-bench") -> str:
-    """Prefill and generation t/s against ctx_tokens: two polylines, axes, ticks and a legend."""
-    W, H, L, R, T, B = 720, 420, 70, 150, 40, 50
-    pw, ph = W - L - R, H - T - B
-    xs = [r["ctx_tokens"] for r in rows]
-    x0, x1 = min(xs), max(xs)
-    if x1 == x0:
-        x1 = x0 + 1
-    ymax = max([r["prefill_tps"] for r in rows] + [r["gen_tps"] for r in rows] + [1e-9]) * 1.1
-
-    def px(x):
-        return L + (x - x0) / (x1 - x0) * pw
-
-    def py(y):
-        return T + ph - y / ymax * ph
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
-             f'viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">',
-             f'<rect width="{W}" height="{H}" fill="white"/>',
-             f'<text x="{W / 2:.1f}" y="22" text-anchor="middle" font-size="15">{escape(title)}</text>',
-             f'<line x1="{L}" y1="{T + ph}" x2="{L + pw}" y2="{T + ph}" stroke="black"/>',
-             f'<line x1="{L}" y1="{T}" x2="{L}" y2="{T + ph}" stroke="black"/>']
-    for i in range(6):
-        xv, yv = x0 + (x1 - x0) * i / 5, ymax * i / 5
-        parts.append(f'<line x1="{px(xv):.1f}" y1="{T + ph}" x2="{px(xv):.1f}" y2="{T + ph + 5}" stroke="black"/>')
-        parts.append(f'<text x="{px(xv):.1f}" y="{T + ph + 18}" text-anchor="middle">{xv:.0f}</text>')
-        parts.append(f'<line x1="{L - 5}" y1="{py(yv):.1f}" x2="{L + pw}" y2="{py(yv):.1f}" stroke="#ddd"/>')
-        parts.append(f'<text x="{L - 8}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:.3g}</text>')
-    parts.append(f'<text x="{L + pw / 2:.1f}" y="{H - 10}" text-anchor="middle">ctx_tokens</text>')
-    parts.append(f'<text x="16" y="{T + ph / 2:.1f}" text-anchor="middle" '
-                 f'transform="rotate(-90 16 {T + ph / 2:.1f})">tokens/s</text>')
-    for i, (key, label, color) in enumerate((("prefill_tps", "prefill t/s", "#1f77b4"),
-                                             ("gen_tps", "gen t/s", "#d62728"))):
-        pts = " ".join(f"{px(r['ctx_tokens']):.1f},{py(r[key]):.1f}" for r in rows)
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{pts}"/>')
+def format_csv_backends(sweeps: dict[str, list[dict]]) -> str:
+    """With --peer: a leading `backend` column, the measured backend's rows then the peer's."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["backend", *HEADER])
+    for name, rows in sweeps.items():
         for r in rows:
-            parts.append(f'<circle cx="{px(r["ctx_tokens"]):.1f}" cy="{py(r[key]):.1f}" r="3" fill="{color}"/>')
-        ly = T + 10 + 20 * i
-        parts.append(f'<line x1="{L + pw + 15}" y1="{ly}" x2="{L + pw + 40}" y2="{ly}" stroke="{color}" stroke-width="2"/>')
-        parts.append(f'<text x="{L + pw + 45}" y="{ly + 4}">{label}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
+            w.writerow([name, *_cells(r)])
+    return buf.getvalue()
 
 
 def _positive_int(s: str) -> int:
@@ -257,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write an SVG chart here")
     p.add_argument("--dump-tokens", default=None, help="write the greedy tokens of each frontier as JSON")
+    p.add_argument("--peer", default=None, metavar="NAME",
+                   help="also measure backend NAME in the same run (same tokens, frontiers, numerics, "
+                        "threads); print each row's ratio against it and add a backend column to the CSV")
     return p
 
 
@@ -295,6 +277,7 @@ def _main(argv) -> int:
     if a.step_incr is None and a.step_mul is None:
         a.step_incr = 2048
     options = EngineOptions.from_args(a)        # a bad value: ValueError, one line (main)
+    peer = peer_options(options, a.peer)        # checked before the first sweep spends its time
     if not Path(a.model).is_file():
         raise BenchError(f"{a.model}: no such model file")
     prompt, text = _read_prompt(a.prompt_file)
@@ -302,71 +285,107 @@ def _main(argv) -> int:
         raise BenchError(f"--ctx-start {a.ctx_start} is above --ctx-max {a.ctx_max}")
     ctx = a.ctx if a.ctx is not None else a.ctx_max + a.gen_tokens + 1
 
-    from .gguf.inspect import report
-    from .runtime.session import DEFAULT_CHUNK, Engine, Session
-
+    eng, open_s = _open(a.model, options)
     try:
-        t_open = time.perf_counter()
-        eng = Engine.open(a.model, options)
-    except ValueError as e:          # an unknown or unbuilt backend
-        raise BenchError(str(e)) from None
-    open_s = time.perf_counter() - t_open
-    try:
-        tokens = eng.tokenizer.encode(text)
-        ctx_max = min(a.ctx_max, len(tokens), ctx - a.gen_tokens - 1)
-        if len(tokens) < a.ctx_start:
-            raise BenchError(f"{prompt}: the text has {len(tokens)} tokens, fewer than --ctx-start {a.ctx_start}")
-        if ctx_max < a.ctx_start:
-            raise BenchError(f"--ctx {ctx} leaves room for frontiers up to {ctx - a.gen_tokens - 1} tokens, "
-                             f"below --ctx-start {a.ctx_start}")
-        if ctx_max < a.ctx_max:
-            why = "the text has" if ctx_max == len(tokens) else "--ctx allows"
-            print(f"note: ctx-max clamped to {ctx_max} ({why} {ctx_max} tokens)", file=sys.stderr)
-        fronts = frontiers(a.ctx_start, ctx_max, a.step_incr, a.step_mul)
-
-        floors = measure_floors()
-        rep = report(eng.file)
-        bpt, long_from = rep["bytes_per_token"], rep["long_context_from"]
-        flops = flops_per_token(eng.file)
-        bw, gemm = floors["read_bytes_per_s"], floors["gemm_flops_per_s"]
-        print(f"floors: read {bw / 1e9:.2f} GB/s, gemm {gemm / 1e9:.2f} GFLOP/s; "
-              f"weights read per token {bpt['short']} B (short) / {bpt['long']} B (long, from {long_from}); "
-              f"prefill FLOPs per token {flops}", file=sys.stderr)
-
-        res = (f" (resident copy of {eng.file.gguf.size:,} B in {eng.resident_seconds:.2f} s)"
-               if eng.resident_seconds is not None else "")
-        print(f"open: {open_s:.2f} s, paging {eng.paging}{res}, backend {eng.backend}", file=sys.stderr)
-        first = []
-
-        def on_row(r):
-            if not first:       # open + the first frontier's prefill + one decoded token
-                first.append(open_s + r["prefill_tokens"] / max(r["prefill_tps"], 1e-9)
-                             + 1 / max(r["gen_tps"], 1e-9))
-                print(f"first-token latency {first[0]:.2f} s", file=sys.stderr)
-            b = bpt["long" if r["ctx_tokens"] >= long_from else "short"]
-            dec = (b / bw) * r["gen_tps"]
-            pre = flops * r["prefill_tps"] / gemm
-            print(f"ctx {r['ctx_tokens']}: decode {r['gen_tps']:.2f} t/s = {dec:.1%} of read floor; "
-                  f"prefill {r['prefill_tps']:.2f} t/s = {pre:.1%} of GEMM floor", file=sys.stderr)
-
-        session = Session(eng, ctx, chunk=a.chunk or DEFAULT_CHUNK)
-        rows, probes = run_bench(session, tokens, fronts, a.gen_tokens, eng.tokenizer.eos_id, on_row)
+        tokens, fronts = _plan(eng, text, prompt, a, ctx)
+        costs = _floors(eng)
+        rows, probes = _sweep(eng, open_s, tokens, fronts, a, ctx, costs)
+        name = eng.backend
     finally:
         eng.close()
+    sweeps = {name: rows}
+    if peer is not None:
+        eng, open_s = _open(a.model, peer)      # after the first closed: never both in memory
+        try:
+            peer_rows, peer_probes = _sweep(eng, open_s, tokens, fronts, a, ctx, costs)
+        finally:
+            eng.close()
+        for line in ratio_lines(name, rows, probes, peer.backend, peer_rows, peer_probes):
+            print(line, file=sys.stderr)
+        sweeps[peer.backend] = peer_rows
 
-    out = format_csv(rows)
+    out = format_csv(rows) if peer is None else format_csv_backends(sweeps)
     if a.csv:
         Path(a.csv).write_text(out)
     else:
         sys.stdout.write(out)
         sys.stdout.flush()
     if a.plot:
-        Path(a.plot).write_text(svg_plot(rows, f"ds4-bench: {Path(a.model).name}"))
+        Path(a.plot).write_text(svg_plot(rows if peer is None else sweeps, f"ds4-bench: {Path(a.model).name}"))
     if a.dump_tokens:
-        Path(a.dump_tokens).write_text(json.dumps(
-            [{"ctx_tokens": f, "tokens": p} for f, p in zip(fronts, probes)]) + "\n")
+        dump = [{"ctx_tokens": f, "tokens": p} for f, p in zip(fronts, probes)]
+        if peer is not None:
+            for d, p in zip(dump, peer_probes):
+                d["peer_tokens"] = p
+        Path(a.dump_tokens).write_text(json.dumps(dump) + "\n")
     return 0
 
+
+def _open(model: str, options: EngineOptions):
+    from .runtime.session import Engine
+    try:
+        t0 = time.perf_counter()
+        eng = Engine.open(model, options)
+    except ValueError as e:          # an unknown or unbuilt backend
+        raise BenchError(str(e)) from None
+    return eng, time.perf_counter() - t0
+
+
+def _plan(eng, text: str, prompt: str, a, ctx: int) -> tuple[list[int], list[int]]:
+    """The prompt's tokens and the frontiers they and --ctx allow (one note when clamped)."""
+    tokens = eng.tokenizer.encode(text)
+    ctx_max = min(a.ctx_max, len(tokens), ctx - a.gen_tokens - 1)
+    if len(tokens) < a.ctx_start:
+        raise BenchError(f"{prompt}: the text has {len(tokens)} tokens, fewer than --ctx-start {a.ctx_start}")
+    if ctx_max < a.ctx_start:
+        raise BenchError(f"--ctx {ctx} leaves room for frontiers up to {ctx - a.gen_tokens - 1} tokens, "
+                         f"below --ctx-start {a.ctx_start}")
+    if ctx_max < a.ctx_max:
+        why = "the text has" if ctx_max == len(tokens) else "--ctx allows"
+        print(f"note: ctx-max clamped to {ctx_max} ({why} {ctx_max} tokens)", file=sys.stderr)
+    return tokens, frontiers(a.ctx_start, ctx_max, a.step_incr, a.step_mul)
+
+
+def _floors(eng) -> dict:
+    """The machine's floors and the file's costs per token, measured and printed once per run."""
+    from .gguf.inspect import report
+    floors = measure_floors()
+    rep = report(eng.file)
+    c = {"bpt": rep["bytes_per_token"], "long_from": rep["long_context_from"], "flops": flops_per_token(eng.file),
+         "bw": floors["read_bytes_per_s"], "gemm": floors["gemm_flops_per_s"]}
+    print(f"floors: read {c['bw'] / 1e9:.2f} GB/s, gemm {c['gemm'] / 1e9:.2f} GFLOP/s; "
+          f"weights read per token {c['bpt']['short']} B (short) / {c['bpt']['long']} B (long, from "
+          f"{c['long_from']}); prefill FLOPs per token {c['flops']}", file=sys.stderr)
+    return c
+
+
+def _sweep(eng, open_s: float, tokens, fronts, a, ctx: int, c: dict):
+    """One backend's sweep, its open, device and memory lines, and each row against the floors."""
+    from .runtime.session import DEFAULT_CHUNK, Session
+    res = (f" (resident copy of {eng.file.gguf.size:,} B in {eng.resident_seconds:.2f} s)"
+           if eng.resident_seconds is not None else "")
+    bind = eng.bind_report
+    print(f"open: {open_s:.2f} s, paging {eng.paging}{res}, backend {eng.backend}, "
+          f"bind {bind.time_s:.2f} s ({bind.bytes:,} B copied)", file=sys.stderr)
+    print(device_line(eng), file=sys.stderr)
+    first = []
+
+    def on_row(r):
+        if not first:       # open + the first frontier's prefill + one decoded token
+            first.append(open_s + r["prefill_tokens"] / max(r["prefill_tps"], 1e-9)
+                         + 1 / max(r["gen_tps"], 1e-9))
+            print(f"first-token latency {first[0]:.2f} s", file=sys.stderr)
+        b = c["bpt"]["long" if r["ctx_tokens"] >= c["long_from"] else "short"]
+        dec = (b / c["bw"]) * r["gen_tps"]
+        pre = c["flops"] * r["prefill_tps"] / c["gemm"]
+        print(f"ctx {r['ctx_tokens']}: {eng.backend} decode {r['gen_tps']:.2f} t/s = {dec:.1%} of read floor; "
+              f"prefill {r['prefill_tps']:.2f} t/s = {pre:.1%} of GEMM floor", file=sys.stderr)
+
+    session = Session(eng, ctx, chunk=a.chunk or DEFAULT_CHUNK)
+    out = run_bench(session, tokens, fronts, a.gen_tokens, eng.tokenizer.eos_id, on_row)
+    rss, what = rss_bytes()
+    print(f"memory: {eng.backend} {what} {rss / 2**20:,.0f} MiB after the sweep", file=sys.stderr)
+    return out
 
 if __name__ == "__main__":
     sys.exit(main())

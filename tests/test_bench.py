@@ -14,6 +14,7 @@ WORDS = ("quel ramo del lago di Como che volge a mezzogiorno tra due catene non 
          "tutto a seni e a golfi a seconda dello sporgere e del rientrare di quelli vien quasi a un tratto "
          "a ristringersi e a prender corso e figura di fiume").split()
 SWEEP = ["--ctx-start", "64", "--ctx-max", "192", "--step-incr", "64", "--gen-tokens", "4"]
+PAIR = ["--ctx-start", "64", "--ctx-max", "128", "--step-incr", "64", "--gen-tokens", "4"]   # two rows
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +104,54 @@ def test_bad_input(case, small_model, text_file, tmp_path, capsys):
     assert rc == 1 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
+
+
+def _csv_rows(text: str) -> list[dict]:
+    lines = text.strip().splitlines()
+    head = lines[0].split(",")
+    return [dict(zip(head, ln.split(","))) for ln in lines[1:]]
+
+
+def test_peer_measures_a_second_backend_in_the_same_run(small_model, text_file, tmp_path, capsys):
+    """--peer: both backends over the same frontiers, a backend column, one ratio line per row that
+    agrees with the CSV, each backend's device and memory lines, both in the plot and the dump."""
+    from engine.backends import registry
+    others = [n for n in registry.available_names() if n != "numpy"]
+    if not others:
+        pytest.skip("no backend besides numpy can serve here to be the peer")
+    peer = others[-1]             # the lowest priority besides numpy (mlx on Linux, where it serves)
+    svg, dump = tmp_path / "both.svg", tmp_path / "both.json"
+    rc, out, err = _run(capsys, ["-m", str(small_model), "--prompt-file", str(text_file), *PAIR,
+                                 "--backend", "numpy", "--peer", peer, "--plot", str(svg),
+                                 "--dump-tokens", str(dump)])
+    assert rc == 0, err
+    assert out.splitlines()[0] == ",".join(["backend", *HEADER])
+    rows = _csv_rows(out)
+    mine, theirs = [r for r in rows if r["backend"] == "numpy"], [r for r in rows if r["backend"] == peer]
+    assert len(mine) == len(theirs) == 2 and len(rows) == 4
+    assert [r["ctx_tokens"] for r in mine] == [r["ctx_tokens"] for r in theirs] == ["64", "128"]
+    # the snapshot format is the backends' common host layout: the same size on both
+    assert [r["kvcache_bytes"] for r in mine] == [r["kvcache_bytes"] for r in theirs]
+    ratios = [ln for ln in err.splitlines() if f": numpy/{peer} prefill " in ln]
+    assert len(ratios) == 2
+    for ln, a, b in zip(ratios, mine, theirs):
+        assert ln.startswith(f"ctx {a['ctx_tokens']}: ")
+        said = float(ln.split(" prefill ")[1].split("x")[0])
+        assert said == pytest.approx(float(a["prefill_tps"]) / float(b["prefill_tps"]), rel=0.02, abs=0.01)
+    for name in ("numpy", peer):
+        assert f"backend {name}, bind " in err and f"memory: {name} " in err
+    assert err.count("device: ") == 2 and err.count("floors: ") == 1 and "Traceback" not in err
+    root = ET.parse(svg).getroot()
+    assert len([e for e in root.iter() if e.tag.endswith("polyline")]) == 4
+    d = json.loads(dump.read_text())
+    assert [len(x["tokens"]) for x in d] == [len(x["peer_tokens"]) for x in d] == [4, 4]
+
+
+@pytest.mark.parametrize("peer", ["nosuch", "numpy"])
+def test_a_bad_peer_is_one_line_before_any_sweep(peer, small_model, text_file, capsys):
+    rc, out, err = _run(capsys, ["-m", str(small_model), "--prompt-file", str(text_file), *SWEEP,
+                                 "--backend", "numpy", "--peer", peer])
+    assert rc == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and peer in lines[0], err
+    assert "floors" not in err             # refused before the first backend was measured
