@@ -58,7 +58,10 @@ def _close(got, ref, tol, what):
 
 # -- the registry ------------------------------------------------------------------------------
 def test_registry_names_the_builtin_backends_best_first():
-    assert R.names()[:4] == ("mlx", "cupy", "cpu", "numpy")
+    from engine.backends.mlx.backend import apple_silicon
+    # mlx leads on Apple Silicon (the GPU); elsewhere it has only MLX's CPU device, below cpu
+    best = ("mlx", "cupy", "cpu", "numpy") if apple_silicon() else ("cupy", "cpu", "mlx", "numpy")
+    assert R.names()[:4] == best
     assert "numpy" in BACKENDS
     for n in R.names():
         line = R.describe(n)
@@ -105,11 +108,42 @@ def test_register_checks_the_entry_and_auto_says_when_nothing_serves(monkeypatch
     assert "\n" not in str(err.value)
 
 
-def test_mlx_installed_but_not_built_says_so(monkeypatch):
-    import importlib.util
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "mlx" else real(n, *a))
-    assert R.get("mlx").available() == "the mlx backend is not built yet (issue 20)"
+def _auto_on(monkeypatch, system: str, machine: str, serving: set[str]) -> str:
+    """What `auto` picks on a made-up platform where exactly `serving` can serve: the mlx entry is
+    rebuilt (its module reloaded) under that platform's name, the registry copied, the module
+    restored after the test."""
+    import dataclasses
+    import importlib
+    import platform
+
+    import engine.backends.mlx.backend as mb
+    monkeypatch.setattr(R, "_entries", dict(R._entries))
+    monkeypatch.setattr(platform, "system", lambda: system)
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.delenv("DS4_BACKEND", raising=False)
+    try:
+        entry = importlib.reload(mb).BACKEND
+    finally:
+        monkeypatch.undo()              # the real platform again, and the module rebuilt under it
+        importlib.reload(mb)
+    monkeypatch.setattr(R, "_entries", dict(R._entries))
+    monkeypatch.delenv("DS4_BACKEND", raising=False)
+    R._entries["mlx"] = entry
+    for n in R.names():
+        R._entries[n] = dataclasses.replace(R._entries[n], available=(
+            (lambda: None) if n in serving else (lambda n=n: f"no {n} here")))
+    return R.pick("auto").name
+
+
+@pytest.mark.parametrize("system,machine", [("Darwin", "arm64"), ("Linux", "x86_64"), ("Linux", "aarch64"),
+                                            ("Darwin", "x86_64"), ("Windows", "AMD64")])
+def test_auto_picks_mlx_on_apple_silicon_only(monkeypatch, system, machine):
+    apple = (system, machine) == ("Darwin", "arm64")
+    assert _auto_on(monkeypatch, system, machine, {"mlx", "cpu", "numpy"}) == ("mlx" if apple else "cpu")
+    assert R.get("mlx").priority == (40 if apple else 15)
+    assert _auto_on(monkeypatch, system, machine, {"mlx", "cupy", "cpu", "numpy"}) == ("mlx" if apple else "cupy")
+    # named, it serves on any platform where mlx is installed: how CI tests it on Linux
+    assert R.pick("mlx").name == "mlx"
 
 
 def _register(monkeypatch, name, cls, reference_ops=frozenset()):
