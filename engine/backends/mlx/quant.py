@@ -267,8 +267,8 @@ def gather_matmul(w: MxWeight, x: mx.array, experts: mx.array, toks: mx.array,
                   check_sorted: bool = True) -> mx.array:
     """Routed experts: out[p] = W[experts[p]] @ x[toks[p]] -> float32 [P, n_out].
 
-    x: float32 [T, n_in]; experts, toks: integer [P]. The pairs MUST be sorted by expert (the caller
-    sorts; MLX's gather kernels and the twin's per-expert runs rely on it). check_sorted reads
+    x: float32 [T, n_in]; experts, toks: integer [P], toks in [0, T) (not checked). The pairs MUST be
+    sorted by expert (the caller sorts; MLX's gather kernels and the twin's per-expert runs rely on it). check_sorted reads
     ``experts`` on the host and raises ValueError when they are not sorted or out of range; pass False
     to skip that sync when the caller sorted them itself (the twin and the 16-bit dense experts read
     ``experts`` on the host anyway).
