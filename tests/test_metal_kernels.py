@@ -179,7 +179,7 @@ MUTATIONS = {   # one wrong index per kernel, and the check it must break
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_a_broken_index_fails_the_comparison(tmp_path, name):
     file, edit = MUTATIONS[name]
-    exe = emu.build(emu.generate({file: edit}, only=("gather_matvec_batched_q2_k",)), cache=tmp_path / "build")
+    exe = emu.build(emu.generate({file: edit}, only=("gather_matvec_batched_q2_k",)), tmp_path / "build", "-O0")
     rng = np.random.default_rng(6)
     raw, W = _weights("q2_k", rng, 2, 16, 256)
     x = rng.standard_normal((4, 256), dtype=np.float32)
@@ -195,21 +195,30 @@ FAULTS = {   # mistakes the emulation reports itself, instead of hanging or read
                 "topk", "only some"),
     "past_end": ("gather_matvec_decode.metal", ("out[ulong(p) * n_out + row] = acc;", "out[ulong(p) * n_out + row + 64] = acc;"),
                  "gather_matvec_decode_q2_k", "signal 11"),
+    "missing_barrier": ("gather_matvec_batched.metal",
+                        ("threadgroup_barrier(mem_flags::mem_threadgroup);   // the next block", "// the next block"),
+                        "gather_matvec_batched_q2_k", "order threads run in"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))
-def test_the_emulation_reports_divergent_barriers_and_overruns(tmp_path, name):
+def test_the_emulation_reports_divergent_or_missing_barriers_and_overruns(tmp_path, name):
     file, edit, entry, message = FAULTS[name]
-    exe = emu.build(emu.generate({file: edit}, only=(entry,)), cache=tmp_path / "build")
+    exe = emu.build(emu.generate({file: edit}, only=(entry,)), tmp_path / "build", "-O0")
     rng = np.random.default_rng(7)
     if entry == "topk":
         scores = rng.standard_normal((2, 300), dtype=np.float32)
         args = ([scores, np.array([2, 300, 5], np.int32)], [((2, 5), np.int32)], (64, 2, 1), (64, 1, 1))
-    else:
+    elif entry == "gather_matvec_decode_q2_k":
         raw, _ = _weights("q2_k", rng, 1, 8, 256)
         x = rng.standard_normal((2, 256), dtype=np.float32)
         e, t = np.zeros(3, np.int32), np.array([0, 1, 0], np.int32)
         args = ([raw, x, e, t, np.array([8, 256, 84], np.int32)], [((3, 8), np.float32)], (256, 3, 1), (128, 1, 1))
+    else:   # three blocks per row: the tiles are rewritten while other threads still read them
+        raw, _ = _weights("q2_k", rng, 1, 16, 768)
+        x = rng.standard_normal((4, 768), dtype=np.float32)
+        with pytest.raises(emu.EmulationError, match=message):
+            _gather(exe, "batched", "q2_k", raw, x, np.zeros(16, np.int32), np.arange(16, dtype=np.int32) % 4, tmp_path)
+        return
     with pytest.raises(emu.EmulationError, match=message):
         emu.run(exe, entry, *args, tmp_path / "run")

@@ -2,7 +2,7 @@
 // metal_compat.h, common.metal, every kernel body wrapped as `void NAME(void** bufs)`, a table
 // `ENTRIES` of them, and then this file.
 //
-// Usage: driver ENTRY DIR. DIR/spec.txt holds "gx gy gz tx ty tz n_in n_out" and then the byte size
+// Usage: [METAL_EMU_REVERSE=1] driver ENTRY DIR. DIR/spec.txt holds "gx gy gz tx ty tz n_in n_out" and then the byte size
 // of each buffer (inputs, then outputs); DIR/in<i>.bin the inputs. Writes DIR/out<i>.bin.
 // Every buffer ends at a PROT_NONE page, so reading or writing past its end kills the process
 // (the test reports the signal) instead of reading a neighbour; outputs start as 0xFF bytes
@@ -44,6 +44,7 @@ int main(int argc, char** argv) {
     }
   }
   std::fclose(f);
+  metal_emu::rt().reverse = std::getenv("METAL_EMU_REVERSE") != nullptr;
   struct Call { void (*fn)(void**); void** bufs; } call{fn, bufs.data()};
   std::string err = metal_emu::launch({g[0], g[1], g[2]}, {t[0], t[1], t[2]},
                                       [](void* c) { auto* k = static_cast<Call*>(c); k->fn(k->bufs); }, &call);

@@ -7,6 +7,7 @@ past a buffer, which hits a guard page, fails its test instead of the test sessi
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -104,10 +105,11 @@ def generate(patch: dict | None = None, only: tuple = ()) -> str:
     return "\n".join(parts) + "\n"
 
 
-def build(src: str | None = None, cache: Path | None = None) -> Path:
-    """Compile the driver (cached by the hash of its source and the compat files)."""
+def build(src: str | None = None, cache: Path | None = None, opt: str = "-O1") -> Path:
+    """Compile the driver (cached by the hash of its source and the compat files); -O0 compiles
+    faster, for the one-off builds of deliberately broken kernels."""
     src = generate() if src is None else src
-    key = hashlib.sha256((src + (HERE / "metal_compat.h").read_text() + (HERE / "driver.cpp").read_text())
+    key = hashlib.sha256((opt + src + (HERE / "metal_compat.h").read_text() + (HERE / "driver.cpp").read_text())
                          .encode()).hexdigest()[:16]
     cache = cache or Path(tempfile.gettempdir()) / "ds4_metal_emu"
     cache.mkdir(parents=True, exist_ok=True)
@@ -116,7 +118,7 @@ def build(src: str | None = None, cache: Path | None = None) -> Path:
         return exe
     cpp = cache / f"gen_{key}.cpp"
     cpp.write_text(src)
-    cmd = [compiler(), "-std=c++20", "-O1", "-Wall", "-Wno-unused-variable", "-I", str(HERE), str(cpp),
+    cmd = [compiler(), "-std=c++20", opt, "-Wall", "-Wno-unused-variable", "-I", str(HERE), str(cpp),
            "-o", str(exe) + ".tmp"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -142,8 +144,18 @@ def run(exe: Path, entry: str, inputs: list, outputs: list, grid, tg, workdir: P
     sizes += [int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in outputs]
     spec = [*grid, *tg, len(inputs), len(outputs), *sizes]
     (workdir / "spec.txt").write_text(" ".join(map(str, spec)))
-    r = subprocess.run([str(exe), entry, str(workdir)], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        why = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
-        raise EmulationError(f"{entry} failed ({why}): {r.stderr.strip()}")
-    return [np.fromfile(workdir / f"out{i}.bin", dtype=dt).reshape(shape) for i, (shape, dt) in enumerate(outputs)]
+    results = []
+    # twice: threads scheduled first to last, then last to first; a kernel whose threads share
+    # threadgroup memory without the barriers it needs gives two answers
+    for env in ({}, {"METAL_EMU_REVERSE": "1"}):
+        r = subprocess.run([str(exe), entry, str(workdir)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, **env})
+        if r.returncode != 0:
+            why = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+            raise EmulationError(f"{entry} failed ({why}): {r.stderr.strip()}")
+        results.append([np.fromfile(workdir / f"out{i}.bin", dtype=dt).reshape(shape)
+                        for i, (shape, dt) in enumerate(outputs)])
+    for a, b in zip(*results):
+        if a.tobytes() != b.tobytes():
+            raise EmulationError(f"{entry}: the result depends on the order threads run in (a missing barrier?)")
+    return results[0]

@@ -2,7 +2,7 @@
 // engine/backends/mlx/metal_kernels/*.metal compile as C++20 (g++ 12) and run on the CPU.
 //
 // Model: one threadgroup at a time; its threads are fibers (ucontext) run round-robin on one OS
-// thread. A fiber runs until it reaches a threadgroup_barrier or a simdgroup collective
+// thread, first to last or (Runtime::reverse) last to first. A fiber runs until it reaches a threadgroup_barrier or a simdgroup collective
 // (simd_sum, ...), then the next one runs. A barrier releases when every thread of the threadgroup
 // waits at one; a collective releases when every lane of that simdgroup waits at one. Anything
 // else (a barrier some threads skip, a simd_sum inside lane-divergent code) is reported as an error
@@ -48,6 +48,9 @@ struct Runtime {
   // that runs ahead to its next collective cannot overwrite a value another lane still reads
   std::vector<unsigned char> slots[2];
   std::string error;
+  // run the ready threads last to first: a read of another thread's threadgroup write with no
+  // barrier between them gets the other answer in one of the two orders
+  bool reverse = false;
   void (*body)(void*) = nullptr;
   void* arg = nullptr;
 };
@@ -140,7 +143,8 @@ inline std::string launch(u3 grid, u3 tg, void (*fn)(void*), void* arg) {
       makecontext(&f.ctx, trampoline, 0);
     }
     for (;;) {
-      for (size_t i = 0; i < r.fibers.size(); ++i) {
+      for (size_t n = 0; n < r.fibers.size(); ++n) {
+        size_t i = r.reverse ? r.fibers.size() - 1 - n : n;
         if (r.fibers[i].state != READY) continue;
         r.current = int(i);
         swapcontext(&r.sched, &r.fibers[i].ctx);
