@@ -61,6 +61,16 @@ def _gather(exe, form, kind, raw, x, experts, toks, tmp_path):
     return emu.run(exe, entry, inputs, [((P, n_out), np.float32)], grid, tg, tmp_path / entry)[0]
 
 
+def test_the_iq2xxs_grid_in_common_metal_is_ggmls():
+    """common.metal's packed grid (2-bit indices into 8, 25, 43) against quants' table, every entry."""
+    import re
+    table = re.search(r"iq2xxs_grid2\[256\] = \{(.*?)\};", metal.source("common.metal"), re.S).group(1)
+    packed = np.array([int(v, 16) for v in re.findall(r"0x[0-9a-f]+", table)])
+    assert packed.shape == (256,)
+    grid = np.array([8, 25, 43])[(packed[:, None] >> np.arange(0, 16, 2)) & 3]
+    assert np.array_equal(grid, quants.IQ2XXS_GRID_BYTES)
+
+
 @pytest.mark.parametrize("form", ["decode", "batched"])
 @pytest.mark.parametrize("kind", ["iq2_xxs", "q2_k"])
 def test_gather_matvec_decodes_bit_exactly(exe, tmp_path, form, kind):

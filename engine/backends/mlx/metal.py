@@ -100,7 +100,7 @@ def hc_split(mix, n: int, scale, base, eps: float, iters: int):
     T = mix.shape[0]
     inputs = [mix.astype(mx.float32), scale.astype(mx.float32), base.astype(mx.float32),
               mx.array([eps], dtype=mx.float32), mx.array([iters], dtype=mx.int32), mx.array([T], dtype=mx.int32)]
-    tg = min(256, max(32, T))
+    tg = max(1, min(256, T))     # no barriers or simd ops: any size works
     return tuple(_kernel("hc_split")(inputs=inputs, template=[("N", n)], grid=(T, 1, 1), threadgroup=(tg, 1, 1),
                                      output_shapes=[(T, n), (T, n), (T, n, n)],
                                      output_dtypes=[mx.float32] * 3))
