@@ -77,6 +77,8 @@ def gather_matvec(kind: str, raw, x, experts, toks):
     if row_bytes != n_in // 256 * bb or n_in % 256:
         raise ValueError(f"{kind}: rows of {row_bytes} bytes do not hold {n_in} values")
     P = experts.shape[0]
+    if P == 0:                   # an empty grid is not a launch
+        return mx.zeros((0, n_out), dtype=mx.float32)
     dims = mx.array([n_out, n_in, row_bytes], dtype=mx.int32)
     raw, x = raw.astype(mx.uint8), x.astype(mx.float32)
     experts, toks = experts.astype(mx.int32), toks.astype(mx.int32)
