@@ -211,10 +211,19 @@ FAULTS = {   # mistakes the emulation reports itself, instead of hanging or read
 }
 
 
+@pytest.fixture(scope="module")
+def faulty_exe(tmp_path_factory):
+    """One build with every fault (each in a different file, run through a different entry)."""
+    patch = {file: edit for file, edit, _, _ in FAULTS.values()}
+    assert len(patch) == len(FAULTS)
+    only = tuple(entry for _, _, entry, _ in FAULTS.values())
+    return emu.build(emu.generate(patch, only=only), tmp_path_factory.mktemp("faulty"), "-O0")
+
+
 @pytest.mark.parametrize("name", sorted(FAULTS))
-def test_the_emulation_reports_divergent_or_missing_barriers_and_overruns(tmp_path, name):
+def test_the_emulation_reports_divergent_or_missing_barriers_and_overruns(faulty_exe, tmp_path, name):
     file, edit, entry, message = FAULTS[name]
-    exe = emu.build(emu.generate({file: edit}, only=(entry,)), tmp_path / "build", "-O0")
+    exe = faulty_exe
     rng = np.random.default_rng(7)
     if entry == "topk":
         scores = rng.standard_normal((2, 300), dtype=np.float32)
