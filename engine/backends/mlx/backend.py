@@ -1,8 +1,36 @@
-"""Registration of the mlx backend (Apple Silicon). Its ops come with issue 20; until then the
-name is known, `auto` passes it over, and naming it says why it cannot serve."""
+"""Registration of the mlx backend: the forward pass in mlx.core, with custom Metal kernels on
+Apple Silicon (IQ2_XXS / Q2_K expert matvecs, HC Sinkhorn split, decode attention, top-k).
+
+`auto` takes it first on Apple Silicon. Elsewhere MLX runs on its CPU device (`pip install
+'mlx[cpu]'` on Linux): it serves when named (`--backend mlx`), which is how CI tests it, but `auto`
+prefers the cpu backend's C kernels there.
+"""
 from __future__ import annotations
 
-from ..registry import planned
+import importlib.util
+import platform
 
-BACKEND = planned("mlx", package="mlx", extra="mlx", summary="Apple Silicon GPU through MLX",
-                  priority=40, comes_with="issue 20")
+from ..registry import Backend
+
+
+def apple_silicon() -> bool:
+    return platform.system() == "Darwin" and platform.machine() == "arm64"
+
+
+def _available() -> str | None:
+    if importlib.util.find_spec("mlx") is None:
+        return "mlx is not installed (pip install 'ds4-agent[mlx]')"
+    return None
+
+
+def _make_ops(numerics: str):
+    from .ops import MlxOps
+    return MlxOps(numerics)
+
+
+BACKEND = Backend(
+    name="mlx", summary="MLX (Apple Silicon GPU with Metal kernels; the CPU device elsewhere)",
+    available=_available, make_ops=_make_ops,
+    priority=40 if apple_silicon() else 15,        # below cpu (20) where MLX has only its CPU device
+    # the weights are read once, sequentially, into MLX memory at open: the map is not kept hot
+    default_paging="prefault")

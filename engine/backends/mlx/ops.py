@@ -1,0 +1,331 @@
+"""The mlx backend's ops: the forward pass's operations in mlx.core (spec: engine/backends/numpy/ops.py).
+
+Everything here is lazy: an op adds to MLX's graph and nothing runs until `mx.eval`, which happens
+at the token and chunk boundaries -- `logits_to_host` evaluates the logits together with every live
+KV state (so a state never carries the graph of an earlier forward), and `state_to_host` its state.
+
+Weights are bound once at open (quant.repack: MLX's own quantized layouts where the mapping is
+exact, raw GGUF blocks for IQ2_XXS and Q2_K). Each op has an MLX-ops form, which is the reference
+everywhere and the path used off Apple; on Apple a few call custom Metal kernels instead (metal.py:
+the IQ2_XXS / Q2_K expert matvecs, the HC Sinkhorn split, decode attention, the indexer's top-k),
+which tests hold to the same NumPy reference through a C++ emulation.
+
+Inputs may also be host (NumPy) arrays and unbound QTensors: the conformance suite calls ops
+directly with those, and they are converted (a QTensor is repacked once and cached).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import mlx.core as mx
+import numpy as np
+
+from ...gguf import quants as Q
+from ...gguf.model_file import QTensor
+from ...model import numerics as N
+from ...model.kv_state import KVState
+from ...model.numerics import DS4, NUMERICS
+from ..protocol import BindReport
+from . import numerics as MN
+from . import quant, xp as XP
+from .bind import bind_mlx, take_rows
+
+# Routed-expert activations: ggml's K-quant and IQ dot products take Q8_K (256-value) activations;
+# MXFP4's and Q8_0's take Q8_0 (32-value) ones (as the reference).
+_EXPERT_ACT_Q8_0 = frozenset({Q.MXFP4, Q.Q8_0})
+_DENSE = frozenset({Q.F32, Q.F16, Q.BF16})
+_METAL_KINDS = frozenset({"iq2_xxs", "q2_k"})
+
+
+def _a(x):
+    """An mx array of x (host arrays are uploaded; float64 becomes float32)."""
+    return XP.asarray(x)
+
+
+def _metal():
+    """The Metal kernels where they can run (Apple with a Metal device), else None."""
+    from . import metal
+    return metal if metal.available() else None
+
+
+class MlxOps:
+    name = "mlx"
+    xp = XP
+
+    def __init__(self, numerics: str = DS4):
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+        self.numerics = numerics
+        self._ds4 = numerics == DS4
+        self._states = weakref.WeakSet()     # evaluated with every logits_to_host
+        self._repacked: dict = {}            # id(QTensor) -> (QTensor, MxWeight): host weights met in a call
+        self._rot: dict = {}                 # id(thetas) -> (thetas, cos, sin): this pass's rotations
+        self.metal = _metal()
+
+    # -- set-up and hand-offs --------------------------------------------------------------------
+    def bind_weights(self, model_file):
+        """Every matrix repacked into MLX memory (quant.repack), the small vectors uploaded."""
+        t0 = time.perf_counter()
+        weights, nbytes = bind_mlx(model_file)
+        return weights, BindReport(time.perf_counter() - t0, nbytes)
+
+    def new_state(self, config, ctx: int, rewind_cap: int) -> KVState:
+        st = KVState(config, ctx, rewind_cap, xp=XP)
+        self._states.add(st)
+        return st
+
+    def state_to_host(self, state: KVState) -> KVState:
+        arrays = _state_arrays(state)
+        mx.eval(*arrays)
+        return state.copy_to(np, lambda a: np.array(a, dtype=np.float32))
+
+    def state_from_host(self, host: KVState) -> KVState:
+        st = host.copy_to(XP, lambda a: mx.array(a))
+        mx.eval(*_state_arrays(st))
+        self._states.add(st)
+        return st
+
+    def embed(self, embd, tokens):
+        """The rows of `tokens` (host int64 [T]), decoded: only those rows."""
+        return take_rows(self._w(embd), _a(np.asarray(tokens)).astype(mx.int32))
+
+    def logits_to_host(self, logits) -> np.ndarray:
+        logits = _a(logits)
+        # the token boundary: run the graph, and cut every state's history with it
+        mx.eval(logits, *[a for st in list(self._states) for a in _state_arrays(st)])
+        self._rot.clear()
+        return np.array(logits.astype(mx.float32), copy=False)
+
+    # -- matmuls -------------------------------------------------------------------------------
+    def _w(self, w):
+        if isinstance(w, QTensor):
+            hit = self._repacked.get(id(w))
+            if hit is None or hit[0] is not w:
+                hit = self._repacked[id(w)] = (w, quant.repack(w))
+            return hit[1]
+        return w
+
+    def linear(self, w, x, rows=None):
+        w, x = self._w(w), _a(x)
+        if self._ds4 and w.type_id == Q.Q8_0:
+            x = MN.q8_0_round(x)
+        return quant.matmul(w, x, rows)
+
+    def linears(self, ws, x):
+        return [self.linear(w, x) for w in ws]
+
+    def grouped_linear(self, w, x, groups):
+        w, x = self._w(w), _a(x)
+        gi, gr = x.shape[1] // groups, w.n_out // groups
+        return mx.concatenate([self.linear(w, x[:, g * gi:(g + 1) * gi], rows=slice(g * gr, (g + 1) * gr))
+                               for g in range(groups)], axis=1)
+
+    # -- norms and elementwise -----------------------------------------------------------------
+    @staticmethod
+    def rmsnorm(x, w, eps):
+        x = _a(x)
+        ms = mx.mean(mx.square(x), axis=-1, keepdims=True)
+        y = x * mx.rsqrt(ms + eps)
+        return y if w is None else y * _a(w)
+
+    @staticmethod
+    def sigmoid(x):
+        return mx.sigmoid(_a(x))
+
+    @staticmethod
+    def softplus(x):
+        x = _a(x)
+        # torch's threshold form: x above 20 is returned as is
+        return mx.where(x > 20.0, x, mx.log1p(mx.exp(mx.minimum(x, 20.0))))
+
+    @staticmethod
+    def softmax(x, axis=-1):
+        x = _a(x)
+        m = mx.max(x, axis=axis, keepdims=True)
+        m = mx.where(mx.isinf(m) | mx.isnan(m), 0.0, m)
+        e = mx.exp(x - m)
+        return e / mx.sum(e, axis=axis, keepdims=True)
+
+    # -- KV-row numerics -----------------------------------------------------------------------
+    def store_kv(self, rows, n_nope):
+        rows = _a(rows)
+        return MN.f16_round(MN.fp8_e4m3_roundtrip(rows, n_nope)) if self._ds4 else rows
+
+    def index_qat(self, rows):
+        rows = _a(rows)
+        return MN.indexer_qat(rows) if self._ds4 else rows
+
+    def store_index(self, rows):
+        rows = _a(rows)
+        return MN.f16_round(MN.indexer_qat(rows)) if self._ds4 else rows
+
+    # -- RoPE ----------------------------------------------------------------------------------
+    def rope_thetas(self, pos, n_rot, base, yarn):
+        """The angle tables are built on the host (a few KB; the exact float32 steps of the
+        reference), with their cosines and sines, kept for this pass's rotations."""
+        f = N.rope_thetas_ds4 if self._ds4 else N.rope_thetas_exact
+        th = f(np.asarray(pos), n_rot, base, yarn=yarn)
+        out = mx.array(th)
+        self._keep_rot(out, th)
+        return out
+
+    def _keep_rot(self, key, th_host):
+        t64 = np.asarray(th_host, np.float64)
+        self._rot[id(key)] = (key, mx.array(np.cos(t64).astype(np.float32)), mx.array(np.sin(t64).astype(np.float32)))
+
+    def rope(self, x, thetas, inverse=False, inplace=False):
+        """Rotate the last 2 * thetas.shape[-1] dims of x in interleaved pairs (numerics.apply_rope)."""
+        x = _a(x)
+        hit = self._rot.get(id(thetas))
+        if hit is None or hit[0] is not thetas:          # a view the glue made of a table: once a pass
+            if not isinstance(thetas, mx.array):
+                thetas = mx.array(np.asarray(thetas, np.float32))
+            self._keep_rot(thetas, np.array(thetas))
+            hit = self._rot[id(thetas)]
+        _, c, s = hit
+        npair = c.shape[-1]
+        n_rot, W = 2 * npair, x.shape[-1]
+        lead_x, lead_t = x.shape[:-1], c.shape[:-1]
+        shape = lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,)
+        c, s = c.reshape(shape), s.reshape(shape)
+        if inverse:
+            s = -s
+        tail = x[..., W - n_rot:].reshape(lead_x + (npair, 2))
+        x0, x1 = tail[..., 0], tail[..., 1]
+        rot = mx.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(lead_x + (n_rot,))
+        return rot if n_rot == W else mx.concatenate([x[..., :W - n_rot], rot], axis=-1)
+
+    # -- attention -----------------------------------------------------------------------------
+    def attention(self, q, segments, sinks, scale):
+        """Softmax attention with per-head sinks, K = V, over concatenated key segments (see the
+        reference). A decode step on Apple runs the Metal kernel over the segments joined."""
+        q, sinks = _a(q), _a(sinks)
+        segments = [(_a(k), _a(m).astype(mx.bool_)) for k, m in segments]
+        if self.metal is not None and q.shape[0] == 1:
+            keys = mx.concatenate([k.reshape(-1, k.shape[-1]) for k, _ in segments], axis=0)
+            mask = mx.concatenate([m.reshape(1, -1) for _, m in segments], axis=1)
+            return self.metal.attention(q, keys, mask, sinks, scale)
+        return attention_twin(q, segments, sinks, scale)
+
+    def indexer_scores(self, qi, keys, wts):
+        """[T, C] = sum_h wts[t, h] * relu(qi[t, h] . keys[c]); queries in blocks so the
+        [t, h, c] products stay under ~16M values."""
+        qi, keys, wts = _a(qi), _a(keys), _a(wts)
+        T, H, _ = qi.shape
+        step = max(1, (1 << 24) // max(1, H * keys.shape[0]))
+        kt = keys.T
+        out = []
+        for t0 in range(0, T, step):
+            s = mx.maximum(qi[t0:t0 + step] @ kt, 0.0)                          # [t, H, C]
+            out.append((wts[t0:t0 + step, None, :] @ s)[:, 0, :])               # [t, C]
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
+
+    def topk_lowest_index(self, scores, k):
+        """Indices of the k largest per row, ties to the lowest index: MLX's sort is stable on
+        the CPU device (checked by the conformance suite); on Apple the Metal kernel."""
+        scores = _a(scores)
+        if self.metal is not None:
+            return self.metal.topk(scores, k)
+        return mx.argsort(-scores, axis=-1)[..., :k]
+
+    # -- hyper-connections -------------------------------------------------------------------------
+    def hc_split(self, mix, n, scale, base, eps, iters):
+        mix, scale, base = _a(mix), _a(scale), _a(base)
+        if self.metal is not None:
+            return self.metal.hc_split(mix, n, scale, base, float(eps), iters)
+        return hc_split_twin(mix, n, scale, base, float(eps), iters)
+
+    @staticmethod
+    def hc_pre_mix(pre, X):
+        pre, X = _a(pre), _a(X)
+        return (pre[:, None, :] @ X)[:, 0, :]
+
+    @staticmethod
+    def hc_post(y, X, post, C):
+        y, X, post, C = _a(y), _a(X), _a(post), _a(C)
+        return post[:, :, None] * y[:, None, :] + mx.swapaxes(C, 1, 2) @ X
+
+    # -- experts -------------------------------------------------------------------------------
+    def _act(self, w, x):
+        """ds4: the activation rounding of an expert matmul's input (identity in exact)."""
+        if not self._ds4 or w.type_id in _DENSE:
+            return x
+        return MN.q8_0_round(x) if w.type_id in _EXPERT_ACT_Q8_0 else MN.q8_k_round(x)
+
+    def _gmm(self, w, x, experts, toks):
+        if self.metal is not None and w.kind in _METAL_KINDS:
+            return self.metal.gather_matvec(w.kind, w.w, x, experts, toks)
+        return quant.gather_matmul(w, x, experts, toks)
+
+    @staticmethod
+    def _swiglu(g, v, limit):
+        g = mx.minimum(g, limit)
+        v = mx.clip(v, -limit, limit)
+        return g * mx.sigmoid(g) * v
+
+    def moe(self, lw, u, sel, wsel, limit):
+        """The routed experts (tokens grouped by expert, one gathered matmul per matrix) plus the
+        shared one."""
+        u, sel, wsel, limit = _a(u), _a(sel), _a(wsel), float(limit)
+        gate, up, down = self._w(lw.gate_exps), self._w(lw.up_exps), self._w(lw.down_exps)
+        T, k = sel.shape
+        flat = sel.reshape(-1)
+        order = mx.argsort(flat)                                   # pairs grouped by expert
+        experts = flat[order].astype(mx.int32)
+        toks = (order // k).astype(mx.int32)
+        we = wsel.reshape(-1)[order][:, None]
+        ua = self._act(gate, u)                                    # one rounding shared by all experts
+        m = self._swiglu(self._gmm(gate, ua, experts, toks), self._gmm(up, ua, experts, toks), limit)
+        pairs = mx.arange(m.shape[0], dtype=mx.int32)
+        if self._ds4:    # ds4 weights the SwiGLU output before the down projection (and rounds it)
+            d = self._gmm(down, self._act(down, m * we), experts, pairs)
+        else:
+            d = self._gmm(down, m, experts, pairs) * we
+        routed = mx.zeros((T, u.shape[1]), dtype=mx.float32).at[toks].add(d)
+        sh = self._swiglu(*self.linears([lw.sh_gate, lw.sh_up], u), limit)
+        return routed + self.linear(lw.sh_down, sh)
+
+
+def _state_arrays(st: KVState) -> list:
+    out = []
+    for ls in st.layers:
+        out += [r.rows for r in ls.rings()]
+        if ls.ratio:
+            out.append(ls.comp)
+        if getattr(ls, "index", None) is not None:
+            out.append(ls.index)
+    return out
+
+
+def attention_twin(q, segments, sinks, scale):
+    """The MLX-ops form of attention (the reference's math in float32)."""
+    scores = []
+    for keys, mask in segments:
+        s = (q @ keys.T if keys.ndim == 2 else q @ mx.swapaxes(keys, 1, 2)) * scale   # [T, H, K]
+        scores.append(mx.where(mask[:, None, :], s, -mx.inf))
+    s = mx.concatenate(scores, axis=-1)
+    m = mx.maximum(mx.max(s, axis=-1), sinks[None, :])                              # [T, H]
+    p = mx.exp(s - m[..., None])
+    den = mx.sum(p, axis=-1) + mx.exp(sinks[None, :] - m)
+    o, k0 = None, 0
+    for keys, _ in segments:
+        k1 = k0 + keys.shape[-2]
+        part = p[..., k0:k1] @ keys                                                 # [T, H, D]
+        o = part if o is None else o + part
+        k0 = k1
+    return o / den[..., None]
+
+
+def hc_split_twin(mix, n, scale, base, eps, iters):
+    """The MLX-ops form of the HC Sinkhorn split (the reference's steps, in float32)."""
+    T = mix.shape[0]
+    pre = mx.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2.0 * mx.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+    logits = (mix[:, 2 * n:] * scale[2] + base[2 * n:]).reshape(T, n, n)
+    C = mx.softmax(logits, axis=-1, precise=True) + eps
+    C = C / (C.sum(axis=1, keepdims=True) + eps)                # columns first
+    for _ in range(iters - 1):
+        C = C / (C.sum(axis=2, keepdims=True) + eps)            # rows
+        C = C / (C.sum(axis=1, keepdims=True) + eps)            # columns
+    return pre, post, C
