@@ -56,7 +56,7 @@ PREFILL = 300       # cached check: prefill this many tokens, then decode the re
 PRESET = "tiny"
 VOCAB = 465         # base tokens; + 47 chat/tool/DSML specials = 512 ids
 OVERRIDES = {"idx_n_head": 16}   # 16 indexer heads: no exact ReLU ties in the indexer top-k
-CONFIGS = [("q2", 11), ("q4", 12)]
+CONFIGS = [("q2", 11), ("q4", 12), ("mxfp4", 13)]
 # Smallest accepted gap at any top-k boundary (indexer: k-th vs (k+1)-th score; router: k-th vs
 # (k+1)-th biased score), relative to the row's largest |value|. fp32-vs-fp64 differences of these
 # scores are ~1e-6 of the row scale; the run reports the actual safety factor (fp64_check).
