@@ -56,7 +56,7 @@ import numpy as np
 from .errors import ModelFileError
 from .options import EngineOptions, add_engine_flags
 from .gguf.layout import EMBED, HASH, ROUTED
-from .bench_peer import device_line, peer_options, ratio_lines, rss_bytes
+from .bench_peer import device_line, peer_options, ratio_lines, release_memory, rss_bytes
 from .bench_svg import svg_plot
 
 HEADER = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes"]
@@ -285,21 +285,11 @@ def _main(argv) -> int:
         raise BenchError(f"--ctx-start {a.ctx_start} is above --ctx-max {a.ctx_max}")
     ctx = a.ctx if a.ctx is not None else a.ctx_max + a.gen_tokens + 1
 
-    eng, open_s = _open(a.model, options)
-    try:
-        tokens, fronts = _plan(eng, text, prompt, a, ctx)
-        costs = _floors(eng)
-        rows, probes = _sweep(eng, open_s, tokens, fronts, a, ctx, costs)
-        name = eng.backend
-    finally:
-        eng.close()
+    name, (tokens, fronts), costs, rows, probes = _measure(a.model, options, a, ctx, text=text, prompt=prompt)
     sweeps = {name: rows}
     if peer is not None:
-        eng, open_s = _open(a.model, peer)      # after the first closed: never both in memory
-        try:
-            peer_rows, peer_probes = _sweep(eng, open_s, tokens, fronts, a, ctx, costs)
-        finally:
-            eng.close()
+        release_memory()        # the first backend's weights go before the peer's arrive
+        _, _, _, peer_rows, peer_probes = _measure(a.model, peer, a, ctx, plan=(tokens, fronts), costs=costs)
         for line in ratio_lines(name, rows, probes, peer.backend, peer_rows, peer_probes):
             print(line, file=sys.stderr)
         sweeps[peer.backend] = peer_rows
@@ -329,6 +319,20 @@ def _open(model: str, options: EngineOptions):
     except ValueError as e:          # an unknown or unbuilt backend
         raise BenchError(str(e)) from None
     return eng, time.perf_counter() - t0
+
+
+def _measure(model: str, options: EngineOptions, a, ctx: int, *, text=None, prompt=None, plan=None, costs=None):
+    """Open one backend, sweep, close. The first run plans the frontiers and measures the floors;
+    a peer's run takes both. Returns (backend, plan, costs, rows, probes); the engine is dropped
+    with this frame, so the next backend's weights never join it in memory."""
+    eng, open_s = _open(model, options)
+    try:
+        plan = plan or _plan(eng, text, prompt, a, ctx)
+        costs = costs or _floors(eng)
+        rows, probes = _sweep(eng, open_s, *plan, a, ctx, costs)
+        return eng.backend, plan, costs, rows, probes
+    finally:
+        eng.close()
 
 
 def _plan(eng, text: str, prompt: str, a, ctx: int) -> tuple[list[int], list[int]]:

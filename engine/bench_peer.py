@@ -4,6 +4,7 @@ frontiers, and each row's ratio against it; and what the bench says about where 
 """
 from __future__ import annotations
 
+import gc
 import platform
 import resource
 import sys
@@ -45,6 +46,16 @@ def device_line(eng) -> str:
         from .backends.cpu import kernels
         return f"device: cpu, the C kernels on {kernels.get_threads()} thread(s)"
     return f"device: {eng.backend} on the host ({platform.machine() or 'unknown machine'})"
+
+
+def release_memory() -> None:
+    """Between two backends in one process: collect the closed engine (its weights may sit in
+    reference cycles) and hand MLX's buffer cache back to the system, which MLX keeps for reuse
+    by later MLX arrays, not for the peer's NumPy memory."""
+    gc.collect()
+    mx = sys.modules.get("mlx.core")
+    if mx is not None:
+        mx.clear_cache()
 
 
 def rss_bytes() -> tuple[int, str]:

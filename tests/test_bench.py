@@ -1,6 +1,7 @@
 """ds4-bench: the sweep's CSV, plot, token dump, determinism and bad input (spec/testing.md §1.3)."""
 from __future__ import annotations
 
+import functools
 import json
 import random
 import xml.etree.ElementTree as ET
@@ -112,10 +113,13 @@ def _csv_rows(text: str) -> list[dict]:
     return [dict(zip(head, ln.split(","))) for ln in lines[1:]]
 
 
-def test_peer_measures_a_second_backend_in_the_same_run(small_model, text_file, tmp_path, capsys):
+def test_peer_measures_a_second_backend_in_the_same_run(small_model, text_file, tmp_path, capsys, monkeypatch):
     """--peer: both backends over the same frontiers, a backend column, one ratio line per row that
     agrees with the CSV, each backend's device and memory lines, both in the plot and the dump."""
+    from engine import bench
     from engine.backends import registry
+    # the floors' values are not under test here: a smaller buffer and matrix keep the run short
+    monkeypatch.setattr(bench, "measure_floors", functools.partial(bench.measure_floors, read_mib=32, gemm_n=256))
     others = [n for n in registry.available_names() if n != "numpy"]
     if not others:
         pytest.skip("no backend besides numpy can serve here to be the peer")
