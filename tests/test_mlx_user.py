@@ -1,8 +1,8 @@
 """The mlx backend where users meet it, on MLX's CPU device (Linux CI): `ds4-agent --backend mlx`
 completes turns, `/save` and `--resume` (the CLI and the agent loop), a session saved on mlx resumes
-on the host backends through its KV file, the shim answers an OpenAI SDK chat request on mlx, `ds4
---backend mlx` agrees with the NumPy reference, and `ds4-bench --backend mlx --peer cpu` says on
-which device MLX ran.
+on the host backends through its KV file, the shim answers an OpenAI SDK chat request on mlx (in
+process, and `ds4-agent --serve --backend mlx` as a subprocess), `ds4 --backend mlx` agrees with the
+NumPy reference, and `ds4-bench --backend mlx --peer cpu` says on which device MLX ran.
 
 The synthetic 2-layer `agent_model` (tests/conftest.py); every agent here shares one session folder,
 so its sysprompt.kv (~3.7k tokens of tool schemas) is prefilled once, by whichever test comes first.
@@ -174,6 +174,23 @@ def test_the_shim_answers_an_openai_chat_request_on_mlx(mlx_engine, tmp_path):
         ids.append(int(np.argmax(s.logits)))
         s.eval(ids[-1])
     assert mlx_engine.tokenizer.decode(ids).startswith(ch.message.content)
+
+
+def test_ds4_agent_serve_backend_mlx_answers(agent_model, tmp_path):
+    """`ds4-agent --serve --backend mlx` as a user starts it (a subprocess): a chat request is
+    answered 200 with the model's text, and SIGTERM ends it cleanly."""
+    import httpx
+    from test_serve_runtime import NO_THINK, Proc
+    srv = Proc(agent_model, tmp_path, "--backend", "mlx")
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, **NO_THINK})
+    finally:
+        rc = srv.stop()
+    log = srv.text()
+    assert r.status_code == 200, (r.text, log[-3000:])
+    assert r.json()["choices"][0]["message"]["content"] and r.json()["usage"]["completion_tokens"] <= 3
+    assert rc == 0 and "Traceback" not in log, log[-3000:]
 
 
 def test_ds4_backend_mlx_matches_the_reference_in_exact_numerics(small_model, tmp_path, capsys):
