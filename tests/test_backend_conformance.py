@@ -403,7 +403,7 @@ def test_glue_ops(backend, small_model):
 
 
 # -- the whole forward pass --------------------------------------------------------------------
-@pytest.mark.parametrize("recipe", ["q2", "q4"])
+@pytest.mark.parametrize("recipe", ["q2", "q4", "mxfp4"])
 def test_exact_forward_within_the_golden_tolerance(backend, recipe, tmp_path):
     from engine.gguf.synth import config_for, write_synthetic
     d = np.load(GOLDEN / f"tf_tiny_{recipe}.npz")

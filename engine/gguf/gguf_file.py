@@ -250,6 +250,15 @@ class GGUFFile:
         """Ask the kernel to read these views of the map ahead, asynchronously, in large reads
         (lowmem paging: the pages a step is about to touch, instead of faults met one readahead
         window at a time). Views not backed by this map are ignored; so are madvise failures."""
+        self._advise_views(arrays, mmap.MADV_WILLNEED)
+
+    def dontneed(self, arrays) -> None:
+        """Drop these views' pages from this process's mapping (they stay in the page cache, and
+        a later read faults them back): a backend that copied the weights into its own memory
+        does not keep the file's pages counted against it as well."""
+        self._advise_views(arrays, mmap.MADV_DONTNEED)
+
+    def _advise_views(self, arrays, advice: int) -> None:
         if self._mm is None or self._resident is not None:
             return
         if self._base is None:
@@ -261,7 +270,7 @@ class GGUFFile:
                 continue
             lo = start - start % page
             try:
-                self._mm.madvise(mmap.MADV_WILLNEED, lo, start + a.nbytes - lo)
+                self._mm.madvise(advice, lo, start + a.nbytes - lo)
             except (OSError, ValueError):
                 return
 

@@ -29,6 +29,7 @@ def bind_mlx(model_file) -> tuple:
         if isinstance(v, QTensor):
             w = quant.repack(v)
             mx.eval(*[a for a in (w.w, w.scales, w.biases) if a is not None])
+            model_file.gguf.dontneed([v.data])          # copied: the map's pages need not stay ours
             total[0] += w.nbytes()
             return w
         if isinstance(v, np.ndarray) and name not in HOST_FIELDS:

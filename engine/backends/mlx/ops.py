@@ -202,7 +202,8 @@ class MlxOps:
         reference). A decode step on Apple runs the Metal kernel over the segments joined."""
         q, sinks = _a(q), _a(sinks)
         segments = [(_a(k), _a(m).astype(mx.bool_)) for k, m in segments]
-        if self.metal is not None and q.shape[0] == 1:
+        D = q.shape[-1]
+        if self.metal is not None and q.shape[0] == 1 and D % 32 == 0 and D <= 512:      # (the kernel's tiling)
             keys = mx.concatenate([k.reshape(-1, k.shape[-1]) for k, _ in segments], axis=0)
             mask = mx.concatenate([m.reshape(1, -1) for _, m in segments], axis=1)
             return self.metal.attention(q, keys, mask, sinks, scale)
@@ -225,7 +226,7 @@ class MlxOps:
         """Indices of the k largest per row, ties to the lowest index: MLX's sort is stable on
         the CPU device (checked by the conformance suite); on Apple the Metal kernel."""
         scores = _a(scores)
-        if self.metal is not None:
+        if self.metal is not None and k <= min(scores.shape[-1], self.metal.TOPK_MAX):
             return self.metal.topk(scores, k)
         return mx.argsort(-scores, axis=-1)[..., :k]
 
@@ -256,7 +257,7 @@ class MlxOps:
     def _gmm(self, w, x, experts, toks):
         if self.metal is not None and w.kind in _METAL_KINDS:
             return self.metal.gather_matvec(w.kind, w.w, x, experts, toks)
-        return quant.gather_matmul(w, x, experts, toks)
+        return quant.gather_matmul(w, x, experts, toks, check_sorted=False)      # (moe sorts them)
 
     @staticmethod
     def _swiglu(g, v, limit):
