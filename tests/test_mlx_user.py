@@ -5,7 +5,8 @@ process, and `ds4-agent --serve --backend mlx` as a subprocess), `ds4 --backend 
 NumPy reference, and `ds4-bench --backend mlx --peer cpu` says on which device MLX ran.
 
 The synthetic 2-layer `agent_model` (tests/conftest.py); every agent here shares one session folder,
-so its sysprompt.kv (~3.7k tokens of tool schemas) is prefilled once, by whichever test comes first.
+so its sysprompt.kv (~3.7k tokens of tool schemas) is prefilled once, on a host backend, and every
+mlx agent starts from that file: KV files cross between backends in both directions.
 """
 from __future__ import annotations
 
@@ -66,11 +67,25 @@ def _agent(engine, project, home) -> Agent:
 
 
 @pytest.fixture(scope="module")
-def saved(mlx_engine, project, home):
+def system_prefix(agent_model, project, home):
+    """The agents' sysprompt.kv, prefilled on a host backend (the C kernels where built: the
+    ~3.7k tokens take seconds there, several times longer on MLX's CPU device). Every mlx agent
+    then starts from a KV file another backend wrote. Returns that prefix's snapshot."""
+    host = "cpu" if "cpu" in R.available_names() else "numpy"
+    with Engine.open(agent_model, backend=host) as eng:
+        agent = _agent(eng, project, home)
+        assert agent.session.stats["prefill_tokens"] == agent.session.pos > 3000
+        return agent.session.snapshot()
+
+
+@pytest.fixture(scope="module")
+def saved(mlx_engine, project, home, system_prefix):
     """A conversation on mlx: one sampled turn through the real loop, one forced, then `/save`.
     Returns the saved tokens and the session's snapshot (the host KV and logits) at the save."""
     agent = _agent(mlx_engine, project, home)
     assert agent.engine.backend == "mlx"
+    # the host backend's sysprompt.kv, taken over by mlx and handed back: the same bytes
+    assert agent.session.stats["prefill_tokens"] == 0 and agent.session.snapshot() == system_prefix
     fin = agent.submit("hello there")                  # sampled on mlx, cut at 8 tokens or ended
     assert fin.finish_reason in ("stop", "length") and not fin.interrupted
     agent.force("It returns a greeting.")
