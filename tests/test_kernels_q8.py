@@ -71,6 +71,35 @@ def test_quantizers_bit_exact(block, isa_guard):
         C.quantize_q8(256, np.zeros(100, np.float32))
 
 
+@needs_ext
+@pytest.mark.parametrize("block", [32, 256])
+def test_quantizers_decide_tiny_and_nan_blocks_as_numerics(block, isa_guard):
+    # a block whose largest magnitude is below ~3.7e-37 (127 / amax overflows to inf) and a block
+    # with a NaN: every build's codes equal numerics' decision (+-127, never -128; NaN -> 0)
+    C = isa_guard
+    rng = np.random.default_rng(40 + block)
+    x = rng.standard_normal(4 * block).astype(np.float32)
+    x[block:2 * block] *= np.float32(1e-38)                  # tiny, with zeros among them
+    x[block + 3 :: 5][:block // 5 - 1] = 0.0
+    x[2 * block + 9] = np.nan
+    ref_fn = N.q8_0_quantize if block == 32 else N.q8_k_quantize
+    rq, rd = ref_fn(x)
+    rq, rd = rq.reshape(-1), rd.reshape(-1)
+    assert rq.min() == -127 and rq.max() == 127 and np.all(rq[2 * block:3 * block] == 0)
+    assert np.any(rq[block:2 * block] == 0)                  # the zeros of the tiny block stay 0
+    for isa in C.isas():
+        C.set_isa(isa)
+        q, d, s = C.quantize_q8(block, x)
+        q, d = np.frombuffer(q, np.int8), np.frombuffer(d, np.float32)
+        assert np.array_equal(q, rq), isa
+        assert np.array_equal(np.isnan(d), np.isnan(rd)) and np.array_equal(d[~np.isnan(d)], rd[~np.isnan(rd)]), isa
+        if block == 256:
+            assert np.array_equal(np.frombuffer(s, np.int16), rq.reshape(-1, 16).astype(np.int32).sum(axis=1)), isa
+        got = K.round_q8(x[None], block)[0]
+        want = N.q8_0_round(x) if block == 32 else N.q8_k_round(x)
+        assert np.array_equal(got, want, equal_nan=True), isa
+
+
 def _round(t, x):
     return N.q8_0_round(x) if t == Q.Q8_0 else N.q8_k_round(x)
 

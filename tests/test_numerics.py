@@ -318,9 +318,12 @@ def q8_0_reference(x):
         b = x[o:o + 32]
         amax = f32(np.max(np.abs(b)))
         d = f32(amax * (f32(1) / f32(127)))
-        idv = f32(f32(127) / amax) if amax != 0 else f32(0)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            idv = f32(f32(127) / amax) if amax != 0 else f32(0)
         for i, v in enumerate(b):
-            q = min(max(int(np.rint(f32(v * idv))), -128), 127)
+            with np.errstate(invalid="ignore"):          # 0 * inf in a tiny block
+                p = f32(v * idv)
+            q = 0 if np.isnan(p) else int(min(max(np.rint(p), -127), 127))
             out[o + i] = f32(f32(q) * d)
     return out
 
@@ -337,10 +340,13 @@ def q8_k_reference(x):
                 amax, m = abs(v), v
         if amax == 0:
             continue
-        iscale = f32(f32(-127) / m)
+        with np.errstate(over="ignore"):
+            iscale = f32(f32(-127) / m)
         d = f32(m * (f32(-1) / f32(127)))
         for i, v in enumerate(b):
-            q = min(max(int(np.rint(f32(iscale * v))), -128), 127)
+            with np.errstate(invalid="ignore"):          # 0 * inf in a tiny block
+                p = f32(iscale * v)
+            q = 0 if np.isnan(p) else int(min(max(np.rint(p), -127), 127))
             out[o + i] = f32(f32(q) * d)
     return out
 
@@ -409,6 +415,45 @@ def test_q8_k_scale_fast_math_form():
     assert fast != literal and d[0] == fast
     assert q[0, 0] == -127 and q[0, 1] == int(np.rint(f32(f32(-127) / f32(1.2)) * f32(0.5)))
     assert nm.q8_k_round(b)[0] == f32(f32(-127) * fast)
+
+
+def _tiny_block(n):
+    """One block whose largest magnitude (2e-38) is below 127 / FLT_MAX ~ 3.7e-37, so 127 / amax
+    overflows to inf: positives, negatives and zeros."""
+    b = np.zeros(n, np.float32)
+    b[0], b[1], b[2], b[5] = 2e-38, -2e-38, -1e-39, 3e-39
+    return b
+
+
+@pytest.mark.parametrize("quantize", [nm.q8_0_quantize, nm.q8_k_quantize], ids=["q8_0", "q8_k"])
+def test_q8_codes_of_a_tiny_block_clamp_to_127_and_zeros_stay_0(quantize):
+    # the decision: inf-scaled values clamp to +-127 (never -128: the C kernels move signs onto the
+    # codes and offset them by 128), and 0 * inf = NaN gives code 0 (it was 127 for every zero)
+    n = 32 if quantize is nm.q8_0_quantize else 256
+    b = _tiny_block(n)
+    q, d = quantize(b)
+    q = q.reshape(-1)
+    sign = 1 if quantize is nm.q8_0_quantize else -1        # Q8_K scales by -127 / m, m = 2e-38 here
+    assert q[0] == 127 * sign and q[1] == -127 * sign and q[2] == -127 * sign and q[5] == 127 * sign
+    assert np.all(np.delete(q, [0, 1, 2, 5]) == 0) and q.min() >= -127
+    assert np.isfinite(d).all() and d[0] != 0
+    ref = q8_0_reference(b) if n == 32 else q8_k_reference(b)
+    rounded = nm.q8_0_round(b) if n == 32 else nm.q8_k_round(b)
+    assert same_bits(rounded, ref)
+
+
+@pytest.mark.parametrize("quantize", [nm.q8_0_quantize, nm.q8_k_quantize], ids=["q8_0", "q8_k"])
+def test_q8_codes_of_a_nan_block_are_0(quantize):
+    # a NaN in a block: its scale is NaN (the values stay NaN), every code of the block is 0,
+    # the other blocks are untouched
+    n = 32 if quantize is nm.q8_0_quantize else 256
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(2 * n).astype(np.float32)
+    clean_q, clean_d = quantize(x)
+    x[n + 7] = np.nan
+    q, d = quantize(x)
+    assert np.all(q[1] == 0) and np.isnan(d[1])
+    assert np.array_equal(q[0], clean_q[0]) and d[0] == clean_d[0]
 
 
 # ---------------------------------------------------------------------------

@@ -232,6 +232,25 @@ def indexer_qat(x) -> np.ndarray:
 # activation quantization before the quantized matmuls
 
 
+def _codes(b: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """int8 codes rint(b * scale) clamped to [-127, 127], NaN -> 0 (the quantizers' decision).
+
+    A normal block's codes are within +-127 by construction (the block maximum scales to 127),
+    so the clamp decides only two cases ds4's source leaves undefined, the same way in every
+    quantizer (here and the C kernels' in engine/backends/cpu/csrc):
+
+    * a block whose largest magnitude is below ~3.7e-37: 127 / amax overflows to inf, so every
+      nonzero value scales to +-inf and is clamped to +-127 (never -128: the kernels move the
+      weights' sign onto the activation codes and offset them by 128, which -128 would overflow);
+    * NaN products (0 * inf in such a block, or a NaN in the input): code 0, not an arbitrary
+      integer (a NaN input also makes the block's scale NaN, so its values stay NaN).
+    """
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = np.rint(b * scale)
+    v[np.isnan(v)] = 0.0
+    return np.clip(v, -127, 127).astype(np.int8)
+
+
 def q8_0_quantize(x) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 activation quantization (ds4 ``quantize_q8_0_activation``): (q, d).
 
@@ -242,7 +261,7 @@ def q8_0_quantize(x) -> tuple[np.ndarray, np.ndarray]:
 
         d  = amax * float32(1/127)     # constant division -> reciprocal multiply
         id = 127.0f / amax             # 1/(amax*C) -> (1/C)/amax; fl(1/fl(1/127)) == 127
-        q  = clamp(rint(x * id), -128, 127)        # RNE
+        q  = clamp(rint(x * id), -127, 127)        # RNE; NaN -> 0 (see _codes)
         (all-zero block: id = 0, so q = 0)
 
     Returns q int8 [..., n_blocks, 32] (zero-padded) and d float32 [..., n_blocks].
@@ -257,10 +276,9 @@ def q8_0_quantize(x) -> tuple[np.ndarray, np.ndarray]:
     b = x.reshape(x.shape[:-1] + ((n + pad) // 32, 32))
     amax = np.max(np.abs(b), axis=-1)
     d = (amax * (_F32(1.0) / _F32(127.0))).astype(np.float32)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):      # (a tiny block: see _codes)
         idv = np.where(amax != 0, _F32(127.0) / amax, _F32(0.0)).astype(np.float32)
-    q = np.clip(np.rint(b * idv[..., None]), -128, 127).astype(np.int8)
-    return q, d
+    return _codes(b, idv[..., None]), d
 
 
 def q8_0_round(x) -> np.ndarray:
@@ -283,7 +301,7 @@ def q8_k_quantize(x) -> tuple[np.ndarray, np.ndarray]:
 
         m      = the signed element of largest |x| (the first one on ties)
         iscale = -127.0f / m
-        q      = clamp(rint(iscale * x), -128, 127)       # RNE
+        q      = clamp(rint(iscale * x), -127, 127)       # RNE; NaN -> 0 (see _codes)
         d      = 1.0f / iscale                            # as written in the source
 
     The fast-math build evaluates that last line as ``(1.0f / -127.0f) * m``
@@ -299,11 +317,10 @@ def q8_k_quantize(x) -> tuple[np.ndarray, np.ndarray]:
     b = _blocks(x, x.shape[-1], 256, "q8_k_quantize")
     idx = np.argmax(np.abs(b), axis=-1)[..., None]          # first maximum
     m = np.take_along_axis(b, idx, axis=-1)[..., 0]
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = np.where(m != 0, _F32(-127.0) / m, _F32(0.0)).astype(np.float32)
     d = np.where(m != 0, m * (_F32(-1.0) / _F32(127.0)), _F32(0.0)).astype(np.float32)
-    q = np.clip(np.rint(iscale[..., None] * b), -128, 127).astype(np.int8)
-    return q, d
+    return _codes(b, iscale[..., None]), d
 
 
 def q8_k_round(x) -> np.ndarray:

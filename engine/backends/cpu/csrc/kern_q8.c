@@ -36,7 +36,10 @@ int kern_q8_block(int type_id) {
  * the block maximum as an integer maximum of the magnitudes' bit patterns (the same order as the
  * magnitudes for every non-NaN float), the codes clamped first and then rounded half to even by
  * adding and subtracting 1.5 * 2^23 (exact for |v| < 2^22: the sum's spacing is 1), which equals
- * numpy's clip(rint(v)) on the clamped range. */
+ * numpy's clip(rint(v)) on the clamped range.  The clamp is [-127, 127] and a NaN code is 0, as
+ * numerics._codes decides: a normal block never reaches them (its maximum scales to 127); a block
+ * whose largest magnitude is below ~3.7e-37 scales by inf (so +-127, and 0 for its zeros), a NaN
+ * input gives 0.  Codes are never -128, which the kernels' sign move and x + 128 offset rely on. */
 static inline uint32_t mag_bits(float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
@@ -56,8 +59,9 @@ static void codes_c(const float *x, int n, float scale, int8_t *q) {
     const float magic = 12582912.0f;
     for (int i = 0; i < n; i++) {
         float v = x[i] * scale;
+        v = v == v ? v : 0.0f; /* NaN -> 0 */
         v = v > 127.0f ? 127.0f : v;
-        v = v < -128.0f ? -128.0f : v;
+        v = v < -127.0f ? -127.0f : v;
         q[i] = (int8_t)(int)((v + magic) - magic);
     }
 }

@@ -7,12 +7,10 @@
  * int8 codes; the integer sums are exact, and one float multiply-add per block applies the weight
  * scale times the activation scale.  Signed weights (Q8_0) use |w| as the unsigned operand and
  * move the sign onto the activation (sign_epi8); activation codes are never -128 (the quantizers
- * scale the block maximum to 127), so the sign move cannot overflow.  The exception: a block whose
- * largest magnitude is below about 3.7e-37, where 127 / max overflows to inf and the clamp yields
- * -128 (and 127 for zeros, 0 * inf being NaN); ds4's own quantizer has undefined behaviour there,
- * the products are of order 1e-37, and the builds (x + 128 forms against sign moves) may differ in
- * them.  Every weight byte is read once per call whatever T: the token loop runs inside the row,
- * which stays in L1. */
+ * scale the block maximum to 127 and clamp to [-127, 127]: a block whose largest magnitude is below
+ * about 3.7e-37, where 127 / max overflows to inf, gives +-127 and 0 for its zeros and NaNs, as
+ * numerics._codes decides), so the sign move cannot overflow.  Every weight byte is read once per
+ * call whatever T: the token loop runs inside the row, which stays in L1. */
 
 #ifndef Q8_NT
 #define Q8_NT 4 /* tokens per pass: 16 ymm registers (AVX2); the AVX-512 build takes 8 */
@@ -385,7 +383,7 @@ static uint32_t KSUF(q8_maxmag)(const float *x, int n) {
 }
 
 static void KSUF(q8_codes)(const float *x, int n, float scale, int8_t *q) {
-    const __m256 s = _mm256_set1_ps(scale), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-128.0f);
+    const __m256 s = _mm256_set1_ps(scale), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     const __m256 mg = _mm256_set1_ps(12582912.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int i = 0;
@@ -393,6 +391,7 @@ static void KSUF(q8_codes)(const float *x, int n, float scale, int8_t *q) {
         __m256i r[4];
         for (int k = 0; k < 4; k++) {
             __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), s);
+            v = _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q)); /* NaN -> 0 (min/max would keep 127) */
             v = _mm256_max_ps(_mm256_min_ps(v, hi), lo);
             r[k] = _mm256_cvtps_epi32(_mm256_sub_ps(_mm256_add_ps(v, mg), mg)); /* integers: exact */
         }
@@ -403,8 +402,9 @@ static void KSUF(q8_codes)(const float *x, int n, float scale, int8_t *q) {
     const float magic = 12582912.0f;
     for (; i < n; i++) {
         float v = x[i] * scale;
+        v = v == v ? v : 0.0f;
         v = v > 127.0f ? 127.0f : v;
-        v = v < -128.0f ? -128.0f : v;
+        v = v < -127.0f ? -127.0f : v;
         q[i] = (int8_t)(int)((v + magic) - magic);
     }
 }
