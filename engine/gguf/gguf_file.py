@@ -14,6 +14,7 @@ import mmap
 import os
 import stat
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import ModelFileError
+from . import paging
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (3,)
@@ -130,9 +132,6 @@ def _check_path(path) -> int:
     return st.st_size
 
 
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux value; older Pythons lack the name
-
-
 class GGUFFile:
     """A GGUF file mapped read-only. `fields` and `tensors` are parsed at open; data stays in the map."""
 
@@ -140,7 +139,8 @@ class GGUFFile:
         self.path = os.fspath(path)
         self.size = _check_path(self.path)
         self._base = None     # address of the map (willneed), taken on first use
-        self._resident = None  # the file's bytes in anonymous memory (load_resident), else None
+        self._copy = None      # the resident copy (paging.ResidentCopy), filled or filling
+        self._populate = None  # the background prefault (paging.Populate)
         try:
             with open(self.path, "rb") as f:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -156,8 +156,10 @@ class GGUFFile:
     def advise(self, mode: str) -> str:
         """How the kernel should page the map in; returns what was done.
 
-        "prefault": populate every page now (MADV_POPULATE_READ, Linux 5.14+; else WILLNEED,
-        which reads ahead asynchronously). Decode touches a different handful of experts every
+        "prefault": populate every page (MADV_POPULATE_READ, Linux 5.14+; else WILLNEED,
+        which reads ahead asynchronously), in a background thread (paging.Populate: seconds for a
+        9.5 GB file, which open does not wait for; until a page is in, the forward pass faults it
+        in itself, as with "none"). Decode touches a different handful of experts every
         token; a first touch of an unmapped page costs a fault each, which made decode many
         times slower until every expert had been used once.
         "lowmem": the file is larger than the memory it may use: no prefault, the kernel's normal
@@ -168,83 +170,96 @@ class GGUFFile:
         2-3 MB read front to back, so readahead wastes little.
         """
         if mode == "prefault":
-            try:
-                self._mm.madvise(_MADV_POPULATE_READ)
-                return "prefault"
-            except (OSError, ValueError):
-                self._mm.madvise(mmap.MADV_WILLNEED)
-                return "willneed"
+            if self._populate is None:
+                pop = paging.Populate(self._map_address(), self.size)
+                if not pop.start():
+                    self._mm.madvise(mmap.MADV_WILLNEED)
+                    return "willneed"
+                self._populate = pop
+            return "prefault"
         if mode == "lowmem":
             self._mm.madvise(mmap.MADV_NORMAL)
             return "lowmem"
         raise ValueError(f"paging mode must be 'prefault' or 'lowmem', not {mode!r}")
 
+    def start_resident(self, threads: int = 1, drop_cache: bool = False, on_ready=None) -> None:
+        """Copy the whole file into anonymous memory backed by transparent huge pages, in
+        `threads` background threads, and hand out each tensor's later views from the copy once
+        its bytes are all there (`paging.ResidentCopy`); returns at once. A file under
+        `paging.SYNC_BYTES` is copied before this returns. The bytes and their layout are the
+        file's (offsets unchanged), so results are bit-identical; what changes is where they live.
+        On Linux the page cache holds a file in folios of mixed sizes, often not 2 MiB, scattered
+        in physical memory; a 2 MiB anonymous huge page is physically contiguous, and the same
+        matrices stream faster from it (fewer TLB misses and page walks while a decode step reads
+        every matrix cold).
+
+        on_ready(names) runs in a copy thread when those tensors are ready, so views handed out
+        before can be switched (ModelFile does); then the map's pages of that range are dropped
+        from this process (they stay in the page cache), so RSS does not count the bytes twice.
+        Costs: RSS of the file's size, and the page cache may hold a second copy until the kernel
+        reclaims it; `drop_cache` drops each piece from the page cache once copied
+        (POSIX_FADV_DONTNEED), for a file whose two copies would not fit. A read that fails (a
+        file cut short since open: no SIGBUS, a ModelFileError in `resident_error`) ends the copy:
+        what is ready stays there, every other tensor stays on the map."""
+        if self._copy is not None:
+            return
+        if self.size < paging.SYNC_BYTES:
+            self.load_resident(threads, drop_cache)
+            return
+        copy = paging.ResidentCopy(self.path, self.size, paging.plan_groups(self.tensors.values(), self.size))
+        self._copy = copy
+        copy.start(threads, drop_cache, on_ready, self._release_map)
+
     def load_resident(self, threads: int = 2, drop_cache: bool = False) -> float:
-        """Read the whole file into anonymous memory backed by transparent huge pages, once, and
-        hand out every later tensor view from there instead of from the map; returns the seconds it
-        took. The bytes and their layout are the file's (offsets unchanged), so results are
-        bit-identical; what changes is where they live. On Linux the page cache holds a file in
-        folios of mixed sizes, often not 2 MiB, scattered in physical memory; a 2 MiB anonymous
-        huge page is physically contiguous, and the same matrices stream faster from it (fewer
-        TLB misses and page walks while a decode step reads every matrix cold). The file is read with pread in 64 MiB pieces over `threads`
-        threads (no SIGBUS: a file cut short since open is a ModelFileError). Costs: RSS of the
-        file's size, and the page cache may hold a second copy until the kernel reclaims it;
-        `drop_cache` drops each piece from the page cache once copied (POSIX_FADV_DONTNEED), for a
-        file whose two copies would not fit: memory is freed as the copy grows instead of being
-        reclaimed under pressure."""
-        import concurrent.futures
-        import time
-        if self._resident is not None:
-            return 0.0
+        """The resident copy (start_resident), made before this returns; its seconds. A failed
+        read raises ModelFileError and leaves no copy."""
         t0 = time.perf_counter()
-        try:
-            buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # (size > 0: open checked)
-        except (OSError, ValueError) as e:
-            raise ModelFileError(self.path, f"cannot allocate {self.size:,} bytes of memory for a resident "
-                                            f"copy: {getattr(e, 'strerror', None) or e}") from None
-        try:
-            buf.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
-        except (OSError, ValueError):
-            pass      # no THP: still a private copy, just without the huge pages
-        view = memoryview(buf)
-        piece = 64 << 20
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError as e:
-            buf.close()
-            raise ModelFileError(self.path, f"cannot read: {e.strerror or e}") from None
-
-        def read(lo: int) -> None:
-            hi = min(self.size, lo + piece)
-            while lo < hi:
-                n = os.preadv(fd, [view[lo:hi]], lo)
-                if n <= 0:
-                    raise ModelFileError(self.path, f"ends at byte {lo:,}, before the {self.size:,} bytes it had "
-                                                    f"when opened: the file was truncated")
-                if drop_cache and hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, lo, n, os.POSIX_FADV_DONTNEED)
-                lo += n
-
-        try:
-            with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
-                for f in [ex.submit(read, lo) for lo in range(0, self.size, piece)]:
-                    f.result()
-        except BaseException as e:
-            view.release()
-            buf.close()
-            if isinstance(e, OSError):
-                raise ModelFileError(self.path, f"cannot read: {e.strerror or e}") from None
-            raise
-        finally:
-            os.close(fd)
-        view.release()
-        self._resident = np.frombuffer(buf, dtype=np.uint8)[:self.size]
-        self._resident.flags.writeable = False
+        if self._copy is None:
+            copy = paging.ResidentCopy(self.path, self.size, paging.plan_groups(self.tensors.values(), self.size))
+            copy.start(threads, drop_cache, None, None)
+            copy.wait()
+            if copy.error is not None:
+                raise copy.error
+            self._copy = copy
+        self._copy.wait()
+        if self._copy.error is not None:
+            raise self._copy.error
         return time.perf_counter() - t0
+
+    def wait_resident(self, timeout: float | None = None) -> bool:
+        """Wait for the background copy to end; True when it is complete (every view from it)."""
+        if self._copy is None:
+            return False
+        self._copy.wait(timeout)
+        return self.resident
+
+    @property
+    def resident_error(self) -> BaseException | None:
+        """Why the background copy stopped short (the views not yet switched stay on the map)."""
+        return None if self._copy is None else self._copy.error
+
+    @property
+    def resident_seconds(self) -> float | None:
+        """How long the copy took, once complete."""
+        return None if self._copy is None else self._copy.seconds
+
+    def _release_map(self, lo: int, hi: int) -> None:
+        """Drop the map's pages of [lo, hi) from this process, the copy now serving them: a view
+        still pointing there (a C call in flight, a small table kept as a view) faults them back
+        from the page cache."""
+        mm = self._mm
+        if mm is None:
+            return
+        lo -= lo % mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):
+            pass
 
     @property
     def resident(self) -> bool:
-        return self._resident is not None
+        """Every tensor view comes from the resident copy (complete)."""
+        return self._copy is not None and self._copy.complete
 
     def willneed(self, arrays) -> None:
         """Ask the kernel to read these views of the map ahead, asynchronously, in large reads
@@ -258,11 +273,20 @@ class GGUFFile:
         does not keep the file's pages counted against it as well."""
         self._advise_views(arrays, mmap.MADV_DONTNEED)
 
+    def _map_address(self) -> int:
+        if self._base is None:
+            self._base = np.frombuffer(self._mm, dtype=np.uint8).ctypes.data
+        return self._base
+
+    @property
+    def _resident(self) -> np.ndarray | None:
+        """The complete copy as one read-only uint8 array [size], else None."""
+        return self._copy.array if self.resident else None
+
     def _advise_views(self, arrays, advice: int) -> None:
         if self._mm is None or self._resident is not None:
             return
-        if self._base is None:
-            self._base = np.frombuffer(self._mm, dtype=np.uint8).ctypes.data
+        self._map_address()
         page = mmap.PAGESIZE
         for a in arrays:
             start = a.ctypes.data - self._base
@@ -434,17 +458,27 @@ class GGUFFile:
         f = self.fields.get(key)
         return default if f is None else f.value
 
+    def tensor_ready(self, name: str) -> bool:
+        """tensor_bytes(name) comes from the resident copy."""
+        copy = self._copy
+        return copy is not None and name in copy.ready
+
     def tensor_bytes(self, name: str) -> np.ndarray:
-        """Zero-copy uint8 view of one tensor's bytes in the map, or in the resident copy after
-        load_resident (range already checked at open)."""
+        """Zero-copy uint8 view of one tensor's bytes in the map, or in the resident copy once
+        the tensor is ready there (range already checked at open)."""
         t = self.tensors[name]
-        if self._resident is not None:
-            return self._resident[t.offset:t.offset + t.nbytes]
+        copy = self._copy
+        if copy is not None and name in copy.ready:
+            return copy.array[t.offset:t.offset + t.nbytes]
         return np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
     def close(self):
+        # the background work ends first (after its current piece): it reads and advises the map
+        for w in (getattr(self, "_copy", None), getattr(self, "_populate", None)):
+            if w is not None:
+                w.stop()
         # the resident copy is freed when the last view of it goes (NumPy holds the buffer)
-        self._resident = None
+        self._copy = self._populate = None
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
             try:

@@ -5,6 +5,8 @@ tensor bytes stay in the page cache / on disk until a kernel reads the rows it n
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +62,15 @@ class QTensor:
         """A 1-D float tensor (norm weights, biases, sinks) as float32."""
         return Q.dequantize(self.type_id, self.data.reshape(-1))
 
+    def _rebase(self, data: np.ndarray) -> None:
+        """Point this weight at the same bytes in another place (the resident copy, when the
+        background copy has filled it; only ModelFile calls this). One attribute store, atomic
+        under the GIL: an op reads `.data` before it or after it; a C call already holding the
+        old address reads the map, which stays mapped until the file is closed."""
+        if data.shape != self.data.shape or data.dtype != self.data.dtype:
+            raise ValueError(f"{self.name}: a rebase must keep shape {self.data.shape} and dtype {self.data.dtype}")
+        object.__setattr__(self, "data", data)
+
     def int32(self) -> np.ndarray:
         """An I32 tensor (the hash table) as int32 [n_rows, n_in]."""
         if self.type_id != Q.I32:
@@ -71,6 +82,12 @@ class ModelFile:
     def __init__(self, g: GGUFFile, config: ModelConfig, layout: LayoutReport, tokenizer: dict):
         self.gguf, self.config, self.layout, self.tokenizer = g, config, layout, tokenizer
         self.path = g.path
+        # while a background resident copy fills: the weights handed out on the map, by name,
+        # to be switched to the copy as their bytes arrive (the lock orders a hand-out against a
+        # switch: a weight is either made after its tensor is ready or registered before the
+        # switch looks)
+        self._lock = threading.Lock()
+        self._on_map: dict[str, list] | None = None
 
     @classmethod
     def open(cls, path) -> "ModelFile":
@@ -96,11 +113,31 @@ class ModelFile:
         ti: TensorInfo | None = self.layout.present.get(name)
         if ti is None:
             raise KeyError(f"{self.path}: no tensor {name!r}")
-        raw = self.gguf.tensor_bytes(name)
         n_rows = 1
         for d in ti.dims[1:]:
             n_rows *= d
-        return QTensor(name, ti.type_id, ti.dims, raw.reshape(n_rows, ti.nbytes // n_rows))
+        with self._lock:
+            raw = self.gguf.tensor_bytes(name)
+            qt = QTensor(name, ti.type_id, ti.dims, raw.reshape(n_rows, ti.nbytes // n_rows))
+            if self._on_map is not None and not self.gguf.tensor_ready(name):
+                self._on_map.setdefault(name, []).append(weakref.ref(qt))
+        return qt
+
+    def start_resident(self, threads: int = 1, drop_cache: bool = False) -> None:
+        """GGUFFile.start_resident, switching every weight this file hands out from now on to the
+        copy when its tensor is ready (call it before binding the weights)."""
+        with self._lock:
+            if self._on_map is None:
+                self._on_map = {}
+        self.gguf.start_resident(threads, drop_cache, on_ready=self._switch)
+
+    def _switch(self, names) -> None:
+        with self._lock:
+            for name in names:
+                for ref in self._on_map.pop(name, ()):
+                    qt = ref()
+                    if qt is not None:
+                        qt._rebase(self.gguf.tensor_bytes(name).reshape(qt.data.shape))
 
     def close(self):
         self.gguf.close()
