@@ -82,9 +82,9 @@ class FakeMetal:
         return {c[0] for c in self.calls}
 
 
-@pytest.fixture(scope="session")
-def emu_exe():
-    return emu.build()
+@pytest.fixture(scope="module")
+def emu_exe(tmp_path_factory):
+    return emu.build(cache=tmp_path_factory.mktemp("metal_emu"))     # (~2 s; no cache shared with other runs)
 
 
 @pytest.fixture
@@ -264,3 +264,37 @@ def test_the_forward_pass_on_the_metal_path_matches_the_twin_path(fake, model3, 
         print(f"ds4: median per-position max-abs {typical:.3g} from the twin path; the twin path's "
               f"from the NumPy reference {twin_typical:.3g} (max-abs {np.abs(ref - host).max():.3g})")
         assert typical <= 2 * twin_typical
+
+
+# -- the comparisons can fail ----------------------------------------------------------------------
+GLUE_MUTANTS = {   # one wrong argument, size or order per metal.py function, and the test that must catch it
+    "decode operands swapped": ("gather_matvec", "inputs = [raw, x, experts, toks, dims]",
+                                "inputs = [raw, x, toks, experts, dims]", "gather_decode"),
+    "batched chunk dropped": ("gather_matvec", "len(chunks), 1)", "len(chunks) - 1, 1)", "gather_batched"),
+    "scale and base swapped": ("hc_split", "scale.astype(mx.float32), base.astype(mx.float32)",
+                               "base.astype(mx.float32), scale.astype(mx.float32)", "hc_split"),
+    "one head per query": ("attention", "grid=(tg, T * H, 1)", "grid=(tg, T, 1)", "attention"),
+    "last column unseen": ("topk", "dims = mx.array([T, C, k]", "dims = mx.array([T, C - 1, k]", "topk"),
+}
+_CHECKS = {
+    "gather_decode": lambda f: test_gather_matvec_matches_the_twin(f, "q2_k", "decode", 6),
+    "gather_batched": lambda f: test_gather_matvec_matches_the_twin(f, "iq2_xxs", "batched", 24),
+    "hc_split": test_hc_split_matches_the_twin,
+    "attention": test_decode_attention_over_two_segments_matches_the_twin,
+    "topk": test_topk_with_ties_matches_the_twin_exactly,
+}
+
+
+@pytest.mark.parametrize("name", sorted(GLUE_MUTANTS))
+def test_a_broken_glue_fails_its_comparison(fake, monkeypatch, name):
+    """metal.py's function recompiled with one edit (its source text, in its own module's names)."""
+    import inspect
+    fn, old, new, check = GLUE_MUTANTS[name]
+    src = inspect.getsource(getattr(metal, fn))
+    assert src.count(old) == 1, f"{old!r} is not once in metal.{fn}"
+    ns = dict(vars(metal))
+    exec(compile(src.replace(old, new), metal.__file__, "exec"), ns)
+    monkeypatch.setattr(metal, fn, ns[fn])
+    with pytest.raises((AssertionError, emu.EmulationError)) as caught:
+        _CHECKS[check](fake)
+    print(f"{name}: {str(caught.value).splitlines()[0][:160]}")
