@@ -88,10 +88,13 @@ class FastOps:
     # -- RoPE ----------------------------------------------------------------------------------
     @staticmethod
     def rope(x, thetas, inverse=False, inplace=False):
-        """N.apply_rope with each (even, odd) pair of the tail viewed as one complex64 number and
-        rotated by one multiply with cos + i sin (the reference splits, multiplies and re-stacks the
-        lanes: ~5 passes and a copy more). Equal to the reference up to float32 rounding (the
-        complex multiply may fuse a product into its add)."""
+        """N.apply_rope with the (cos, sin) of each angle table computed once (cached, see
+        _rotation). With the C kernels (kernels.rope): the reference's float32 lanes, bit for bit
+        (x0 c - x1 s and x0 s + x1 c, each product rounded), one pass. Without them: each (even,
+        odd) pair of the tail viewed as one complex64 number and rotated by one multiply with
+        cos + i sin, equal to the reference up to float32 rounding (NumPy's complex multiply
+        differs in the last bit for ~11% of values: in ds4 numerics one ulp before a Q8 quantizer
+        flips a code now and then, and the cpu backend's pass drifts from the reference's)."""
         x = np.asarray(x, dtype=_F32)
         th = np.asarray(thetas, dtype=_F32)
         npair = th.shape[-1]
@@ -99,6 +102,9 @@ class FastOps:
         if 2 * npair > x.shape[-1] or len(lead_t) > len(lead_x) or \
                 (lead_t != lead_x[:len(lead_t)] and any(a != b and a != 1 for a, b in zip(lead_t, lead_x))):
             return N.apply_rope(x, thetas, inverse)        # raises the reference's error
+        got = _rope_c(x, thetas, th, inverse, inplace)
+        if got is not None:
+            return got
         if x.ndim == 0 or x.strides[-1] != 4:
             x = np.ascontiguousarray(x)                    # the complex view needs unit-stride lanes
         cs = _rotation(thetas, th, lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,), inverse)
@@ -249,6 +255,28 @@ class FastOps:
             red(A, 0, None, col)
             div(Cv, colv, Cv)                                   # columns
         return pre, post, np.ascontiguousarray(Cv.transpose(2, 0, 1))
+
+
+def _rope_c(x, thetas, th, inverse, inplace):
+    """kernels.rope over x's rows with the cached (cos, sin) table; None without the kernels or
+    where the angles do not line up with a prefix of x's leading axes ([T] with x [T, W], [T, 1]
+    with x [T, H, W], ...): the complex64 form takes the rest."""
+    from . import kernels
+    npair = th.shape[-1]
+    lead_t, lead_x = th.shape[:-1], x.shape[:-1]
+    lead = lead_t
+    while lead and lead[-1] == 1:
+        lead = lead[:-1]                           # [T, 1] angles: every head of token t at row t
+    if x.ndim == 0 or x.size == 0 or lead != lead_x[:len(lead)] or not kernels.available():
+        return None
+    cs = _rotation(thetas, th, lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,), inverse)
+    per = int(np.prod(lead_x[len(lead):], dtype=np.int64))          # x rows per angle row
+    W = x.shape[-1]
+    if inplace and x.flags.writeable and x.flags.c_contiguous:
+        kernels.rope(x.reshape(-1, W), cs.reshape(-1, npair), per, x.reshape(-1, W))
+        return x                                   # (the caller drops x: no copy of the head dims)
+    x2 = np.ascontiguousarray(x).reshape(-1, W)
+    return kernels.rope(x2, cs.reshape(-1, npair), per, np.empty_like(x2)).reshape(x.shape)
 
 
 _POOLS: dict = {}

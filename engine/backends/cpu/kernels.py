@@ -271,16 +271,30 @@ def rmsnorm(x: np.ndarray, w, eps: float):
 
 def hc_split(mix: np.ndarray, n: int, scale, base, eps: float, iters: int):
     """The hyper-connection weights (pre [T, n], post [T, n], C [T, n, n]) of NumpyOps.hc_split
-    in float32 C, one token at a time; None without the extension."""
+    in float32 C, one token at a time, bit for bit: the exponentials are NumPy's (np.exp, called
+    from C between the two halves), whose last bit differs from libm's expf; None without the
+    extension."""
     if _K is None:
         return None
     mix = np.ascontiguousarray(mix, dtype=np.float32)
     T = mix.shape[0]
     pre, post = np.empty((T, n), np.float32), np.empty((T, n), np.float32)
     c = np.empty((T, n * n), np.float32)
+    a = np.empty((T, 2 * n + n * n), np.float32)
     _K.hc_split(mix, int(n), np.ascontiguousarray(scale, dtype=np.float32).reshape(1, -1)[:, :3],
-                np.ascontiguousarray(base, dtype=np.float32).reshape(1, -1), float(eps), int(iters), pre, post, c)
+                np.ascontiguousarray(base, dtype=np.float32).reshape(1, -1), float(eps), int(iters), pre, post, c,
+                a, np.exp)
     return pre, post, c.reshape(T, n, n)
+
+
+def rope(x: np.ndarray, cs: np.ndarray, per: int, out: np.ndarray) -> np.ndarray | None:
+    """numerics.apply_rope (NumpyOps.rope bit for bit) on x [R, W] into out [R, W] (may be x):
+    the last 2 * npair values of row r rotated by cs [R / per, npair] (complex64 cos + i sin,
+    conjugated for the inverse); None without the extension."""
+    if _K is None:
+        return None
+    _K.rope(x, np.ascontiguousarray(cs).view(np.float32), int(per), out)
+    return out
 
 
 def hc_post(y: np.ndarray, X: np.ndarray, post: np.ndarray, C: np.ndarray):

@@ -344,18 +344,21 @@ static PyObject *py_round_q8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* hc_split(mix, n, scale, base, eps, iters, pre, post, c): ops_hc_split */
+/* hc_split(mix, n, scale, base, eps, iters, pre, post, c, a, exp): ops_hc_split_args into a
+ * [T, 2n + n*n], then exp(a, a) (the caller passes numpy.exp: the reference's exponentials), then
+ * ops_hc_split */
 static PyObject *py_hc_split(PyObject *self, PyObject *args) {
     int n, iters;
     float eps;
-    PyObject *mo, *so, *bo, *po, *qo, *co;
-    if (!PyArg_ParseTuple(args, "OiOOfiOOO", &mo, &n, &so, &bo, &eps, &iters, &po, &qo, &co)) return NULL;
+    PyObject *mo, *so, *bo, *po, *qo, *co, *ao, *fn;
+    if (!PyArg_ParseTuple(args, "OiOOfiOOOOO", &mo, &n, &so, &bo, &eps, &iters, &po, &qo, &co, &ao, &fn))
+        return NULL;
     if (n < 1 || n > 16 || iters < 1) {
         PyErr_SetString(PyExc_ValueError, "hc_split: n must be in 1..16 and iters >= 1");
         return NULL;
     }
     const int w = 2 * n + n * n;
-    Py_buffer mb, sb, bb, pb, qb, cb;
+    Py_buffer mb, sb, bb, pb, qb, cb, ab;
     if (get_f32(mo, &mb, 0, "mix", -1, w) < 0) return NULL;
     const int64_t T = mb.shape[0];
     int got = 1;
@@ -370,18 +373,60 @@ static PyObject *py_hc_split(PyObject *self, PyObject *args) {
     got++;
     if (get_f32(co, &cb, 1, "c", T, n * n) < 0) goto done;
     got++;
-    Py_BEGIN_ALLOW_THREADS
-    ops_hc_split((const float *)mb.buf, T, n, (const float *)sb.buf, (const float *)bb.buf, eps, iters,
-                 (float *)pb.buf, (float *)qb.buf, (float *)cb.buf);
-    Py_END_ALLOW_THREADS
+    if (get_f32(ao, &ab, 1, "a", T, w) < 0) goto done;
+    got++;
+    ops_hc_split_args((const float *)mb.buf, T, n, (const float *)sb.buf, (const float *)bb.buf, (float *)ab.buf);
+    PyObject *r = PyObject_CallFunctionObjArgs(fn, ao, ao, NULL); /* exp(a, out=a) */
+    if (!r) goto done;
+    Py_DECREF(r);
+    ops_hc_split((const float *)ab.buf, T, n, eps, iters, (float *)pb.buf, (float *)qb.buf, (float *)cb.buf);
     ret = Py_None;
     Py_INCREF(ret);
 done:
     {
-        Py_buffer *all[6] = {&mb, &sb, &bb, &pb, &qb, &cb};
+        Py_buffer *all[7] = {&mb, &sb, &bb, &pb, &qb, &cb, &ab};
         for (int k = 0; k < got; k++) PyBuffer_Release(all[k]);
     }
     return ret;
+}
+
+/* rope(x, cs, per, out[, threads]): ops_rope; x and out [R, W], cs [R / per, 2 npair] */
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    PyObject *xo, *co, *oo;
+    long long per;
+    int threads = 0;
+    if (!PyArg_ParseTuple(args, "OOLO|i", &xo, &co, &per, &oo, &threads)) return NULL;
+    Py_buffer xb, cb, ob;
+    if (get_f32(xo, &xb, 0, "x", -1, -1) < 0) return NULL;
+    const int64_t R = xb.shape[0], W = xb.shape[1];
+    if (per < 1 || R % per) {
+        PyBuffer_Release(&xb);
+        PyErr_SetString(PyExc_ValueError, "rope: per must be >= 1 and divide the rows of x");
+        return NULL;
+    }
+    if (get_f32(co, &cb, 0, "cs", R / per, -1) < 0) {
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    const int64_t npair = cb.shape[1] / 2;
+    if (cb.shape[1] % 2 || 2 * npair > W) {
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&cb);
+        PyErr_SetString(PyExc_ValueError, "rope: cs must hold (cos, sin) pairs, at most W / 2 of them");
+        return NULL;
+    }
+    if (get_f32(oo, &ob, 1, "out", R, W) < 0) {
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&cb);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ops_rope((const float *)xb.buf, R, W, (const float *)cb.buf, npair, (int64_t)per, (float *)ob.buf, threads);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&ob);
+    Py_RETURN_NONE;
 }
 
 /* rmsnorm(x, w_or_None, eps, out[, threads]): ops_rmsnorm */
@@ -758,7 +803,9 @@ static PyMethodDef methods[] = {
     {"hc_post", py_hc_post, METH_VARARGS, "hc_post(y, X, post, C, out[, threads]): hyper-connection post mix"},
     {"hc_pre_mix", py_hc_pre_mix, METH_VARARGS, "hc_pre_mix(pre, X, out[, threads]): hyper-connection pre mix"},
     {"hc_split", py_hc_split, METH_VARARGS,
-     "hc_split(mix, n, scale, base, eps, iters, pre, post, c): hyper-connection weights (float32)"},
+     "hc_split(mix, n, scale, base, eps, iters, pre, post, c, a, exp): hyper-connection weights (float32; "
+     "exp: numpy.exp, applied in place to the scratch a [T, 2n + n*n])"},
+    {"rope", py_rope, METH_VARARGS, "rope(x, cs, per, out[, threads]): RoPE of x's rows, bit for bit the reference's"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, w_or_None, eps, out[, threads]): row RMS norm (float64 sums)"},
     {"q8_gemm_min_t", py_q8_gemm_min_t, METH_VARARGS,
      "q8_gemm_min_t(type_id[, n]) -> smallest T of the integer GEMM form, 0 = none (sets it)"},

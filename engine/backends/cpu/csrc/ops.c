@@ -35,31 +35,52 @@ int ops_round_q8(int bs, const float *x, int64_t T, int64_t n, float *out, int t
     return failed ? -1 : 0;
 }
 
-/* hc_split(mix, n, scale, base, eps, iters, pre, post, c): the hyper-connection weights of every
- * token (NumpyOps.hc_split in float32 C: at decode the reference is ~90 NumPy calls on 4 x 4
- * arrays, twice a layer):
+/* hc_split, in two halves around NumPy's exp (NumpyOps.hc_split bit for bit; at decode the
+ * reference is ~90 NumPy calls on 4 x 4 arrays, twice a layer):
  *   z = mix * scale[part] + base;  pre = sigmoid(z[:n]) + eps;  post = 2 sigmoid(z[n:2n])
  *   C = softmax over j of z[2n:] as [n][n] (row i, column j), + eps
- *   C /= column sums + eps; then iters - 1 times: C /= row sums + eps, C /= column sums + eps */
-void ops_hc_split(const float *mix, int64_t T, int n, const float *sc, const float *base, float eps, int iters,
-                  float *pre, float *post, float *C) {
+ *   C /= column sums + eps; then iters - 1 times: C /= row sums + eps, C /= column sums + eps
+ * The exponentials are NumPy's (the caller's np.exp between the halves): the reference's float32
+ * exp is not libm's expf (they differ in the last bit for ~40% of arguments), and one ulp in C
+ * reaches the Q8 codes of the next matmul's input.
+ *
+ * ops_hc_split_args: a [T, 2n + n*n], the exponentials' arguments: -z for the sigmoids, z - the
+ * row's maximum for the softmax (the maximum taken as 0 where it is not finite, as the reference). */
+void ops_hc_split_args(const float *mix, int64_t T, int n, const float *sc, const float *base, float *a) {
     const int w = 2 * n + n * n;
     for (int64_t t = 0; t < T; t++) {
         const float *m = mix + t * w;
-        float *c = C + t * n * n;
+        float *at = a + t * w;
         for (int i = 0; i < n; i++) {
-            const float zp = m[i] * sc[0] + base[i], zq = m[n + i] * sc[1] + base[n + i];
-            pre[t * n + i] = 1.0f / (1.0f + expf(-zp)) + eps;
-            post[t * n + i] = 2.0f * (1.0f / (1.0f + expf(-zq)));
+            at[i] = -(m[i] * sc[0] + base[i]);
+            at[n + i] = -(m[n + i] * sc[1] + base[n + i]);
         }
         for (int i = 0; i < n; i++) {
-            float z[16], mx = -INFINITY, s = 0.0f;
+            float *z = at + 2 * n + i * n, mx = -INFINITY;
             for (int j = 0; j < n; j++) {
                 z[j] = m[2 * n + i * n + j] * sc[2] + base[2 * n + i * n + j];
                 mx = z[j] > mx ? z[j] : mx;
             }
             if (!isfinite(mx)) mx = 0.0f;
-            for (int j = 0; j < n; j++) s += (z[j] = expf(z[j] - mx));
+            for (int j = 0; j < n; j++) z[j] -= mx;
+        }
+    }
+}
+
+/* ops_hc_split: the rest, from e = exp(a) */
+void ops_hc_split(const float *e, int64_t T, int n, float eps, int iters, float *pre, float *post, float *C) {
+    const int w = 2 * n + n * n;
+    for (int64_t t = 0; t < T; t++) {
+        const float *et = e + t * w;
+        float *c = C + t * n * n;
+        for (int i = 0; i < n; i++) {
+            pre[t * n + i] = 1.0f / (1.0f + et[i]) + eps;
+            post[t * n + i] = 2.0f * (1.0f / (1.0f + et[n + i]));
+        }
+        for (int i = 0; i < n; i++) {
+            const float *z = et + 2 * n + i * n;
+            float s = 0.0f;
+            for (int j = 0; j < n; j++) s += z[j];
             for (int j = 0; j < n; j++) c[i * n + j] = z[j] / s + eps;
         }
         for (int it = 0; it < iters; it++) {
@@ -76,6 +97,31 @@ void ops_hc_split(const float *mix, int64_t T, int n, const float *sc, const flo
                 s += eps;
                 for (int i = 0; i < n; i++) c[i * n + j] /= s;
             }
+        }
+    }
+}
+
+/* rope: numerics.apply_rope on the rows of x [R, W] (NumpyOps.rope bit for bit): the last 2 npair
+ * values in (even, odd) pairs, pair p rotated by (c, s) = row r / per of cs [R / per, 2 npair]
+ * (the caller's float32 cos and sin, s negated for the inverse), each product and sum rounded to
+ * float32 as the reference's lanes are (this file has no FMA contraction):
+ *   o[2p] = x0 * c - x1 * s;  o[2p + 1] = x0 * s + x1 * c
+ * the first W - 2 npair values copied; out may be x (each pair is read before it is written). */
+void ops_rope(const float *x, int64_t R, int64_t W, const float *cs, int64_t npair, int64_t per, float *out,
+              int threads) {
+    const int64_t r = W - 2 * npair;
+    const int nt = thread_count(R, R * W, 256 * 1024, threads);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t row = 0; row < R; row++) {
+        const float *xr = x + row * W, *c = cs + (row / per) * 2 * npair;
+        float *o = out + row * W;
+        if (o != xr)
+            for (int64_t i = 0; i < r; i++) o[i] = xr[i];
+        for (int64_t p = 0; p < npair; p++) {
+            const float x0 = xr[r + 2 * p], x1 = xr[r + 2 * p + 1], cp = c[2 * p], sp = c[2 * p + 1];
+            const float a = x0 * cp, b = x1 * sp, u = x0 * sp, v = x1 * cp;
+            o[r + 2 * p] = a - b;
+            o[r + 2 * p + 1] = u + v;
         }
     }
 }
