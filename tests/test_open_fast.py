@@ -272,3 +272,12 @@ def test_every_paging_mode_gives_the_same_logits(small_model, small_pieces, mode
         assert e.wait_resident() == (mode == "resident")
         again = Session(e, 64).sync(TOKS, keep_logits=True)
     assert np.array_equal(got, ref) and np.array_equal(again, ref)
+
+
+def test_a_file_below_the_threshold_is_copied_before_open_returns(small_model):
+    assert os.path.getsize(small_model) < paging.SYNC_BYTES
+    with Engine.open(small_model, paging="resident", backend="numpy") as e:
+        g = e.file.gguf
+        assert g.resident and e.resident_seconds >= 0
+        assert _where(e)[0] == 0                # the weights bound before the copy were switched
+        assert np.array_equal(Session(e, 64).sync(TOKS, keep_logits=True), _reference(small_model, "numpy"))

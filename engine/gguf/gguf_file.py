@@ -205,6 +205,9 @@ class GGUFFile:
             return
         if self.size < paging.SYNC_BYTES:
             self.load_resident(threads, drop_cache)
+            if on_ready is not None:
+                on_ready(list(self.tensors))
+            self._release_map(0, self.size)
             return
         copy = paging.ResidentCopy(self.path, self.size, paging.plan_groups(self.tensors.values(), self.size))
         self._copy = copy

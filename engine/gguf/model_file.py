@@ -82,12 +82,11 @@ class ModelFile:
     def __init__(self, g: GGUFFile, config: ModelConfig, layout: LayoutReport, tokenizer: dict):
         self.gguf, self.config, self.layout, self.tokenizer = g, config, layout, tokenizer
         self.path = g.path
-        # while a background resident copy fills: the weights handed out on the map, by name,
-        # to be switched to the copy as their bytes arrive (the lock orders a hand-out against a
-        # switch: a weight is either made after its tensor is ready or registered before the
-        # switch looks)
+        # the weights handed out on the map, by name (weak references), to be switched to a
+        # resident copy as their bytes arrive there (the lock orders a hand-out against a switch:
+        # a weight is either made after its tensor is ready or registered before the switch looks)
         self._lock = threading.Lock()
-        self._on_map: dict[str, list] | None = None
+        self._on_map: dict[str, list] = {}
 
     @classmethod
     def open(cls, path) -> "ModelFile":
@@ -119,16 +118,14 @@ class ModelFile:
         with self._lock:
             raw = self.gguf.tensor_bytes(name)
             qt = QTensor(name, ti.type_id, ti.dims, raw.reshape(n_rows, ti.nbytes // n_rows))
-            if self._on_map is not None and not self.gguf.tensor_ready(name):
-                self._on_map.setdefault(name, []).append(weakref.ref(qt))
+            if not self.gguf.tensor_ready(name):
+                refs = [r for r in self._on_map.get(name, ()) if r() is not None]
+                self._on_map[name] = refs + [weakref.ref(qt)]
         return qt
 
     def start_resident(self, threads: int = 1, drop_cache: bool = False) -> None:
-        """GGUFFile.start_resident, switching every weight this file hands out from now on to the
-        copy when its tensor is ready (call it before binding the weights)."""
-        with self._lock:
-            if self._on_map is None:
-                self._on_map = {}
+        """GGUFFile.start_resident, switching every weight this file has handed out (and hands
+        out until its tensor is ready) to the copy when its tensor is ready."""
         self.gguf.start_resident(threads, drop_cache, on_ready=self._switch)
 
     def _switch(self, names) -> None:

@@ -40,6 +40,9 @@ GROUP = 64 << 20
 # (0.26 GB/s, 2 cores shared) 64 MiB takes 0.25 s, and a thread and a switch would buy nothing
 SYNC_BYTES = 64 << 20
 
+# the copy threads' nice value (0: the compute threads' own)
+NICE = int(os.environ.get("DS4_COPY_NICE", "0"))
+
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux value; older Pythons lack the name
 
@@ -135,6 +138,11 @@ class ResidentCopy:
 
     # -- the workers ----------------------------------------------------------------------------
     def _work(self) -> None:
+        if NICE and sys.platform.startswith("linux"):
+            try:      # (Linux: a thread id names one thread; the compute threads keep their priority)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+            except OSError:
+                pass
         try:
             while not self._stop.is_set():
                 with self._lock:

@@ -71,15 +71,15 @@ class Engine:
         entry.setup(threads)
         m = ModelFile.open(path)
         try:
-            # the resident copy starts before the weights are bound: views made after a tensor is
-            # ready point into it, and the ones made before are switched when it is
             avail = _mem_available()
             paging = _paging_mode(m, paging, backend, avail)
+            eng = cls(m, backend, numerics, threads, ops)
             if paging == "resident":
-                # page cache + copy over the available memory: drop the cache as the copy grows
+                # after the bind (open's own work does not share a core with the copy): the
+                # weights are on the map, and each switches to the copy when its bytes are in.
+                # Page cache + copy over the available memory: drop the cache as the copy grows
                 drop = avail is not None and 2 * m.gguf.size > avail
                 m.start_resident(RESIDENT_THREADS, drop_cache=drop)
-            eng = cls(m, backend, numerics, threads, ops)
             eng.paging = "resident" if paging == "resident" else _advise(m, paging)
             if eng.paging == "lowmem" and eng.model.xp is np:     # (hints for host backends that read the map)
                 eng.model.pager = m.gguf.willneed
