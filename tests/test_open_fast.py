@@ -281,3 +281,17 @@ def test_a_file_below_the_threshold_is_copied_before_open_returns(small_model):
         assert g.resident and e.resident_seconds >= 0
         assert _where(e)[0] == 0                # the weights bound before the copy were switched
         assert np.array_equal(Session(e, 64).sync(TOKS, keep_logits=True), _reference(small_model, "numpy"))
+
+
+def test_a_copy_that_cannot_start_is_an_error_and_leaves_the_map(small_model, small_pieces, tmp_path):
+    import shutil
+
+    from engine.errors import ModelFileError
+    p = tmp_path / "gone.gguf"
+    shutil.copy(small_model, p)
+    with GGUFFile(p) as g, GGUFFile(small_model) as ref:
+        p.unlink()                      # the map stays valid; a new descriptor cannot be had
+        with pytest.raises(ModelFileError, match="cannot read"):
+            g.start_resident()
+        assert g._copy is None and not g.wait_resident()
+        assert np.array_equal(g.tensor_bytes("output.weight"), ref.tensor_bytes("output.weight"))

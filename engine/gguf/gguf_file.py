@@ -210,8 +210,12 @@ class GGUFFile:
             self._release_map(0, self.size)
             return
         copy = paging.ResidentCopy(self.path, self.size, paging.plan_groups(self.tensors.values(), self.size))
-        self._copy = copy
-        copy.start(threads, drop_cache, on_ready, self._release_map)
+        self._copy = copy           # (before the threads: a switch asks tensor_bytes for the copy's view)
+        try:
+            copy.start(threads, drop_cache, on_ready, self._release_map)
+        except BaseException:
+            self._copy = None
+            raise
 
     def load_resident(self, threads: int = 2, drop_cache: bool = False) -> float:
         """The resident copy (start_resident), made before this returns; its seconds. A failed
