@@ -17,6 +17,7 @@ import functools
 import gc
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -152,6 +153,7 @@ def test_switches_during_the_forward_pass_change_no_logit(small_model, small_pie
     (16 KiB pieces: ~600 of them, about 150 matmuls a step)."""
     monkeypatch.setattr(paging, "PIECE", 16 << 10)
     monkeypatch.setattr(paging, "GROUP", 16 << 10)
+    monkeypatch.setattr(paging, "NICE", 0)      # (the pacing, not the scheduler, decides when)
     toks = list(range(3, 23))
     ref_steps = []
     with Engine.open(small_model, paging="none", backend=backend) as e:
@@ -166,7 +168,14 @@ def test_switches_during_the_forward_pass_change_no_logit(small_model, small_pie
             real = getattr(ops, name)
 
             def paced(*a, _real=real, **k):
+                # one piece per call, and the call starts once the worker has taken it: the
+                # piece's read and its switch run while this call computes
+                n = gate.pieces
                 gate.allow(1)
+                for _ in range(2000):
+                    if gate.pieces > n or g._copy._done.is_set():
+                        break
+                    time.sleep(0.0005)
                 return _real(*a, **k)
             setattr(ops, name, paced)
         s = Session(e, 64)
@@ -176,11 +185,12 @@ def test_switches_during_the_forward_pass_change_no_logit(small_model, small_pie
             ready.append(len(g._copy.ready))
         gate.allow(len(g._copy._pieces))
         assert e.wait_resident()
-    assert 0 < ready[0] < ready[-1] <= len(g.tensors), ready
+    assert 0 < ready[0] < ready[-1] <= len(g.tensors), ready        # switches in the first step and later
     assert len(set(ready)) >= 3, ready        # the switches were spread over the steps
 
 
 def test_close_during_the_copy_ends_it_cleanly(small_model, small_pieces, monkeypatch):
+    gc.collect()                        # (maps of earlier tests, unreferenced but not yet freed)
     fds = len(os.listdir("/proc/self/fd"))
     gate = _Gate(monkeypatch)
     e = Engine.open(small_model, paging="resident", backend="numpy")

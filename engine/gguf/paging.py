@@ -40,8 +40,11 @@ GROUP = 64 << 20
 # (0.26 GB/s, 2 cores shared) 64 MiB takes 0.25 s, and a thread and a switch would buy nothing
 SYNC_BYTES = 64 << 20
 
-# the copy threads' nice value (0: the compute threads' own)
-NICE = int(os.environ.get("DS4_COPY_NICE", "0"))
+# the copy threads' nice value: they take a core only when the compute threads leave it idle
+# (between requests, in the Python between kernel calls). At the compute threads' own priority the
+# copy shares a core with one of two OpenMP threads and every parallel region waits for the slower
+# one: in alternating ds4-bench runs, first token 10.7-25.1 s at nice 0 against 7.3-13.0 s here
+NICE = 19
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux value; older Pythons lack the name

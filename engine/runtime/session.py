@@ -163,8 +163,8 @@ def _thp_available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-# the background copy's threads: one keeps the copy off all but one core while the forward pass
-# runs on them; it reads the page cache at 0.3-1 GB/s here (a 9.5 GB file in ~10-36 s)
+# the background copy's threads (at nice 19, paging.NICE): one reads the page cache at 0.7-1.7 GB/s
+# on an idle 2-core VM; two were no faster there, and would take both cores from the forward pass
 RESIDENT_THREADS = 1
 
 
