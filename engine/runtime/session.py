@@ -163,8 +163,8 @@ def _thp_available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-# the background copy's threads (at nice 19, paging.NICE): one reads the page cache at 0.7-1.7 GB/s
-# on an idle 2-core VM; two were no faster there, and would take both cores from the forward pass
+# the background copy's threads (at nice 19, paging.NICE): one. On the shared 2-core VM one thread
+# copied at 0.66-1.66 GB/s and two at 0.71-1.88 GB/s (2 runs each, loaded): no clear gain
 RESIDENT_THREADS = 1
 
 
