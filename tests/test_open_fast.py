@@ -16,6 +16,7 @@ import errno
 import functools
 import gc
 import os
+import sys
 import threading
 import time
 
@@ -305,3 +306,26 @@ def test_a_copy_that_cannot_start_is_an_error_and_leaves_the_map(small_model, sm
             g.start_resident()
         assert g._copy is None and not g.wait_resident()
         assert np.array_equal(g.tensor_bytes("output.weight"), ref.tensor_bytes("output.weight"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_the_background_threads_run_at_a_low_priority(small_model, small_pieces, monkeypatch):
+    """The copy and the prefault take a core only when the compute threads leave it idle."""
+    seen = []
+
+    def spy(real):
+        def f(self, *a):
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return real(self, *a)
+        return f
+    monkeypatch.setattr(paging.ResidentCopy, "_read", spy(paging.ResidentCopy._read))
+    monkeypatch.setattr(paging.Populate, "_chunk", spy(paging.Populate._chunk))
+    with GGUFFile(small_model) as g:
+        g.start_resident()
+        assert g.wait_resident()
+    with GGUFFile(small_model) as g:
+        if g.advise("prefault") == "prefault":
+            g._populate.wait(30)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen and mine < paging.NICE and set(seen) <= {paging.NICE, mine}
+    assert seen.count(paging.NICE) >= len(seen) - 1     # all but the prefault's probe, made by open

@@ -40,7 +40,7 @@ GROUP = 64 << 20
 # (0.26 GB/s, 2 cores shared) 64 MiB takes 0.25 s, and a thread and a switch would buy nothing
 SYNC_BYTES = 64 << 20
 
-# the copy threads' nice value: they take a core only when the compute threads leave it idle
+# the background threads' nice value: they take a core only when the compute threads leave it idle
 # (between requests, in the Python between kernel calls). At the compute threads' own priority the
 # copy shares a core with one of two OpenMP threads and every parallel region waits for the slower
 # one: in alternating ds4-bench runs, first token 10.7-25.1 s at nice 0 against 7.3-13.0 s here
@@ -57,6 +57,16 @@ _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 def _stop_all() -> None:
     for w in list(_LIVE):
         w.stop()
+
+
+def _lower_priority() -> None:
+    """This thread at nice NICE (Linux: a thread id names one thread; the compute threads keep
+    their priority)."""
+    if NICE and sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except OSError:
+            pass
 
 
 def plan_groups(tensors, size: int) -> list[tuple[int, int, list[str]]]:
@@ -141,11 +151,7 @@ class ResidentCopy:
 
     # -- the workers ----------------------------------------------------------------------------
     def _work(self) -> None:
-        if NICE and sys.platform.startswith("linux"):
-            try:      # (Linux: a thread id names one thread; the compute threads keep their priority)
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-            except OSError:
-                pass
+        _lower_priority()
         try:
             while not self._stop.is_set():
                 with self._lock:
@@ -235,6 +241,7 @@ class Populate:
         return False
 
     def _work(self) -> None:
+        _lower_priority()
         for lo in range(0, self.size, self.CHUNK):
             if self._stop.is_set() or not self._chunk(lo, self.CHUNK):
                 return
