@@ -94,6 +94,7 @@ class Worker:
         self._q: queue.Queue = queue.Queue()
         self._forced: list[str] = []
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()      # set by the worker once it saved the live session
         self.busy = False
         self.closing = False
         self._submit_lock = threading.Lock()
@@ -137,9 +138,8 @@ class Worker:
         """Finish the running and queued jobs, then save the live session (the shutdown moment)."""
         self.closing = True
         self._q.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self._store_live("shutdown")
+        if self._thread is None or not self._stopped.wait(timeout):
+            self._store_live("shutdown")
 
     def force(self, *texts: str):
         """Test hook: the next generations emit these texts instead of sampling (one per job);
@@ -151,6 +151,15 @@ class Worker:
         while True:
             job = self._q.get()
             if job is None:
+                try:
+                    self._store_live("shutdown")
+                finally:
+                    self._stopped.set()
+                if getattr(self.engine.model.ops, "keep_threads", False):
+                    # parked, not returned: with MLX 0.32 a thread that ran MLX work and then ends
+                    # could abort the process as it exits ("terminate called without an active
+                    # exception", about 1 exit in 4); a parked daemon thread is left behind at exit
+                    threading.Event().wait()
                 return
             if job.cancel.is_set():
                 continue             # the client left while queued

@@ -99,6 +99,10 @@ class Engine:
         return self.file.gguf.wait_resident(timeout)
 
     def close(self):
+        # a device backend's copy of the weights is freed here, not in the interpreter's teardown
+        # (MLX aborted there now and then after a finished thread had used them)
+        if getattr(self, "model", None) is not None:
+            self.model.w = None
         self.file.close()
 
     def __enter__(self):

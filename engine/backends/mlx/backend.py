@@ -31,7 +31,8 @@ def _make_ops(numerics: str):
 BACKEND = Backend(
     name="mlx", summary="MLX (Apple Silicon GPU with Metal kernels; the CPU device elsewhere)",
     available=_available, make_ops=_make_ops,
-    priority=40 if apple_silicon() else 15,        # below cpu (20) where MLX has only its CPU device
+    # off Apple Silicon MLX has only its CPU device: auto takes cpu (20), even numpy (10), first
+    priority=40 if apple_silicon() else 5,
     # the weights are read once, sequentially, into MLX memory at open (and the map's pages let go
     # tensor by tensor): the kernel's readahead is all that helps; a prefault would hold the whole
     # file in this process besides the copy

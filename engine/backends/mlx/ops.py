@@ -53,6 +53,9 @@ def _metal():
 class MlxOps:
     name = "mlx"
     xp = XP
+    # a thread that ran MLX work should live as long as the process: MLX 0.32 can abort the process
+    # when such a thread exits (its per-thread stream's teardown); long-lived workers park instead
+    keep_threads = True
 
     def __init__(self, numerics: str = DS4):
         if numerics not in NUMERICS:
@@ -73,6 +76,9 @@ class MlxOps:
 
     def new_state(self, config, ctx: int, rewind_cap: int) -> KVState:
         st = KVState(config, ctx, rewind_cap, xp=XP)
+        # evaluated now: an unevaluated mx array belongs to the stream of the thread that made it,
+        # and the shim makes its session on the main thread and runs it on its worker
+        mx.eval(*_state_arrays(st))
         self._states.add(st)
         return st
 
