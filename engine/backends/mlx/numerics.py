@@ -97,9 +97,16 @@ def _int_valued(q: mx.array) -> mx.array:
     return q.astype(mx.int32).astype(mx.float32)
 
 
+def _codes(scaled: mx.array) -> mx.array:
+    """N._codes: rint, NaN -> 0, clamped to [-127, 127] (the quantizers' decision on tiny and NaN
+    blocks), as float32 integers."""
+    q = mx.round(scaled)
+    return _int_valued(mx.clip(mx.where(mx.isnan(q), _c(0.0), q), -127, 127))
+
+
 def q8_0_round(x) -> mx.array:
     """N.q8_0_round: per 32 (a short last block padded with zeros), d = amax * fl(1/127),
-    q = clamp(rint(x * (127 / amax)), -128, 127), value q * d."""
+    q = clamp(rint(x * (127 / amax)), -127, 127) (NaN -> 0), value q * d."""
     x = _f32(x)
     n = x.shape[-1]
     pad = (-n) % 32
@@ -109,7 +116,7 @@ def q8_0_round(x) -> mx.array:
     amax = mx.max(mx.abs(b), axis=-1, keepdims=True)
     d = amax * _INV_127
     idv = mx.where(amax != 0, _c(127.0) / amax, _c(0.0))
-    q = _int_valued(mx.clip(mx.round(b * idv), -128, 127))
+    q = _codes(b * idv)
     v = (q * d).reshape(*x.shape[:-1], n + pad)
     return v[..., :n]
 
@@ -124,7 +131,7 @@ def q8_k_round(x) -> mx.array:
     nz = m != 0
     iscale = mx.where(nz, _c(-127.0) / m, _c(0.0))
     d = mx.where(nz, m * _NEG_INV_127, _c(0.0))
-    q = _int_valued(mx.clip(mx.round(iscale * b), -128, 127))
+    q = _codes(iscale * b)
     return (q * d).reshape(x.shape)
 
 
