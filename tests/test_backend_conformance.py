@@ -432,7 +432,9 @@ def test_ds4_prefill_within_the_oracle_thresholds(backend):
         ours = Session(e, len(toks) + 16).sync(toks, keep_logits=True)[ds4["positions"]]
     st = stats(ours, ds4["prefill_logits_at_positions"])
     print(f"{backend}, ds4 numerics, prefill vs ds4 prefill at checkpoints:", st)
-    assert st["median"] <= 0.3 and st["kl"] <= 0.03, st
+    # the oracle's thresholds but top-1, which over 17 checkpoints moves 6 % a position (numpy: 14 of
+    # 17); the token-by-token test below holds all four over every position (slow)
+    assert st["median"] <= 0.2 and st["p90"] <= 0.5 and st["kl"] <= 0.02, st
 
 
 @pytest.mark.slow       # token by token: 20-40 s a backend (the default backend's is test_engine_oracle's)
