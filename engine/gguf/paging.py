@@ -1,6 +1,6 @@
 """Background paging work on a mapped GGUF: the resident copy and the prefault, off the open path.
 
-Both used to run inside `Engine.open`: copying a 9.5 GB file into huge pages took 1.3-36 s and a
+Both used to run inside `Engine.open`: copying a 9.5 GB file into huge pages took 1.3-38 s and a
 whole-file MADV_POPULATE_READ seconds more, while ds4 and llama.cpp map the file and start in
 ~0.02 s. Here each runs in background threads and the engine serves from the map meanwhile.
 
