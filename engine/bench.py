@@ -366,8 +366,13 @@ def _floors(eng) -> dict:
 def _sweep(eng, open_s: float, tokens, fronts, a, ctx: int, c: dict):
     """One backend's sweep, its open, device and memory lines, and each row against the floors."""
     from .runtime.session import DEFAULT_CHUNK, Session
-    res = (f" (resident copy of {eng.file.gguf.size:,} B in {eng.resident_seconds:.2f} s)"
-           if eng.resident_seconds is not None else "")
+    # the resident copy fills in the background after open: the sweep measures the copy's speed,
+    # so it waits for it (the wait is printed, not counted in the rows)
+    t0 = time.perf_counter()
+    if eng.paging == "resident":
+        eng.wait_resident()
+    res = (f" (resident copy of {eng.file.gguf.size:,} B in {eng.resident_seconds:.2f} s, "
+           f"waited {time.perf_counter() - t0:.2f} s after open)" if eng.resident_seconds is not None else "")
     bind = eng.bind_report
     print(f"open: {open_s:.2f} s, paging {eng.paging}{res}, backend {eng.backend}, "
           f"bind {bind.time_s:.2f} s ({bind.bytes:,} B copied)", file=sys.stderr)

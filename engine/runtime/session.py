@@ -101,7 +101,7 @@ class Engine:
     def close(self):
         # a device backend's copy of the weights is freed here, not in the interpreter's teardown
         # (MLX aborted there now and then after a finished thread had used them)
-        if getattr(self, "model", None) is not None:
+        if getattr(self, "model", None) is not None and self.model.xp is not np:
             self.model.w = None
         self.file.close()
 
