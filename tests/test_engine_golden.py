@@ -22,7 +22,9 @@ GOLDEN = Path(__file__).parent / "golden"
 TOL = 1e-4  # the issue asks 1e-3; float64 accumulation lands at ~6e-6
 
 
-@pytest.fixture(scope="module", params=["q2", "q4", "mxfp4"])
+# mxfp4's chunked and token-by-token runs are slow-marked (about 30 s): its full prefill is held to
+# the golden tolerance on every backend by test_backend_conformance, in every run
+@pytest.fixture(scope="module", params=["q2", "q4", pytest.param("mxfp4", marks=pytest.mark.slow)])
 def golden(request, tmp_path_factory):
     d = np.load(GOLDEN / f"tf_tiny_{request.param}.npz")
     a = json.loads(str(d["synth_args"]))
