@@ -225,15 +225,31 @@ def loadavg() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
 
+def _stat():
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    return v[3] + v[4], sum(v)          # idle + iowait, total (clock ticks over all CPUs)
+
+
 def cpu_busy(seconds: float = 2.0) -> float:
     """Fraction of all CPUs busy over `seconds` (from /proc/stat): others' work on a shared machine."""
-    def sample():
-        v = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        return v[3] + v[4], sum(v)          # idle + iowait, total
-    i0, t0 = sample()
+    i0, t0 = _stat()
     time.sleep(seconds)
-    i1, t1 = sample()
+    i1, t1 = _stat()
     return 1 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def run_timed(cmd, timeout):
+    """Run `cmd`; also return the share of the CPUs others used meanwhile (all busy time minus the
+    child's own user+system time): a run with others at 10 % or more is not a clean measurement."""
+    i0, t0 = _stat()
+    r0 = os.times()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    i1, t1 = _stat()
+    r1 = os.times()
+    hz = os.sysconf("SC_CLK_TCK")
+    child = (r1.children_user + r1.children_system - r0.children_user - r0.children_system) * hz
+    others = max(0.0, ((t1 - t0) - (i1 - i0) - child) / max(t1 - t0, 1))
+    return p, others
 
 
 def mem_available() -> int:
@@ -263,10 +279,10 @@ def wait_quiet(a, need_bytes: int) -> str:
     """Wait (at most a.quiet_wait s) until others leave the CPUs and enough memory free; say what it was."""
     t0 = time.time()
     while True:
-        busy, avail = cpu_busy(), mem_available()
+        busy, avail = cpu_busy(1.0), mem_available()
         if (busy <= a.quiet_busy and avail >= need_bytes) or time.time() - t0 >= a.quiet_wait:
             break
-        time.sleep(5)
+        time.sleep(0.5)
     waited = f", waited {time.time() - t0:.0f} s" if time.time() - t0 > 3 else ""
     return f"load {loadavg()}, busy {busy:.0%}, avail {avail / 2**30:.1f} GiB{waited}, {warm(a.model_path)}"
 
@@ -280,7 +296,7 @@ def run_ds4(model: str, a) -> dict:
     cmd = [*ds4_bench_cmd(), "-m", model, "--backend", "cpu", "--threads", str(a.threads),
            "--ctx-start", str(a.ctx), "--ctx-max", str(a.ctx), "--gen-tokens", str(a.gen), *a.ds4_arg]
     load = wait_quiet(a, a.need_ds4)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    p, others = run_timed(cmd, a.timeout)
     if p.returncode:
         raise RuntimeError(f"ds4-bench failed ({p.returncode}):\n{p.stderr[-3000:]}")
     row = next(csvrow for csvrow in _csv_rows(p.stdout) if int(csvrow["ctx_tokens"]) == a.ctx)
@@ -288,7 +304,7 @@ def run_ds4(model: str, a) -> dict:
     floor = re.search(r"floors: read ([\d.]+) GB/s, gemm ([\d.]+) GFLOP/s", err)
     dec = re.search(r"decode [\d.]+ t/s = ([\d.]+)% of read floor", err)
     opened = re.search(r"open: ([\d.]+) s, paging (\w+)", err)
-    return {"cmd": cmd, "load": load, "prefill": float(row["prefill_tps"]), "decode": float(row["gen_tps"]),
+    return {"cmd": cmd, "load": load, "others": others, "prefill": float(row["prefill_tps"]), "decode": float(row["gen_tps"]),
             "read_floor_gbs": float(floor.group(1)), "gemm_floor": float(floor.group(2)),
             "decode_of_floor": float(dec.group(1)) / 100, "open_s": float(opened.group(1)),
             "paging": opened.group(2), "stderr": err}
@@ -305,12 +321,12 @@ def run_llama(exe: Path, model: str, a) -> dict:
     cmd = [str(exe), "-m", model, "-t", str(a.threads), "-p", str(a.ctx), "-n", str(a.gen), "-d", depths,
            "--repack", str(a.repack), "-r", "1", "-o", "json", *a.llama_arg]
     load = wait_quiet(a, a.need_llama)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    p, others = run_timed(cmd, a.timeout)
     if p.returncode:
         raise RuntimeError(f"llama-bench failed ({p.returncode}):\n{p.stderr[-3000:]}")
     tests = json.loads(p.stdout)
     pick = {(t["n_prompt"], t["n_gen"], t["n_depth"]): t["avg_ts"] for t in tests}
-    out = {"cmd": cmd, "load": load, "prefill": pick[(a.ctx, 0, 0)], "decode_d0": pick[(0, a.gen, 0)],
+    out = {"cmd": cmd, "load": load, "others": others, "prefill": pick[(a.ctx, 0, 0)], "decode_d0": pick[(0, a.gen, 0)],
            "build": tests[0].get("build_commit", "?"), "cpu": tests[0].get("cpu_info", "?")}
     # ds4-bench decodes after its prefill, so the like-for-like llama figure is tg at depth ctx
     out["decode"] = pick.get((0, a.gen, a.ctx_depth), out["decode_d0"])
@@ -335,8 +351,9 @@ def report(rounds: list[dict], a) -> str:
                      f"| {s['prefill'] / l['prefill']:.2f}x | {s['decode']:.2f} | {l['decode_d0']:.2f} "
                      f"| {s['decode'] / l['decode_d0']:.2f}x | {l['decode']:.2f} | {s['decode'] / l['decode']:.2f}x "
                      f"| {s['decode_of_floor']:.1%} | {s['read_floor_gbs']:.1f} |")
-    lines += ["", "machine before each run (others' CPU use over 2 s, MemAvailable, the warm read):"]
-    lines += [f"  round {i} {who}: {x['load']}" for i, r in enumerate(rounds, 1) for who, x in r.items()]
+    lines += ["", "machine before each run (others' CPU use over 1 s, MemAvailable, the warm read) and during it:"]
+    lines += [f"  round {i} {who}: {x['load']}; others used {x['others']:.0%} of the CPUs during the run"
+              for i, r in enumerate(rounds, 1) for who, x in r.items()]
     col = lambda who, k: [r[who][k] for r in rounds]
     pre_ratio = [r["ds4"]["prefill"] / r["llama"]["prefill"] for r in rounds]
     dec_ratio = [r["ds4"]["decode"] / r["llama"]["decode_d0"] for r in rounds]
@@ -397,7 +414,7 @@ def main(argv=None) -> int:
                 r[who] = run_ds4(model, a) if who == "ds4" else run_llama(exe, model, a)
                 x = r[who]
                 print(f"round {i + 1} {who}: {x['load']}, prefill {x['prefill']:.2f} t/s, "
-                      f"decode {x['decode']:.2f} t/s", file=sys.stderr)
+                      f"decode {x['decode']:.2f} t/s, others {x['others']:.0%} during", file=sys.stderr)
             rounds.append(r)
     finally:
         if model != a.model and not a.keep_copy:
