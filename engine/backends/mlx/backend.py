@@ -20,6 +20,10 @@ def apple_silicon() -> bool:
 def _available() -> str | None:
     if importlib.util.find_spec("mlx") is None:
         return "mlx is not installed (pip install 'ds4-agent[mlx]')"
+    try:            # a Linux 'pip install mlx' without [cpu] installs a package that cannot load
+        import mlx.core  # noqa: F401
+    except Exception as e:
+        return f"mlx cannot be imported ({e}); pip install 'ds4-agent[mlx]'"
     return None
 
 

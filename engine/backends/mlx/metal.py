@@ -61,10 +61,13 @@ def batch_plan(experts: np.ndarray, tile_pairs: int = BATCH_TILE_PAIRS) -> tuple
     return perm, np.array(chunks, dtype=np.int32).reshape(-1, 2)
 
 
+BATCH_MIN_PAIRS = 16     # fewer pairs always take the decode form
+
+
 def use_batched(experts: np.ndarray) -> bool:
     """Batched when pairs share experts enough to reuse a dequantized tile (mean run >= 2)."""
     experts = np.asarray(experts).reshape(-1)
-    return len(experts) >= 16 and len(experts) >= 2 * len(np.unique(experts))
+    return len(experts) >= BATCH_MIN_PAIRS and len(experts) >= 2 * len(np.unique(experts))
 
 
 def gather_matvec(kind: str, raw, x, experts, toks):
@@ -82,8 +85,10 @@ def gather_matvec(kind: str, raw, x, experts, toks):
     dims = mx.array([n_out, n_in, row_bytes], dtype=mx.int32)
     raw, x = raw.astype(mx.uint8), x.astype(mx.float32)
     experts, toks = experts.astype(mx.int32), toks.astype(mx.int32)
-    e_host = np.array(experts)
-    if use_batched(e_host):
+    # the batched plan reads the experts on the host (a sync); a decode step's few pairs never
+    # batch, so it launches without reading them
+    e_host = np.array(experts) if P >= BATCH_MIN_PAIRS else None
+    if e_host is not None and use_batched(e_host):
         perm, chunks = batch_plan(e_host)
         inputs = [raw, x, experts, toks, mx.array(perm), mx.array(chunks), dims]
         grid = (128 * -(-n_out // BATCH_TILE_ROWS), len(chunks), 1)

@@ -16,6 +16,7 @@ directly with those, and they are converted (a QTensor is repacked once and cach
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import weakref
 
@@ -63,6 +64,7 @@ class MlxOps:
         self.numerics = numerics
         self._ds4 = numerics == DS4
         self._states = weakref.WeakSet()     # evaluated with every logits_to_host
+        self._states_lock = threading.Lock()  # (sessions on several threads add to it)
         self._repacked: dict = {}            # id(QTensor) -> (QTensor, MxWeight): host weights met in a call
         self._rot: dict = {}                 # id(thetas) -> (thetas, cos, sin): this pass's rotations
         self.metal = _metal()
@@ -79,7 +81,8 @@ class MlxOps:
         # evaluated now: an unevaluated mx array belongs to the stream of the thread that made it,
         # and the shim makes its session on the main thread and runs it on its worker
         mx.eval(*_state_arrays(st))
-        self._states.add(st)
+        with self._states_lock:
+            self._states.add(st)
         return st
 
     def state_to_host(self, state: KVState) -> KVState:
@@ -90,7 +93,8 @@ class MlxOps:
     def state_from_host(self, host: KVState) -> KVState:
         st = host.copy_to(XP, lambda a: mx.array(a))
         mx.eval(*_state_arrays(st))
-        self._states.add(st)
+        with self._states_lock:
+            self._states.add(st)
         return st
 
     def embed(self, embd, tokens):
@@ -100,7 +104,9 @@ class MlxOps:
     def logits_to_host(self, logits) -> np.ndarray:
         logits = _a(logits)
         # the token boundary: run the graph, and cut every state's history with it
-        mx.eval(logits, *[a for st in list(self._states) for a in _state_arrays(st)])
+        with self._states_lock:
+            states = list(self._states)
+        mx.eval(logits, *[a for st in states for a in _state_arrays(st)])
         self._rot.clear()
         return np.array(logits.astype(mx.float32), copy=False)
 
@@ -276,6 +282,11 @@ class MlxOps:
         u, sel, wsel, limit = _a(u), _a(sel), _a(wsel), float(limit)
         gate, up, down = self._w(lw.gate_exps), self._w(lw.up_exps), self._w(lw.down_exps)
         T, k = sel.shape
+        # each token's experts in ascending order: its outputs are summed in that order below, as
+        # the reference adds them (and never with a scatter-add, whose atomics on Metal would add
+        # them in arrival order, a different sum from run to run)
+        slot = mx.argsort(sel, axis=1)
+        sel, wsel = mx.take_along_axis(sel, slot, axis=1), mx.take_along_axis(wsel, slot, axis=1)
         flat = sel.reshape(-1)
         order = mx.argsort(flat)                                   # pairs grouped by expert
         experts = flat[order].astype(mx.int32)
@@ -288,7 +299,10 @@ class MlxOps:
             d = self._gmm(down, self._act(down, m * we), experts, pairs)
         else:
             d = self._gmm(down, m, experts, pairs) * we
-        routed = mx.zeros((T, u.shape[1]), dtype=mx.float32).at[toks].add(d)
+        d = d[mx.argsort(order)].reshape(T, k, -1)               # back to token-major
+        routed = d[:, 0]
+        for j in range(1, k):
+            routed = routed + d[:, j]
         sh = self._swiglu(*self.linears([lw.sh_gate, lw.sh_up], u), limit)
         return routed + self.linear(lw.sh_down, sh)
 
