@@ -488,3 +488,15 @@ def test_snapshot_restore_within_and_across_backends(backend, small_model):
         rel = np.abs(got - theirs).max() / np.abs(theirs).max()
         print(f"saved on {backend}, resumed on {other}: relative {rel:.2e}")
         assert rel < 2e-5 and (got.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_an_mlx_that_cannot_import_is_one_line(monkeypatch, small_model):
+    # (a Linux 'pip install mlx' without [cpu]: the package is there, mlx.core will not load)
+    import importlib.util
+    import sys
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "mlx" else real(n, *a))
+    monkeypatch.setitem(sys.modules, "mlx.core", None)          # import raises ImportError
+    with pytest.raises(BackendError, match=r"^backend 'mlx' is not available: mlx cannot be imported") as err:
+        Engine.open(small_model, backend="mlx")
+    assert "\n" not in str(err.value)

@@ -3,7 +3,6 @@ then drain the queue and save the live session to the disk cache (the shutdown m
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -119,10 +118,5 @@ def serve_main(a, model: str, ctx: int, options) -> int:
         print("ds4-agent: stopping: saving the live session", file=sys.stderr, flush=True)
     with quiet_signals("ds4-agent: still saving the live session; stopping when done"):
         shim.stop()
-    # the engine, its sessions and their KV state go now, while the process is whole: MLX aborted
-    # in the interpreter's teardown ("terminate called without an active exception") when arrays a
-    # finished worker thread had used were destroyed there
-    engine.close()
-    del shim, engine, server
-    gc.collect()
+    engine.close()          # a device backend's weights go now, not in the interpreter's teardown
     return rc

@@ -99,8 +99,8 @@ class Engine:
         return self.file.gguf.wait_resident(timeout)
 
     def close(self):
-        # a device backend's copy of the weights is freed here, not in the interpreter's teardown
-        # (MLX aborted there now and then after a finished thread had used them)
+        # a device backend's copy of the weights is freed here, at a known moment, not whenever
+        # the last reference goes (a host backend's weights are views of the map, closed below)
         if getattr(self, "model", None) is not None and self.model.xp is not np:
             self.model.w = None
         self.file.close()

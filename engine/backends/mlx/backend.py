@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import platform
 
+from ...errors import BackendError
 from ..registry import Backend
 
 
@@ -18,16 +19,18 @@ def apple_silicon() -> bool:
 
 
 def _available() -> str | None:
+    # (no import here: the registry asks every entry, and mlx.core is heavy)
     if importlib.util.find_spec("mlx") is None:
         return "mlx is not installed (pip install 'ds4-agent[mlx]')"
-    try:            # a Linux 'pip install mlx' without [cpu] installs a package that cannot load
-        import mlx.core  # noqa: F401
-    except Exception as e:
-        return f"mlx cannot be imported ({e}); pip install 'ds4-agent[mlx]'"
     return None
 
 
 def _make_ops(numerics: str):
+    try:            # a Linux 'pip install mlx' without [cpu] installs a package that cannot load
+        import mlx.core  # noqa: F401
+    except Exception as e:
+        raise BackendError(f"backend 'mlx' is not available: mlx cannot be imported ({e}); "
+                           f"pip install 'ds4-agent[mlx]'") from None
     from .ops import MlxOps
     return MlxOps(numerics)
 
