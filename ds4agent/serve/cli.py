@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from .config import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS, MAX_QUEUE, ServeConfig)
+from .config import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS, MAX_QUEUE, MAX_SLOTS, ServeConfig)
 
 
 def add_flags(p: argparse.ArgumentParser):
@@ -29,6 +29,9 @@ def add_flags(p: argparse.ArgumentParser):
     g.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
                    help="render earlier tool calls canonically instead of replaying the sampled bytes")
     g.add_argument("--max-tokens", type=int, help="cap on generated tokens per request, whatever the client asks")
+    g.add_argument("--slots", type=int, metavar="N",
+                   help=f"live KV timelines kept at once, each its own conversation (default: as many as "
+                        f"fit half the free memory at --ctx, 1-{MAX_SLOTS})")
     g.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                    help=f"requests that may wait behind the running one; more get 503 (default {MAX_QUEUE})")
     g.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
@@ -56,6 +59,8 @@ def config_from(a, ctx: int) -> ServeConfig:
         raise ValueError("--max-tokens must be at least 1")
     if a.tool_memory_max_ids < 1:
         raise ValueError("--tool-memory-max-ids must be at least 1")
+    if a.slots is not None and not 1 <= a.slots <= MAX_SLOTS:
+        raise ValueError(f"--slots must be between 1 and {MAX_SLOTS}")
     if a.max_queue < 0:
         raise ValueError("--max-queue must not be negative")
     if a.max_connections < 1:
@@ -75,7 +80,7 @@ def config_from(a, ctx: int) -> ServeConfig:
         kv_cache_boundary_align_tokens=a.kv_cache_boundary_align_tokens,
         kv_cache_reject_different_quant=a.kv_cache_reject_different_quant,
         max_queue=a.max_queue, max_connections=a.max_connections, header_timeout_s=a.header_timeout,
-        body_timeout_s=a.body_timeout, forced_tool_calls=forced)
+        body_timeout_s=a.body_timeout, forced_tool_calls=forced, slots=a.slots or 1)
 
 
 def serve_main(a, model: str, ctx: int, options) -> int:
@@ -96,6 +101,11 @@ def serve_main(a, model: str, ctx: int, options) -> int:
     except (ModelFileError, ValueError) as e:    # ValueError: a backend that cannot serve here
         print(f"error: {e}", file=sys.stderr)
         return 1
+    from .sizing import default_slots, slot_kv_bytes
+    if a.slots is None:
+        cfg.slots = default_slots(engine, ctx)
+    print(f"slots: {cfg.slots} ({slot_kv_bytes(engine, ctx) / 2**20:.0f} MiB of KV each at ctx {ctx})",
+          file=sys.stderr, flush=True)
     try:
         shim = Shim(engine, cfg)
     except (OSError, ValueError) as e:

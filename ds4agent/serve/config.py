@@ -10,6 +10,12 @@ MODEL_ALIASES = ("deepseek-chat", "deepseek-reasoner")
 # of text is ~4 MB of UTF-8, JSON escaping (\uXXXX for non-ASCII, as Python's json writes it)
 # and tool schemas can double or triple that. Bigger bodies cannot fit and only cost memory.
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# live KV slots (--slots): at most this many, whatever the memory. Each slot is one more thread
+# asking the engine for forward passes; a batched decode step over B slots reads the weights once
+# but runs B attentions and B expert sets, so past ~8 the step is no longer weight-bound and every
+# stream slows (issue 23's bar: each of 4 streams <= 1.5x slower than alone). Agent clients rarely
+# have more than a handful of conversations alive at once (main, title, a few subagents).
+MAX_SLOTS = 8
 KEEPALIVE_S = 5.0                            # SSE comment while the prompt is prefilled
 # the server runtime's limits (docs/serve.md, "Limits, timeouts, shutdown" says why each value)
 MAX_QUEUE = 16                               # requests waiting behind the running one
@@ -19,6 +25,14 @@ BODY_TIMEOUT_S = 30.0                        # a request body, plus 1 s per BODY
 BODY_MIN_RATE = 64 * 1024                    # bytes a second a long body must keep up
 IDLE_TIMEOUT_S = 5                           # keep-alive: an idle connection between requests
 WRITE_TIMEOUT_S = 60.0                       # a client that reads nothing of its answer
+
+
+def _env_slots() -> int:
+    import os
+    try:
+        return max(1, min(MAX_SLOTS, int(os.environ.get("DS4_SERVE_SLOTS", "1"))))
+    except ValueError:
+        return 1
 
 
 @dataclass
@@ -52,5 +66,8 @@ class ServeConfig:
     idle_timeout_s: int = IDLE_TIMEOUT_S
     write_timeout_s: float = WRITE_TIMEOUT_S
     chunk: int = 2048
+    # live KV timelines (--slots; the CLI sizes its default from memory, sizing.py). The
+    # DS4_SERVE_SLOTS test hook sets it for configs built in tests (runs the serve suites at N)
+    slots: int = field(default_factory=lambda: _env_slots())
     # test hooks: replies forced instead of sampled (the engine still evaluates every token)
     forced_tool_calls: dict = field(default_factory=dict)   # tool name -> arguments
