@@ -8,6 +8,7 @@ in chunks, reporting progress after each chunk and stopping between chunks when 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Callable
 
@@ -42,6 +43,11 @@ class Engine:
         self.numerics = numerics
         self.threads = threads
         self.tokenizer = Tokenizer.from_metadata(model_file.tokenizer)
+        # every forward pass of every Session of this Engine runs under this lock: the model keeps
+        # per-pass tables (RoPE angles), and a device backend evaluates every live state at each
+        # token boundary, so two passes must never overlap. Sessions on several threads (one each)
+        # are safe; one Session is still used by one thread at a time.
+        self.lock = threading.RLock()
         if ops is None:
             ops = registry.make_ops(registry.pick(backend), numerics)
         # the upload/repack hook: its time and the bytes it copied (none for the host backends)
@@ -309,8 +315,9 @@ class Session:
     def _forward(self, part: list[int], all_logits: bool):
         t0 = time.perf_counter()
         model = self.engine.model
-        out = model.ops.logits_to_host(model.forward(np.asarray(part), len(self._tokens), self.state,
-                                                     all_logits=all_logits))
+        with self.engine.lock:
+            out = model.ops.logits_to_host(model.forward(np.asarray(part), len(self._tokens), self.state,
+                                                         all_logits=all_logits))
         dt = time.perf_counter() - t0
         key = "decode" if len(part) == 1 else "prefill"
         self.stats[key + "_tokens"] += len(part)
@@ -333,7 +340,8 @@ class Session:
     # -- snapshots -----------------------------------------------------------------------------
     def snapshot(self) -> bytes:
         logits = self._logits if self._logits is not None else np.zeros(self.engine.config.n_vocab, np.float32)
-        host = self.engine.model.ops.state_to_host(self.state)
+        with self.engine.lock:       # (a device backend evaluates this state at others' token boundaries)
+            host = self.engine.model.ops.state_to_host(self.state)
         return snap.save(self.engine.config, host, self._tokens, logits, self.chunk)
 
     def restore(self, data: bytes):
@@ -341,7 +349,8 @@ class Session:
         # the backend then takes it over (an upload where its state lives on a device)
         host = KVState(self.engine.config, self.ctx, self.rewind_cap)
         tokens, logits = snap.load(self.engine.config, host, data)
-        self.state = self.engine.model.ops.state_from_host(host)
+        with self.engine.lock:
+            self.state = self.engine.model.ops.state_from_host(host)
         self._tokens = tokens
         self._logits = logits if tokens else None
 
