@@ -16,22 +16,37 @@ Lineage. The store remembers, per live Session object, which saved session it wa
 from or saved as (its sha, text length and own lineage). When that session is saved again and its
 text still extends the remembered one (checked by hashing the new text's prefix), the new record
 gets `parent` = that sha and `ancestors` = the parent's ancestors + the parent. A timeline that
-was reset, compacted or rebuilt does not extend it, so it starts a fresh lineage.
+was reset, compacted or rebuilt does not extend it, so it starts a fresh lineage (the agent can
+still say which session it continues, `continues=`, after a compaction: only the name follows).
+
+Names follow the conversation. A name belongs to the newest save of its lineage: saving a
+continuation of the session that holds a name moves the name onto the new record (written first,
+then taken off the old one; a crash between the two leaves two holders, and `resolve` picks the
+one that descends from the other). So `/switch work`, a turn, and `--resume work` continue that
+turn. The record the user named (`/save NAME`, `rename`) is `pinned` (it keeps the name it was
+given there) and is never pruned: the snapshot stays, reachable by its id and listed as an
+earlier save of NAME. Deleting the holder hands the name back to its newest pinned ancestor that
+was saved under that name.
 
 Prefix pruning (after every save). ds4 deletes every saved session whose text is a strict prefix
 of the new one; here a stored session P is removed only when ALL of these hold:
   1. P is one of the new session's own ancestors (recorded lineage, not mere text overlap: a
      session saved independently that happens to share a prefix is not ours to delete);
   2. P's text is a strict byte prefix of the new text (the new file contains P's whole history);
-  3. P has no user-given name (naming a session is how the user keeps a branch point);
+  3. P holds no name and is not pinned (naming a session is how the user keeps a branch point);
   4. no other saved session descends from P, by recorded lineage or by text prefix (P is then a
      branch point that another timeline still starts from);
   5. P's KV header and metadata are readable (an unreadable file is never guessed about).
-So a linear save-continue-save chain keeps only its newest save, and saving can never remove a
-session that some other saved timeline, or the user's naming, still depends on.
+So a linear save-continue-save chain keeps only its newest save (and the snapshots the user
+named), and saving can never remove a session that another saved timeline still depends on.
 
-`sysprompt.kv` (reason "agent-system") is a single slot holding the prefilled system prefix; it is
-used only when its text equals the requested prefix byte for byte and its quant width matches.
+System prefixes (reason "agent-system") are cached one file per prefix,
+`sysprompt-<sha1>.kv`, the sha1 of the model file's name, its routed-expert width and the rendered
+prefix text: a directory's system prompt names the directory, so every project has its own. One is
+used only when its text equals the requested prefix byte for byte and its width matches. Loading
+one counts as a use (the header's last_used); after each write the least recently used are removed
+beyond `sysprompt_keep` files or `sysprompt_budget_mb` of disk. The single `sysprompt.kv` of
+earlier versions is removed at the first write.
 
 The root defaults to `$DS4_AGENT_HOME/sessions` or `~/.ds4-agent/sessions` (mode 0700). Sessions
 are global on disk; `list()` shows the current project directory's by default, `list("all")`
@@ -60,10 +75,13 @@ from engine import Session
 
 from . import safeio
 from .kvfile import (PREFIX_BYTES, KVFileError, KVFileInfo, atomic_write, read_header, read_info, read_kv,
-                     remove_stale_temps, routed_quant_bits, write_kv)
+                     remove_stale_temps, routed_quant_bits, touch, write_kv)
 from .prefix_cache import token_text
 
-SYSPROMPT = "sysprompt.kv"
+LEGACY_SYSPROMPT = "sysprompt.kv"   # the single slot of earlier versions
+SYSPROMPT_PREFIX = "sysprompt-"
+SYSPROMPT_KEEP = 8                 # cached system prefixes (one per project directory and model)
+SYSPROMPT_BUDGET_MB = 4096         # ... and the disk they may take together
 META_VERSION = 1
 TITLE_MAX_BYTES = 70
 MAX_ANCESTORS = 256
@@ -76,7 +94,8 @@ _SHA = re.compile(r"[0-9a-f]{40}")
 META_MAX_BYTES = 1 << 20        # a record is ~1 KB (+ 256 ancestors of 43 bytes); more is not ours
 U32_MAX = 0xFFFFFFFF            # token counts and contexts are u32 in the KV header
 TIME_MAX = 253402300799.0       # 9999-12-31: a timestamp past it is damage, not a date
-_STR_FIELDS = ("title", "name", "project_dir", "think_mode", "model")
+_STR_FIELDS = ("title", "name", "pinned", "project_dir", "think_mode", "model")
+_SYSPROMPT_KV = re.compile(r"sysprompt-([0-9a-f]{40})\.kv")
 
 
 class SessionStoreError(Exception):
@@ -105,6 +124,7 @@ class SessionInfo:
     project_dir: str | None = None
     think_mode: str | None = None
     name: str | None = None
+    pinned: str | None = None         # the name the user saved it under (kept; never pruned)
     parent: str | None = None
     ancestors: tuple[str, ...] = ()
     model: str | None = None
@@ -126,6 +146,12 @@ class SessionInfo:
     @property
     def label(self) -> str:
         return self.name or self.title
+
+    @property
+    def earlier_of(self) -> str | None:
+        """The name this snapshot was saved under when the name has since moved on (None when it
+        holds its name, or was never named)."""
+        return self.pinned if self.pinned and self.pinned != self.name else None
 
 
 @dataclass
@@ -199,9 +225,9 @@ def check_meta(meta: dict) -> str | None:
     for k in _STR_FIELDS:
         if meta.get(k) is not None and not isinstance(meta[k], str):
             return f"{k} (not text)"
-    if meta.get("name") is not None and (len(meta["name"]) > NAME_MAX
-                                         or any(ord(c) < 32 or ord(c) == 127 for c in meta["name"])):
-        return "name (too long or has control characters)"
+    for k in ("name", "pinned"):
+        if meta.get(k) is not None and (len(meta[k]) > NAME_MAX or any(ord(c) < 32 or ord(c) == 127 for c in meta[k])):
+            return f"{k} (too long or has control characters)"
     if "version" in meta and not _is_int(meta["version"], 1, META_VERSION):
         return f"version (not 1..{META_VERSION})"
     for k in ("created", "updated"):
@@ -222,8 +248,15 @@ def check_meta(meta: dict) -> str | None:
     return None
 
 
+def pinned_of(meta: dict) -> str | None:
+    """The name a record was saved under by the user. Records written before names moved have no
+    `pinned` key: their name was given by the user, so it pins them."""
+    return meta.get("pinned") if "pinned" in meta else meta.get("name")
+
+
 class SessionStore:
-    def __init__(self, root=None, project_dir=None, *, now: Callable[[], float] = time.time):
+    def __init__(self, root=None, project_dir=None, *, now: Callable[[], float] = time.time,
+                 sysprompt_keep: int = SYSPROMPT_KEEP, sysprompt_budget_mb: float = SYSPROMPT_BUDGET_MB):
         self.root = os.path.abspath(os.fspath(root) if root is not None else default_root())
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
@@ -231,6 +264,8 @@ class SessionStore:
             raise SessionStoreError(f"cannot create the session folder {self.root}: {e.strerror or e}") from None
         self.project_dir = os.path.realpath(os.fspath(project_dir) if project_dir is not None else os.getcwd())
         self._now = now
+        self.sysprompt_keep = max(1, int(sysprompt_keep))
+        self.sysprompt_budget = int(sysprompt_budget_mb * 2**20)
         remove_stale_temps(self.root)     # real time: the temp files' mtimes are real
         self._origins: "weakref.WeakKeyDictionary[Session, _Origin]" = weakref.WeakKeyDictionary()
 
@@ -241,9 +276,12 @@ class SessionStore:
     def meta_path(self, sha: str) -> str:
         return os.path.join(self.root, sha + ".json")
 
-    @property
-    def sysprompt_path(self) -> str:
-        return os.path.join(self.root, SYSPROMPT)
+    def sysprompt_path(self, session: Session, text: bytes | str) -> str:
+        """Where the prefilled system prefix `text` of this model is cached (module docstring)."""
+        want = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
+        model = os.path.basename(str(getattr(session.engine.file, "path", "")) or "").encode("utf-8", "surrogateescape")
+        key = hashlib.sha1(model + b"\0" + str(routed_quant_bits(session)).encode() + b"\0" + want).hexdigest()
+        return os.path.join(self.root, SYSPROMPT_PREFIX + key + ".kv")
 
     # -- reading ---------------------------------------------------------------------------------
     def _shas(self) -> list[str]:
@@ -308,6 +346,7 @@ class SessionStore:
             else:
                 e.title = meta.get("title") or e.title
                 e.name = meta.get("name") or None
+                e.pinned = pinned_of(meta) or None
                 e.project_dir = meta.get("project_dir")
                 e.think_mode = meta.get("think_mode")
                 e.parent = meta.get("parent")
@@ -345,10 +384,15 @@ class SessionStore:
         ref = ref.strip()
         entries = self._all()
         named = [e for e in entries if e.name == ref]
-        if len(named) == 1:
-            return named[0]
         if len(named) > 1:
+            # a save that crashed while moving the name: the holder is the one that continues
+            # every other (save writes the new holder before it clears the old)
+            tip = [e for e in named if all(o is e or o.sha in e.ancestors for o in named)]
+            if len(tip) == 1:
+                return tip[0]
             raise AmbiguousSession(ref, named)
+        if named:
+            return named[0]
         if _HEX.fullmatch(ref):
             hits = [e for e in entries if e.sha.startswith(ref.lower())]
             if len(hits) == 1:
@@ -382,10 +426,12 @@ class SessionStore:
 
     # -- save ------------------------------------------------------------------------------------
     def save(self, session: Session, rendered_text: bytes | str | None = None, *, think_mode: str,
-             title: str | None = None, name: str | None = None) -> SessionInfo:
+             title: str | None = None, name: str | None = None, continues: str | None = None) -> SessionInfo:
         """Save the live timeline of `session` (its whole KV state and logits) and its metadata;
-        then prune the ancestors it supersedes (module docstring). `rendered_text`, when given,
-        must be the token text of the timeline (it is what names the file)."""
+        move the name of the session it continues onto it; then prune the ancestors it supersedes
+        (module docstring). `rendered_text`, when given, must be the token text of the timeline
+        (it is what names the file). `name` names (and pins) this save. `continues`: the sha of the
+        saved session this timeline continues when its text does not show it (a compaction)."""
         if session.pos == 0:
             raise SessionStoreError("nothing to save: the session holds no tokens")
         text = token_text(session)
@@ -396,14 +442,30 @@ class SessionStore:
                 raise SessionStoreError("the transcript does not match the live session's tokens; "
                                         "sync the session to the transcript before saving")
         sha = hashlib.sha1(text).hexdigest()
-        if name is not None:
-            name = _check_name(name)
-            self._check_name_free(name, sha)
         try:
             old = self._read_meta(sha)
         except SessionStoreError:
             old = None                     # a corrupt record of the same text is replaced
         ancestors = self._lineage(session, sha, text, old)
+        o = self._origins.get(session)
+        # the saved session this one continues: its name comes along
+        src = o.sha if (o is not None and o.sha != sha and ancestors and ancestors[-1] == o.sha) else \
+            (continues if continues and _SHA.fullmatch(continues) and continues != sha else None)
+        holder = None                      # the record the name is taken from
+        if name is not None:
+            name = _check_name(name)
+            holder = self._name_holder(name, sha, movable=set(ancestors) | ({src} if src else set()))
+            pinned = name
+        else:
+            name = (old or {}).get("name")
+            pinned = pinned_of(old) if old else None
+            if not name and src is not None:
+                try:
+                    src_meta = self._read_meta(src)
+                except SessionStoreError:
+                    src_meta = None        # a damaged record keeps its name; this save has none
+                if src_meta and src_meta.get("name"):
+                    name, holder = src_meta["name"], src
         now = float(self._now())
         path = self.kv_path(sha)
         existed = os.path.exists(path)
@@ -416,7 +478,8 @@ class SessionStore:
             "version": META_VERSION,
             "sha": sha,
             "title": clip_title(" ".join(title.split())) if title else title_from_text(text),
-            "name": name if name is not None else (old or {}).get("name"),
+            "name": name or None,
+            "pinned": pinned or None,
             "project_dir": self.project_dir,
             "think_mode": think_mode,
             "created": float((old or {}).get("created", now)),
@@ -437,11 +500,36 @@ class SessionStore:
                 except OSError:
                     pass
             raise SessionStoreError(f"cannot save session {sha[:8]} metadata: {x.strerror or x}") from None
+        if holder is not None:
+            self._take_name(holder)    # after the new holder is written (resolve copes with a crash here)
         self._origins[session] = _Origin(sha, len(text), tuple(ancestors))
         self._prune(sha, text, ancestors)
         e = self._entry(sha)
         e.text = text
         return e
+
+    def _name_holder(self, name: str, sha: str, movable: set[str]) -> str | None:
+        """The session that holds `name` now, when the name may move from it to `sha` (it is this
+        timeline's own ancestor); None when no other session holds it; an error when an unrelated
+        session does."""
+        for e in self._all():
+            if e.name == name and e.sha != sha:
+                if e.sha in movable:
+                    return e.sha
+                raise SessionStoreError(f"the name {name!r} is already used by session {e.id}")
+        return None
+
+    def _take_name(self, sha: str):
+        """Clear the name of `sha`'s record (keeping what pins it); a failure leaves two holders,
+        which resolve() tells apart by lineage."""
+        try:
+            meta = self._read_meta(sha)
+            if meta is None:
+                return
+            meta["pinned"], meta["name"] = pinned_of(meta), None
+            self._write_meta(sha, meta)
+        except (SessionStoreError, OSError):
+            pass
 
     def _lineage(self, session: Session, sha: str, text: bytes, old: dict | None) -> tuple[str, ...]:
         o = self._origins.get(session)
@@ -475,7 +563,7 @@ class SessionStore:
                 meta = self._read_meta(p)
             except (KVFileError, SessionStoreError):
                 continue                                  # rule 5
-            if meta is None or meta.get("name"):         # rules 5 and 3
+            if meta is None or meta.get("name") or pinned_of(meta):   # rules 5 and 3
                 continue
             n = hdr.text_bytes
             if not (n < len(text) and hashlib.sha1(text[:n]).hexdigest() == p):
@@ -517,7 +605,8 @@ class SessionStore:
 
     # -- rename / delete -------------------------------------------------------------------------
     def rename(self, ref: str, name: str | None) -> SessionInfo:
-        """Give a session a name (unique in the store), or clear it with None/''."""
+        """Give a session a name (unique in the store; it pins the session), or clear its name and
+        pin with None/''."""
         e = self.resolve(ref)
         new = _check_name(name) if name is not None and str(name).strip() else None
         if new is not None:
@@ -533,7 +622,7 @@ class SessionStore:
             meta = {"version": META_VERSION, "sha": e.sha, "title": e.title, "project_dir": self.project_dir,
                     "think_mode": None, "created": e.created, "updated": e.updated, "tokens": e.tokens,
                     "ctx": e.ctx, "parent": None, "ancestors": [], "model": None, "quant_bits": e.quant_bits}
-        meta["name"] = new
+        meta["name"] = meta["pinned"] = new
         try:
             self._write_meta(e.sha, meta)
         except OSError as x:
@@ -541,12 +630,27 @@ class SessionStore:
         return self._entry(e.sha)
 
     def delete(self, ref: str) -> SessionInfo:
-        """Remove a session's KV file and metadata (works on damaged sessions too)."""
+        """Remove a session's KV file and metadata (works on damaged sessions too). A name it held
+        goes back to its newest ancestor that the user saved under that name, if one is left."""
         e = self.resolve(ref)
         try:
             self._remove_files(e.sha)
         except OSError as x:
             raise SessionStoreError(f"cannot delete session {e.id}: {x.strerror or x}") from None
+        if e.name:
+            for a in reversed(e.ancestors):
+                try:
+                    meta = self._read_meta(a)
+                except SessionStoreError:
+                    continue
+                if meta is not None and pinned_of(meta) == e.name and not meta.get("name") \
+                        and os.path.exists(self.kv_path(a)):
+                    meta["pinned"], meta["name"] = e.name, e.name
+                    try:
+                        self._write_meta(a, meta)
+                    except OSError:
+                        pass
+                    break
         return e
 
     def forget(self, session: Session):
@@ -554,29 +658,72 @@ class SessionStore:
         new lineage. Saving checks the text anyway; this only makes it explicit."""
         self._origins.pop(session, None)
 
-    # -- sysprompt.kv ----------------------------------------------------------------------------
+    # -- cached system prefixes ---------------------------------------------------------------------
     def load_system_prefix(self, session: Session, text: bytes | str) -> bool:
-        """Restore sysprompt.kv into `session` if its text is exactly `text` (and its quant width
-        is this model's); False, with the session untouched, otherwise."""
+        """Restore the cached prefill of exactly `text` on this model into `session` (and count it
+        as a use); False, with the session untouched, when there is none or it cannot be used."""
         want = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
-        path = self.sysprompt_path
+        path = self.sysprompt_path(session, want)
         if not os.path.lexists(path):
             return False
         try:
             read_kv(path, session, expect_text=want)
         except (KVFileError, OSError):
             return False
+        try:
+            touch(path, int(self._now()))       # least recently used goes first
+        except (KVFileError, OSError):
+            pass
         self._origins.pop(session, None)
         return True
 
     def save_system_prefix(self, session: Session, text: bytes | str) -> KVFileInfo:
-        """Write the session (exactly the prefilled system prefix `text`) as sysprompt.kv."""
+        """Cache the session (exactly the prefilled system prefix `text`), then keep the cache
+        within its count and disk budget."""
         want = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
         if token_text(session) != want:
             raise SessionStoreError("the session does not hold exactly the system prefix")
+        path = self.sysprompt_path(session, want)
         try:
-            info = write_kv(self.sysprompt_path, session, want, reason="agent-system", now=int(self._now()))
+            info = write_kv(path, session, want, reason="agent-system", now=int(self._now()))
         except (OSError, ValueError) as x:
-            raise SessionStoreError(f"cannot save {self.sysprompt_path}: {x}") from None
+            raise SessionStoreError(f"cannot save {path}: {x}") from None
         self._origins.pop(session, None)
+        self._evict_system_prefixes(keep=path)
         return info
+
+    def system_prefixes(self) -> list[tuple[str, int, int]]:
+        """(path, bytes, last used) of every cached system prefix, most recently used first."""
+        out = []
+        try:
+            names = [n for n, st in safeio.scan(self.root) if _SYSPROMPT_KV.fullmatch(n)]
+        except OSError:
+            return out
+        for n in names:
+            p = os.path.join(self.root, n)
+            try:
+                hdr, size = read_header(p)
+                out.append((p, size, hdr.last_used))
+            except KVFileError:
+                out.append((p, 0, 0))           # unreadable: the first to go
+        out.sort(key=lambda x: (x[2], x[0]), reverse=True)
+        return out
+
+    def _evict_system_prefixes(self, keep: str):
+        for legacy in (os.path.join(self.root, LEGACY_SYSPROMPT),):
+            try:
+                os.unlink(legacy)
+            except OSError:
+                pass
+        total, n = 0, 0
+        # the file just written counts first: it is never the one evicted
+        for p, size, _ in sorted(self.system_prefixes(), key=lambda x: x[0] != keep):
+            n += 1
+            total += size
+            if p != keep and (n > self.sysprompt_keep or total > self.sysprompt_budget):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+                total -= size
+                n -= 1

@@ -228,7 +228,10 @@ def test_branch_points_stay_while_another_session_descends(eng, base, tmp_path):
     b1 = store.save(extend(s2, [68]), think_mode="think")
     b2 = store.save(extend(s3, [69]), think_mode="think")
     assert b1.parent == a.sha == b2.parent and set(shas(store)) == {a.sha, b1.sha, b2.sha}
-    store.rename("base", None)
+    # the name went on with the first continuation; A stays, pinned as the snapshot named "base"
+    assert (b1.name, b2.name) == ("base", None) and store.resolve("base").sha == b1.sha
+    assert store.info(a.id).earlier_of == "base"
+    store.rename(a.id, None)           # unpinned: A is kept now only as a branch point
     b1x = store.save(extend(s2, [70]), think_mode="think")
     # B1 was a linear step; A stays: B2 still descends from it
     assert set(shas(store)) == {a.sha, b1x.sha, b2.sha}
@@ -291,7 +294,7 @@ def test_sysprompt_used_only_on_exact_text(eng, base, tmp_path):
     text = token_text(s)
     assert not store.load_system_prefix(Session(eng, CTX), text)      # no file yet
     store.save_system_prefix(s, text)
-    h, _ = read_header(store.sysprompt_path)
+    h, _ = read_header(store.sysprompt_path(s, text))
     assert h.reason_name == "agent-system"
     assert store.list("all") == []                                     # not a session
 
@@ -303,7 +306,7 @@ def test_sysprompt_used_only_on_exact_text(eng, base, tmp_path):
         assert not store.load_system_prefix(t, other) and t.pos == 0
     with pytest.raises(SessionStoreError):
         store.save_system_prefix(s, text + b"!")
-    with open(store.sysprompt_path, "r+b") as f:
+    with open(store.sysprompt_path(s, text), "r+b") as f:
         f.truncate(100)
     t = Session(eng, CTX)
     assert not store.load_system_prefix(t, text) and t.pos == 0
