@@ -55,6 +55,8 @@ def config_from(a, ctx: int) -> ServeConfig:
     for name in ("port", "tool_memory_max_ids", "kv_cache_min_tokens"):
         if getattr(a, name) is not None and getattr(a, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must not be negative")
+    if a.port is not None and a.port > 65535:
+        raise ValueError("--port must be at most 65535")
     if a.max_tokens is not None and a.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
     if a.tool_memory_max_ids < 1:
@@ -85,16 +87,31 @@ def config_from(a, ctx: int) -> ServeConfig:
 
 def serve_main(a, model: str, ctx: int, options) -> int:
     """`options`: the EngineOptions of the command line (ds4agent.cli builds them)."""
-    from engine import Engine, ModelFileError
-
-    from .app import create_app
-    from .server import make_server, quiet_signals
-    from .shim import Shim
+    from .server import BindError, bind_sockets
     try:
         cfg = config_from(a, ctx)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        # bound before the model opens: a busy port is one line at once, never after a banner
+        socks = bind_sockets(cfg.host, cfg.port)
+    except BindError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        return _serve(a, model, ctx, options, cfg, socks)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _serve(a, model: str, ctx: int, options, cfg: ServeConfig, socks) -> int:
+    from engine import Engine, ModelFileError
+
+    from .app import create_app
+    from .server import BindError, listen, make_server, quiet_signals
+    from .shim import Shim
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         engine = Engine.open(model, options)
@@ -108,11 +125,14 @@ def serve_main(a, model: str, ctx: int, options) -> int:
           file=sys.stderr, flush=True)
     try:
         shim = Shim(engine, cfg)
-    except (OSError, ValueError) as e:
+        listen(socks)
+    except (OSError, ValueError, BindError) as e:
         print(f"error: {e}", file=sys.stderr)
+        engine.close()
         return 1
     shim.start()
-    url = f"http://{cfg.host}:{cfg.port}"
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    url = f"http://{host}:{socks[0].getsockname()[1]}"      # --port 0: the port the system chose
     print(f"ds4-agent: serving {model} (context {ctx}) on {url}\n"
           f"  OpenAI:    {url}/v1  (chat/completions, completions, responses)\n"
           f"  Anthropic: {url}      (messages)", file=sys.stderr, flush=True)
@@ -120,9 +140,9 @@ def serve_main(a, model: str, ctx: int, options) -> int:
     rc = 0
     try:
         # SIGINT and SIGTERM alike end this call (a second one skips the wait for open requests)
-        server.run()
+        server.run(sockets=socks)
     except (OSError, SystemExit) as e:
-        print(f"error: cannot serve on {url}: {e}", file=sys.stderr)
+        print(f"error: serving on {url} failed: {e}", file=sys.stderr)
         rc = 1
     if server.signals:
         print("ds4-agent: stopping: saving the live session", file=sys.stderr, flush=True)

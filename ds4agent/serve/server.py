@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import resource
 import signal
+import socket
 import sys
 import threading
 import time
@@ -41,6 +43,9 @@ OVERFLOW = 16
 # the cap leaves room for two such bursts
 ACCEPT_BACKLOG = 64
 LOG_EVERY_S = 60.0           # one line per condition (cap reached, fd limit) at most this often
+# After the grace period the open answers are ended in their API's terms: this long for their last
+# frames to go out, then their connections are closed (a stalled client must not hold the exit).
+INTERRUPT_S = 2.0
 _HANDLED = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -254,15 +259,76 @@ def protocol_for(cfg: ServeConfig, cap: int) -> type[Protocol]:
     return type("DS4Protocol", (Protocol,), {"cfg": cfg, "cap": cap, "noted": _Once()})
 
 
+class BindError(Exception):
+    """The address cannot be served; the message is the one line the user sees."""
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """TCP sockets bound to every address `host` names (as asyncio's create_server binds them:
+    `localhost` is ::1 and 127.0.0.1), not yet listening: the model opens meanwhile, and a client
+    gets a refusal rather than a hang until `listen`. Raises BindError."""
+    if not 0 <= port <= 65535:
+        raise BindError(f"--port {port} is not a TCP port (0-65535)")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise BindError(f"cannot serve on host {host}: the name does not resolve ({e.strerror})") from None
+    socks: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, _type, _proto, _name, addr in infos:
+            if (family, addr[:2]) in seen or family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            seen.add((family, addr[:2]))
+            # proto given: asyncio sets TCP_NODELAY only on IPPROTO_TCP sockets (else every
+            # keep-alive request stalls ~40 ms on Nagle + delayed ACK)
+            s = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a restart within TIME_WAIT
+            if family == socket.AF_INET6:      # `::` beside 0.0.0.0 (asyncio does the same)
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+    except OSError as e:
+        for s in socks:
+            s.close()
+        raise BindError(_bind_problem(host, port, e)) from None
+    return socks
+
+
+def listen(socks: list[socket.socket]) -> None:
+    """Start listening (a second server that bound the same port meanwhile fails here: with
+    SO_REUSEADDR, Linux refuses only a bind next to a socket already listening)."""
+    try:
+        for s in socks:
+            s.listen(ACCEPT_BACKLOG)
+    except OSError as e:
+        host, port = socks[0].getsockname()[:2]
+        for s in socks:
+            s.close()
+        raise BindError(_bind_problem(host, port, e)) from None
+
+
+def _bind_problem(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} is in use (another server on {host or 'this machine'}; choose another --port)"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"cannot serve on host {host}: it is not an address of this machine"
+    if e.errno == errno.EACCES:
+        return f"port {port} needs privileges to serve on (choose --port 1024 or above)"
+    return f"cannot serve on {host}:{port}: {e.strerror or e}"
+
+
 class Server(uvicorn.Server):
     """uvicorn.Server that records SIGINT/SIGTERM as a request to stop (a second one skips the
     wait for open requests) and does not re-raise them once stopped: the caller's shutdown (the
-    disk-cache save) must still run, and the process exit 0."""
+    disk-cache save) must still run, and the process exit 0. `interrupt`: called on the event
+    loop when the grace period is over, to end the open answers (the app's Handlers.interrupt)."""
 
-    def __init__(self, config: uvicorn.Config):
+    def __init__(self, config: uvicorn.Config, interrupt=None):
         super().__init__(config)
         self.signals: list[int] = []
         self._accept_noted = _Once()
+        self.interrupt = interrupt
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -286,6 +352,43 @@ class Server(uvicorn.Server):
         asyncio.get_running_loop().set_exception_handler(self._loop_error)
         await super().startup(sockets=sockets)
 
+    async def shutdown(self, sockets=None):
+        """uvicorn's shutdown, but what is still running when the grace period ends (or at once
+        after a second signal) is ended by the app in its API's terms, and only a connection
+        that will not take its last frames is closed; no task is cancelled, so nothing is logged
+        as an exception."""
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()          # idle keep-alive connections close; busy ones after their answer
+        await asyncio.sleep(0.1)
+        await self._tasks_done(self.config.timeout_graceful_shutdown, forced_ends=True)
+        if self.server_state.tasks and self.interrupt is not None:
+            log.info("stopping: ending %d open request(s)", len(self.server_state.tasks))
+            self.interrupt()
+            await self._tasks_done(INTERRUPT_S)
+        if self.server_state.tasks:
+            # a client that does not read its last frames: its connection goes (the app sees a
+            # disconnect and returns; a send to a closed connection is dropped)
+            for connection in list(self.server_state.connections):
+                connection.transport.close()
+            await self._tasks_done(INTERRUPT_S)
+        for t in list(self.server_state.tasks):      # the last resort, not expected
+            t.cancel()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    async def _tasks_done(self, seconds: float, forced_ends: bool = False) -> None:
+        """Wait until no request task runs, at most `seconds` (with `forced_ends`, a second stop
+        signal ends the wait too)."""
+        end = time.monotonic() + seconds
+        while self.server_state.tasks and time.monotonic() < end:
+            if forced_ends and self.force_exit:
+                return
+            await asyncio.sleep(0.05)
+
     def _loop_error(self, loop, context):
         exc = context.get("exception")
         if context.get("message", "").startswith("socket.accept() out of system resource"):
@@ -302,7 +405,8 @@ def make_server(app, cfg: ServeConfig, *, graceful_s: float = 10) -> Server:
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, http=protocol_for(cfg, cap), loop="asyncio",
                             lifespan="off", log_level="warning", backlog=ACCEPT_BACKLOG,
                             timeout_keep_alive=cfg.idle_timeout_s, timeout_graceful_shutdown=graceful_s)
-    return Server(config)
+    state = getattr(app, "state", None)
+    return Server(config, interrupt=getattr(state, "interrupt", None))
 
 
 @contextlib.contextmanager
