@@ -31,6 +31,7 @@ from sessions import SessionStore, SessionStoreError
 
 from . import events as E
 from .environment import system_text
+from .session_views import list_text, resume_hint
 from .generation import GREEDY, generate
 
 EOS_TEXT = prompts.EOS
@@ -50,16 +51,18 @@ SUMMARY_HEAD = "[ds4-agent compacted earlier conversation. Durable task-state su
 SUMMARY_TAIL = "[End compacted summary. Recent conversation continues verbatim below.]\n\n"
 HELP = """commands:
   /save [name]       save the session now (it is also saved after every turn and on exit)
-  /list [all]        saved sessions of this project (all: every project)
-  /switch ID|NAME    continue a saved session (no prefill)
+  /list [all]        saved sessions of this project (all: every project); * marks this one
+  /switch ID|NAME    continue a saved session (no prefill); its name follows the new turns
   /resume            continue the last session of this directory
+  /delete ID|NAME    delete a saved session
   /new               start a fresh session
   /history [N]       the last N user turns of this session
   /think on|off|max  thinking mode for the next turns
   /ctx               context use
   /compact           summarize the conversation and keep the recent tail
   /help              this text
-  /quit              save and leave"""
+  /quit              save and leave (stops a running turn first)
+/new, /switch, /resume and /think typed while the model works stop the turn, then act."""
 
 
 class Interrupted(Exception):
@@ -99,6 +102,9 @@ class Agent:
         self._forced: list[list[int]] = []
         self.transcript: list[Message] = []
         self.session_name = "new"
+        self.current_sha: str | None = None   # the saved session this timeline is (None: unsaved)
+        self._continues: str | None = None    # after a compaction: the save it continues
+        self.exit_save = None                 # what leaving saved (for farewell)
         self.pending_eos = False   # the last assistant turn ended; its EOS goes in with the next append
         self.modified = False
         self.last_finish = E.TurnFinished()
@@ -139,6 +145,7 @@ class Agent:
         self.pending_eos = False
         self.modified = False
         self.session_name = "new"
+        self.current_sha = self._continues = None
         text = self.system_prefix()
         ids = self.tok.encode(text)
         self.session.reset()
@@ -346,6 +353,7 @@ class Agent:
             self._status()
             return False
         self.modified = True
+        self._continues = self.current_sha or self._continues   # the name follows the compacted timeline
         self.emit(E.Compacted(before, self.session.pos, summary))
         self._status()
         return True
@@ -355,10 +363,12 @@ class Agent:
         if self.store is None:
             return None
         try:
-            info = self.store.save(self.session, think_mode=self.cfg.think_mode, name=name)
+            info = self.store.save(self.session, think_mode=self.cfg.think_mode, name=name,
+                                   continues=self._continues)
         except (OSError, SessionStoreError, ValueError) as e:
             self.emit(E.Notice(f"save failed: {e}", "error"))
             return None
+        self.current_sha, self._continues = info.sha, None
         self.session_name = info.name or info.sha[:8]
         self.modified = False
         if not quiet:
@@ -367,9 +377,16 @@ class Agent:
 
     def save_on_exit(self):
         """Leaving saves the session the user was in, changed or not, so that `--resume` brings
-        back this one (not the last one written)."""
-        if any(m.role == "user" for m in self.transcript):
-            self.save(quiet=True)
+        back this one (not the last one written); one the user deleted and did not continue stays
+        deleted. The save is remembered for `farewell`."""
+        self.exit_save = None
+        if any(m.role == "user" for m in self.transcript) and (self.modified or self.current_sha is not None):
+            self.exit_save = self.save(quiet=True)
+
+    def farewell(self) -> str:
+        """What to print once the UI has closed: where the session was saved and how to continue
+        it ("" when leaving saved nothing)."""
+        return resume_hint(self.exit_save) if self.exit_save is not None else ""
 
     def switch(self, ref: str):
         if self.store is None:
@@ -380,6 +397,7 @@ class Agent:
         self.pending_eos = not text.endswith(EOS_TEXT) and "<｜Assistant｜>" in text and not _ends_open(text)
         self.cfg.think_mode = info.think_mode or self.cfg.think_mode
         self.session_name = info.name or info.sha[:8]
+        self.current_sha, self._continues = info.sha, None
         self.modified = False
         self._status()
         return info
@@ -405,16 +423,9 @@ class Agent:
         if cmd == "/list":
             if self.store is None:
                 return "no session store"
-            rows = self.store.list("all" if arg == "all" else "project")
-            # a damaged record cannot say its project: name them here, /list all shows them
-            stray = [] if arg == "all" else [r for r in self.store.list("all") if not r.ok and r.project_dir is None]
-            note = f"\n  ({len(stray)} damaged session(s) of unknown project: /list all shows them)" if stray else ""
-            if not rows:
-                return "no saved sessions" + ("" if arg == "all" else " in this project (/list all shows every project)") + note
-            return "\n".join(f"  {r.sha[:8]}  {_age(r.updated)}  {(r.name + ': ') if r.name else ''}{r.title}  "
-                             f"[{r.tokens} tokens, {r.think_mode or '?'}]" +
-                             ("" if r.ok else f"  DAMAGED: {_one_line(r.error, 160)}  ({r.path})")
-                             for r in rows) + note
+            return list_text(self.store, "all" if arg == "all" else "project", self.current_sha)
+        if cmd == "/delete":
+            return self._delete(arg)
         if cmd == "/switch":
             if not arg:
                 return "usage: /switch ID|NAME"
@@ -458,6 +469,25 @@ class Agent:
         if cmd == "/compact":
             return "compacted" if self.compact("requested by /compact") else "not compacted"
         return f"unknown command {cmd} (/help lists them)"
+
+    def _delete(self, ref: str) -> str:
+        if self.store is None:
+            return "no session store"
+        if not ref:
+            return "usage: /delete ID|NAME (/list shows them)"
+        try:
+            info = self.store.delete(ref)
+        except SessionStoreError as e:
+            return f"delete failed: {e}"
+        out = f"deleted session {info.id} ({info.label})"
+        if info.sha == self.current_sha:
+            # the live timeline goes on; it is saved again (as a new session) only if continued
+            self.current_sha = None
+            self.store.forget(self.session)
+            self.session_name = "deleted"
+            self._status()
+            out += "; it was the session you are in: it is saved again only if you continue it"
+        return out
 
     def _status(self, busy: str = ""):
         st = self.session.stats
@@ -540,10 +570,3 @@ def _one_line(s: str, n: int = 100) -> str:
     s = " ".join(s.split())
     return s if len(s) <= n else s[: n - 3] + "..."
 
-
-def _age(t: float) -> str:
-    d = max(0, time.time() - t)
-    for unit, sec in (("d", 86400), ("h", 3600), ("m", 60)):
-        if d >= sec:
-            return f"{int(d // sec)}{unit} ago"
-    return f"{int(d)}s ago"

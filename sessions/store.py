@@ -40,13 +40,8 @@ of the new one; here a stored session P is removed only when ALL of these hold:
 So a linear save-continue-save chain keeps only its newest save (and the snapshots the user
 named), and saving can never remove a session that another saved timeline still depends on.
 
-System prefixes (reason "agent-system") are cached one file per prefix,
-`sysprompt-<sha1>.kv`, the sha1 of the model file's name, its routed-expert width and the rendered
-prefix text: a directory's system prompt names the directory, so every project has its own. One is
-used only when its text equals the requested prefix byte for byte and its width matches. Loading
-one counts as a use (the header's last_used); after each write the least recently used are removed
-beyond `sysprompt_keep` files or `sysprompt_budget_mb` of disk. The single `sysprompt.kv` of
-earlier versions is removed at the first write.
+System prefixes are cached beside the sessions, one file per model and prefix text
+(sessions/sysprompt_cache.py).
 
 The root defaults to `$DS4_AGENT_HOME/sessions` or `~/.ds4-agent/sessions` (mode 0700). Sessions
 are global on disk; `list()` shows the current project directory's by default, `list("all")`
@@ -75,13 +70,10 @@ from engine import Session
 
 from . import safeio
 from .kvfile import (PREFIX_BYTES, KVFileError, KVFileInfo, atomic_write, read_header, read_info, read_kv,
-                     remove_stale_temps, routed_quant_bits, touch, write_kv)
+                     remove_stale_temps, routed_quant_bits, write_kv)
 from .prefix_cache import token_text
+from .sysprompt_cache import SYSPROMPT_BUDGET_MB, SYSPROMPT_KEEP, SystemPrefixCache, SystemPrefixCacheError
 
-LEGACY_SYSPROMPT = "sysprompt.kv"   # the single slot of earlier versions
-SYSPROMPT_PREFIX = "sysprompt-"
-SYSPROMPT_KEEP = 8                 # cached system prefixes (one per project directory and model)
-SYSPROMPT_BUDGET_MB = 4096         # ... and the disk they may take together
 META_VERSION = 1
 TITLE_MAX_BYTES = 70
 MAX_ANCESTORS = 256
@@ -95,7 +87,6 @@ META_MAX_BYTES = 1 << 20        # a record is ~1 KB (+ 256 ancestors of 43 bytes
 U32_MAX = 0xFFFFFFFF            # token counts and contexts are u32 in the KV header
 TIME_MAX = 253402300799.0       # 9999-12-31: a timestamp past it is damage, not a date
 _STR_FIELDS = ("title", "name", "pinned", "project_dir", "think_mode", "model")
-_SYSPROMPT_KV = re.compile(r"sysprompt-([0-9a-f]{40})\.kv")
 
 
 class SessionStoreError(Exception):
@@ -264,8 +255,7 @@ class SessionStore:
             raise SessionStoreError(f"cannot create the session folder {self.root}: {e.strerror or e}") from None
         self.project_dir = os.path.realpath(os.fspath(project_dir) if project_dir is not None else os.getcwd())
         self._now = now
-        self.sysprompt_keep = max(1, int(sysprompt_keep))
-        self.sysprompt_budget = int(sysprompt_budget_mb * 2**20)
+        self.sysprompts = SystemPrefixCache(self.root, now=now, keep=sysprompt_keep, budget_mb=sysprompt_budget_mb)
         remove_stale_temps(self.root)     # real time: the temp files' mtimes are real
         self._origins: "weakref.WeakKeyDictionary[Session, _Origin]" = weakref.WeakKeyDictionary()
 
@@ -275,13 +265,6 @@ class SessionStore:
 
     def meta_path(self, sha: str) -> str:
         return os.path.join(self.root, sha + ".json")
-
-    def sysprompt_path(self, session: Session, text: bytes | str) -> str:
-        """Where the prefilled system prefix `text` of this model is cached (module docstring)."""
-        want = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
-        model = os.path.basename(str(getattr(session.engine.file, "path", "")) or "").encode("utf-8", "surrogateescape")
-        key = hashlib.sha1(model + b"\0" + str(routed_quant_bits(session)).encode() + b"\0" + want).hexdigest()
-        return os.path.join(self.root, SYSPROMPT_PREFIX + key + ".kv")
 
     # -- reading ---------------------------------------------------------------------------------
     def _shas(self) -> list[str]:
@@ -447,25 +430,7 @@ class SessionStore:
         except SessionStoreError:
             old = None                     # a corrupt record of the same text is replaced
         ancestors = self._lineage(session, sha, text, old)
-        o = self._origins.get(session)
-        # the saved session this one continues: its name comes along
-        src = o.sha if (o is not None and o.sha != sha and ancestors and ancestors[-1] == o.sha) else \
-            (continues if continues and _SHA.fullmatch(continues) and continues != sha else None)
-        holder = None                      # the record the name is taken from
-        if name is not None:
-            name = _check_name(name)
-            holder = self._name_holder(name, sha, movable=set(ancestors) | ({src} if src else set()))
-            pinned = name
-        else:
-            name = (old or {}).get("name")
-            pinned = pinned_of(old) if old else None
-            if not name and src is not None:
-                try:
-                    src_meta = self._read_meta(src)
-                except SessionStoreError:
-                    src_meta = None        # a damaged record keeps its name; this save has none
-                if src_meta and src_meta.get("name"):
-                    name, holder = src_meta["name"], src
+        name, pinned, holder = self._naming(session, sha, old, ancestors, name, continues)
         now = float(self._now())
         path = self.kv_path(sha)
         existed = os.path.exists(path)
@@ -507,6 +472,28 @@ class SessionStore:
         e = self._entry(sha)
         e.text = text
         return e
+
+    def _naming(self, session: Session, sha: str, old: dict | None, ancestors, name: str | None,
+                continues: str | None) -> tuple[str | None, str | None, str | None]:
+        """(name, pinned, holder) of a save: the name given (it pins), else the record's own, else
+        the name of the saved session this one continues; holder: the record it moves from."""
+        o = self._origins.get(session)
+        src = o.sha if (o is not None and o.sha != sha and ancestors and ancestors[-1] == o.sha) else \
+            (continues if continues and _SHA.fullmatch(continues) and continues != sha else None)
+        if name is not None:
+            name = _check_name(name)
+            return name, name, self._name_holder(name, sha, movable=set(ancestors) | ({src} if src else set()))
+        if old and old.get("name"):
+            return old["name"], pinned_of(old), None
+        pinned = pinned_of(old) if old else None
+        if src is not None:
+            try:
+                src_meta = self._read_meta(src)
+            except SessionStoreError:
+                src_meta = None            # a damaged record keeps its name; this save has none
+            if src_meta and src_meta.get("name"):
+                return src_meta["name"], pinned, src
+        return None, pinned, None
 
     def _name_holder(self, name: str, sha: str, movable: set[str]) -> str | None:
         """The session that holds `name` now, when the name may move from it to `sha` (it is this
@@ -658,72 +645,23 @@ class SessionStore:
         new lineage. Saving checks the text anyway; this only makes it explicit."""
         self._origins.pop(session, None)
 
-    # -- cached system prefixes ---------------------------------------------------------------------
+    # -- cached system prefixes (sessions/sysprompt_cache.py) ----------------------------------------
+    def sysprompt_path(self, session: Session, text: bytes | str) -> str:
+        return self.sysprompts.path(session, text)
+
     def load_system_prefix(self, session: Session, text: bytes | str) -> bool:
-        """Restore the cached prefill of exactly `text` on this model into `session` (and count it
-        as a use); False, with the session untouched, when there is none or it cannot be used."""
-        want = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
-        path = self.sysprompt_path(session, want)
-        if not os.path.lexists(path):
+        """Restore the cached prefill of exactly `text` on this model into `session`; False, with
+        the session untouched, when there is none or it cannot be used."""
+        if not self.sysprompts.load(session, text):
             return False
-        try:
-            read_kv(path, session, expect_text=want)
-        except (KVFileError, OSError):
-            return False
-        try:
-            touch(path, int(self._now()))       # least recently used goes first
-        except (KVFileError, OSError):
-            pass
         self._origins.pop(session, None)
         return True
 
     def save_system_prefix(self, session: Session, text: bytes | str) -> KVFileInfo:
-        """Cache the session (exactly the prefilled system prefix `text`), then keep the cache
-        within its count and disk budget."""
-        want = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
-        if token_text(session) != want:
-            raise SessionStoreError("the session does not hold exactly the system prefix")
-        path = self.sysprompt_path(session, want)
+        """Cache the session (exactly the prefilled system prefix `text`)."""
         try:
-            info = write_kv(path, session, want, reason="agent-system", now=int(self._now()))
-        except (OSError, ValueError) as x:
-            raise SessionStoreError(f"cannot save {path}: {x}") from None
+            info = self.sysprompts.save(session, text)
+        except SystemPrefixCacheError as x:
+            raise SessionStoreError(str(x)) from None
         self._origins.pop(session, None)
-        self._evict_system_prefixes(keep=path)
         return info
-
-    def system_prefixes(self) -> list[tuple[str, int, int]]:
-        """(path, bytes, last used) of every cached system prefix, most recently used first."""
-        out = []
-        try:
-            names = [n for n, st in safeio.scan(self.root) if _SYSPROMPT_KV.fullmatch(n)]
-        except OSError:
-            return out
-        for n in names:
-            p = os.path.join(self.root, n)
-            try:
-                hdr, size = read_header(p)
-                out.append((p, size, hdr.last_used))
-            except KVFileError:
-                out.append((p, 0, 0))           # unreadable: the first to go
-        out.sort(key=lambda x: (x[2], x[0]), reverse=True)
-        return out
-
-    def _evict_system_prefixes(self, keep: str):
-        for legacy in (os.path.join(self.root, LEGACY_SYSPROMPT),):
-            try:
-                os.unlink(legacy)
-            except OSError:
-                pass
-        total, n = 0, 0
-        # the file just written counts first: it is never the one evicted
-        for p, size, _ in sorted(self.system_prefixes(), key=lambda x: x[0] != keep):
-            n += 1
-            total += size
-            if p != keep and (n > self.sysprompt_keep or total > self.sysprompt_budget):
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-                total -= size
-                n -= 1

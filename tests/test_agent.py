@@ -201,10 +201,14 @@ def test_autosave_save_list_switch_without_prefill(make, engine, project, monkey
     assert "first question" in rows[0].title
     out = agent.command("/save mywork")
     assert "mywork" in out
-    saved = agent.session.tokens
+    saved, snapshot = agent.session.tokens, agent.current_sha[:8]
     agent.force("second answer")
     agent.submit("second question")
-    assert "first question" in agent.command("/list")
+    listed = agent.command("/list")
+    assert "first question" in listed
+    # the name went on with the conversation (marked current); the named save stays as a snapshot
+    assert f"* {agent.current_sha[:8]}" in listed and "mywork: first question" in listed
+    assert f"  {snapshot}" in listed and "(earlier save of mywork)" in listed
     calls = {"n": 0}
     real = engine.model.forward
 
@@ -212,7 +216,7 @@ def test_autosave_save_list_switch_without_prefill(make, engine, project, monkey
         calls["n"] += 1
         return real(*a, **k)
     monkeypatch.setattr(engine.model, "forward", counting)
-    out = agent.command("/switch mywork")
+    out = agent.command(f"/switch {snapshot}")
     assert out.startswith("switched to session") and calls["n"] == 0
     assert agent.session.tokens == saved
     assert [m.role for m in agent.transcript][:3] == ["system", "user", "assistant"]
@@ -285,10 +289,10 @@ def test_resume_continues_the_session_the_user_left(make, engine, project):
     agent.force("a1")
     agent.submit("first")
     agent.command("/save one")
-    one = agent.session.tokens
+    one, one_id = agent.session.tokens, agent.current_sha
     agent.force("a2")
-    agent.submit("second")                 # autosaved: the newest file
-    agent.command("/switch one")
+    agent.submit("second")                 # autosaved: the newest file (the name "one" moved to it)
+    agent.command(f"/switch {one_id}")
     assert agent.command("/quit") == "quit"
     other, _ = make()
     assert other.command("/resume").startswith("switched to session")

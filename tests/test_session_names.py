@@ -11,7 +11,8 @@ import pytest
 from engine import Engine, Session
 from sessions.kvfile import read_header
 from sessions.prefix_cache import token_text
-from sessions.store import LEGACY_SYSPROMPT, SessionStore, SessionStoreError
+from sessions.store import SessionStore, SessionStoreError
+from sessions.sysprompt_cache import LEGACY_SYSPROMPT
 
 CTX = 192
 SYSTEM = "<｜begin▁of▁sentence｜>You are a helpful agent."
