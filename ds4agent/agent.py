@@ -75,7 +75,8 @@ class AgentConfig:
     think_mode: str = "high"
     yolo: bool = False
     autosave: bool = True
-    max_turn_tokens: int = 16384
+    max_turn_tokens: int = 16384   # one generation's safety cap (each tool round is one)
+    max_tokens: int | None = None  # the user's cap on a whole turn, all its rounds (--max-tokens)
     chunk: int = 2048              # prefill chunk (progress and Esc act between chunks)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     allow_outside: bool = False
@@ -109,6 +110,7 @@ class Agent:
         self.modified = False
         self.last_finish = E.TurnFinished()
         self.gen_tps = 0.0         # of the last generation, for the status bar
+        self._last_gen_tokens = 0
         self._system = system      # fixed system text (tests); None: gathered from the project
 
     # -- thread-safe controls (called from the UI thread) ---------------------------------------
@@ -193,8 +195,14 @@ class Agent:
             raise Interrupted()
 
     # -- a user turn ------------------------------------------------------------------------------
-    def submit(self, text: str) -> E.TurnFinished:
-        """Run one user turn to completion: generation, tools, more generation."""
+    def submit(self, text: str, max_tokens: int | None = None) -> E.TurnFinished:
+        """Run one user turn to completion: generation, tools, more generation. `max_tokens` (else
+        cfg.max_tokens; None: no cap but max_turn_tokens per round and the context) bounds the
+        tokens the turn generates over all its rounds; a turn it cuts ends "length" and says so."""
+        cap = max_tokens if max_tokens is not None else self.cfg.max_tokens
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_tokens must be at least 1, not {cap}")
+        used = 0
         self._interrupt.clear()
         self.maybe_compact("soft limit before user turn")
         try:
@@ -211,7 +219,10 @@ class Agent:
         n_calls = 0
         answer = ""
         for _ in range(MAX_TOOL_ROUNDS):
-            parsed, interrupted = self._generate()
+            round_cap = self.cfg.max_turn_tokens if cap is None else min(cap - used, self.cfg.max_turn_tokens)
+            parsed, interrupted = self._generate(max_tokens=round_cap)
+            used += self._last_gen_tokens
+            capped = cap is not None and used >= cap
             msg = Message("assistant", parsed.content or "", parsed.reasoning,
                           [ToolCall(prompts.new_tool_id("openai"), c.name, c.arguments_json, parsed.dsml)
                            for c in parsed.tool_calls])
@@ -220,6 +231,8 @@ class Agent:
             if interrupted:
                 return self._finish(E.TurnFinished(True, "interrupted", n_calls, answer))
             if parsed.finish_reason != "tool_calls" or not parsed.tool_calls:
+                if capped and parsed.finish_reason == "length":
+                    self.emit(E.Notice(f"stopped at the {cap}-token limit", "warning"))
                 return self._finish(E.TurnFinished(False, parsed.finish_reason, n_calls, answer))
             results = []
             for i, call in enumerate(parsed.tool_calls):
@@ -227,7 +240,7 @@ class Agent:
                 results.append(self._run_tool(i, call.name, call.arguments))
                 if self._interrupt.is_set():
                     break
-            stop = self._interrupt.is_set()
+            stop = self._interrupt.is_set() or capped   # a spent cap: the results go in, no continuation
             if not stop:
                 self.maybe_compact("soft limit before tool continuation")
             # The tools have run: their results go in whole (Esc does not cut them); after an Esc
@@ -239,6 +252,9 @@ class Agent:
                 self.emit(E.Notice(str(e), "error"))
                 return self._finish(E.TurnFinished(False, "error", n_calls, answer))
             self.transcript.extend(results)
+            if stop and not self._interrupt.is_set():
+                self.emit(E.Notice(f"stopped at the {cap}-token limit", "warning"))
+                return self._finish(E.TurnFinished(False, "length", n_calls, answer))
             if stop:
                 return self._finish(E.TurnFinished(True, "interrupted", n_calls, answer))
         self.emit(E.Notice(f"stopped after {MAX_TOOL_ROUNDS} tool rounds", "warning"))
@@ -270,6 +286,7 @@ class Agent:
                        should_stop=self._interrupt.is_set,
                        on_events=self._forward_events if stream_events else None)
         self.pending_eos = True   # the assistant turn is over: EOS opens the next append
+        self._last_gen_tokens = res.n_tokens     # submit counts them against the turn's cap
         if res.elapsed > 0 and res.n_tokens:
             self.gen_tps = res.n_tokens / res.elapsed
         return stream.result, res.cancelled

@@ -3,9 +3,10 @@
   ds4-agent [--model PATH] [--ctx N] [--nothink|--think-max] [--yolo] [--resume]
   ds4-agent -p "task"          headless: run one task, print the answer and a tool summary
   ds4-agent --serve [--port 8000] [--kv-disk-dir DIR] ...   the HTTP shim for other agents
+  ds4-agent download q2|q4|q2-imatrix|q4-imatrix [--dir DIR]   fetch ds4's published GGUF
 
 The model is --model, else $DS4_MODEL, else ./ds4flash.gguf, else `model` in
-~/.ds4-agent/config.toml (or $DS4_AGENT_HOME/config.toml).
+~/.ds4-agent/config.toml (or $DS4_AGENT_HOME/config.toml), which `download` writes.
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ ds4-agent runs DeepSeek V4 Flash from one of ds4's GGUF files:
       DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2.gguf
   q4 (about 153 GB, needs ~170 GB):
       DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2.gguf
-Get them with ds4's download script (github.com/antirez/ds4), then pass --model PATH, put the file
-at ./ds4flash.gguf, or set `model = "/path/to/file.gguf"` in {config}.
+Get one with `ds4-agent download q2-imatrix` (or q4-imatrix, q2, q4; it says which fits this
+machine and records the path), or pass --model PATH, set $DS4_MODEL, put the file at
+./ds4flash.gguf, or set `model = "/path/to/file.gguf"` in {config}.
 To try the agent without the real weights: `ds4-gguf synth tiny.gguf && ds4-agent --model tiny.gguf`
 (random weights: it answers gibberish, but every part of the agent runs)."""
 
@@ -59,20 +61,34 @@ def find_model(arg: str | None, cfg: dict) -> tuple[str | None, list[str]]:
     return None, tried
 
 
+EPILOG = """other commands:
+  ds4-agent download q2|q4|q2-imatrix|q4-imatrix [--dir DIR]
+                        download ds4's published GGUF (resumable) and record its path"""
+DEFAULT_CTX = 65536
+
+
 def _parser():
-    p = argparse.ArgumentParser(prog="ds4-agent", description="a native coding agent for DeepSeek V4 Flash")
-    p.add_argument("-m", "--model", help="path to a ds4 GGUF")
-    p.add_argument("--ctx", type=int, help="context size in tokens (default 65536)")
+    from engine.cli_help import DefaultsHelpFormatter, add_version_flag
+    p = argparse.ArgumentParser(prog="ds4-agent", description="a native coding agent for DeepSeek V4 Flash",
+                                formatter_class=DefaultsHelpFormatter, epilog=EPILOG)
+    add_version_flag(p)
+    p.add_argument("-m", "--model", help="path to a ds4 GGUF (else $DS4_MODEL, ./ds4flash.gguf, the config's model)")
+    p.add_argument("--ctx", type=int, metavar="N", help=f"context size in tokens (default {DEFAULT_CTX}, or `ctx` in the config)")
     t = p.add_mutually_exclusive_group()
-    t.add_argument("--think", dest="think", action="store_const", const="high")
-    t.add_argument("--nothink", dest="think", action="store_const", const="none")
-    t.add_argument("--think-max", dest="think", action="store_const", const="max")
+    t.add_argument("--think", dest="think", action="store_const", const="high",
+                   help="the model reasons before it answers (the default, or `think` in the config)")
+    t.add_argument("--nothink", dest="think", action="store_const", const="none",
+                   help="answer at once, without reasoning (/think on|off|max switches in the TUI)")
+    t.add_argument("--think-max", dest="think", action="store_const", const="max",
+                   help="the longest reasoning (ds4's Think Max; it needs --ctx 393216 or more, else --think)")
     p.add_argument("--yolo", action="store_true", help="run bash/write/edit/git commit without asking")
     p.add_argument("--allow-outside", action="store_true", help="let tools use paths outside the project")
     p.add_argument("--resume", action="store_true", help="continue the last session of this directory")
     p.add_argument("-p", "--prompt", help="headless: run this task, print the answer, exit")
-    p.add_argument("--temp", type=float, help="sampling temperature (default 1.0)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="with -p: do not stream the model's reasoning to stderr")
+    p.add_argument("--temp", type=float, help="sampling temperature (default 1.0, or `temperature` in the config)")
+    p.add_argument("--seed", type=int, help="sampling seed, for repeatable runs (default: a random seed)")
     p.add_argument("--serve", action="store_true",
                    help="serve the model over HTTP for Claude Code, Codex, opencode, Pi and the SDKs")
     from engine.options import add_engine_flags
@@ -95,7 +111,47 @@ def _interrupt_on_sigterm():
         return None
 
 
+def _whole(name: str, value, lo: int = 1):
+    """A setting that must be a whole number >= lo (from a flag or the config file), or None.
+    ValueError names it in one line."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be a whole number of at least {lo}, not {value!r}")
+    return value
+
+
+def check_ctx(ctx: int, model_file, think: str, project: Path) -> str | None:
+    """Why `ctx` cannot run the agent on this model, in one line, or None. The system prompt's
+    token count needs the tokenizer: built from the file's metadata here, before any UI starts
+    (the engine builds its own later; this costs ~1 s on the real 129k-entry vocabulary)."""
+    limit = model_file.config.context_length
+    if limit and ctx > limit:
+        return f"--ctx {ctx} is more than the model's context length ({limit})"
+    import tools
+    from engine import Tokenizer
+    from prompts import Message, think_mode_for_context
+    from prompts.render import render_messages
+
+    from .agent import SUMMARY_MAX_TOKENS
+    from .environment import system_text
+    tok = Tokenizer.from_metadata(model_file.tokenizer)
+    text = render_messages([Message("system", system_text(project))], tools.schemas(),
+                           think_mode_for_context(think, ctx))
+    n = len(tok.encode(text))
+    # the system prompt, the room kept for a compaction summary and a first exchange
+    need = n + SUMMARY_MAX_TOKENS + 512 + 1024
+    if ctx < need:
+        return (f"--ctx {ctx} is too small: the system prompt alone takes {n} tokens; "
+                f"use --ctx {-(-need // 1024) * 1024} or more")
+    return None
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["download"]:
+        from .download import main as download_main
+        return download_main(argv[1:])
     a = _parser().parse_args(argv)
     from engine.options import EngineOptions
     try:
@@ -104,31 +160,43 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     cfg = load_config()
+    try:   # checked before anything loads: --ctx 0 and -5 were taken as the default or reached the UI
+        ctx = _whole("--ctx", a.ctx) or _whole("ctx in the config", cfg.get("ctx", DEFAULT_CTX))
+        max_tokens = _whole("--max-tokens", a.max_tokens) or _whole("max_tokens in the config", cfg.get("max_tokens"))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     model, tried = find_model(a.model, cfg)
     if model is None:
         print("error: " + GUIDANCE.format(tried=", ".join(tried) or "nothing",
                                          config=agent_home() / "config.toml"), file=sys.stderr)
         return 1
     from engine import BackendError, Engine, ModelFile, ModelFileError, SamplingParams
+    think = a.think or cfg.get("think", "high")
+    project = Path.cwd()
     try:   # validate up front (O(metadata)): a bad file or backend is one line and exit 1, before any UI
-        ModelFile.open(model).close()
+        mf = ModelFile.open(model)
+        try:
+            problem = None if a.serve else check_ctx(ctx, mf, think, project)
+        finally:
+            mf.close()
         options.check()
     except (ModelFileError, BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     if a.serve:
         from .serve.cli import serve_main
-        return serve_main(a, model, a.ctx or int(cfg.get("ctx", 65536)), options)
+        return serve_main(a, model, ctx, options)
     from sessions import SessionStore, SessionStoreError
 
     from .agent import Agent, AgentConfig
-    ctx = a.ctx or int(cfg.get("ctx", 65536))
-    think = a.think or cfg.get("think", "high")
     sampling = SamplingParams(temperature=a.temp if a.temp is not None else float(cfg.get("temperature", 1.0)),
                               seed=a.seed)
     conf = AgentConfig(ctx=ctx, think_mode=think, yolo=a.yolo or bool(cfg.get("yolo", False)),
-                       sampling=sampling, allow_outside=a.allow_outside)
-    project = Path.cwd()
+                       sampling=sampling, allow_outside=a.allow_outside, max_tokens=max_tokens)
     try:
         store = SessionStore(project_dir=project)
     except SessionStoreError as e:
@@ -143,7 +211,7 @@ def main(argv=None) -> int:
     try:
         if a.prompt is not None:
             from .headless import run_headless
-            return run_headless(make_agent, a.prompt, resume=a.resume)
+            return run_headless(make_agent, a.prompt, resume=a.resume, quiet=a.quiet)
         from .app import run_app
         banner = f"ds4-agent · {Path(model).name} · context {ctx} · {project}"
         return run_app(make_agent, resume=a.resume, banner=banner) or 0

@@ -15,6 +15,7 @@ import sys
 import time
 
 from engine import ModelFileError
+from engine.cli_help import DefaultsHelpFormatter, add_version_flag
 from engine.options import EngineOptions, add_engine_flags
 from prompts.messages import Message
 from prompts.render import render_messages, think_mode_for_context
@@ -26,28 +27,33 @@ def render_user_turn(prompt: str, think: str) -> str:
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="ds4", description="run DeepSeek V4 Flash on one prompt")
+    p = argparse.ArgumentParser(prog="ds4", description="run DeepSeek V4 Flash on one prompt",
+                                formatter_class=DefaultsHelpFormatter)
+    add_version_flag(p)
     p.add_argument("-m", "--model", required=True, help="path to a ds4 GGUF")
     g = p.add_mutually_exclusive_group()
     g.add_argument("-p", "--prompt", help="the user message")
     g.add_argument("--prompt-file", help="read the user message from a file")
-    p.add_argument("-n", "--n-predict", type=int, default=256, help="tokens to generate (default 256)")
-    p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("--temp", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0, help="0 = random")
+    p.add_argument("-n", "--n-predict", type=int, default=256, help="tokens to generate")
+    p.add_argument("--ctx", type=int, default=4096, help="context size in tokens")
+    p.add_argument("--temp", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this much probability")
+    p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below this fraction of the likeliest one's probability")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, for repeatable runs (0: a random seed)")
     t = p.add_mutually_exclusive_group()
-    t.add_argument("--think", dest="think", action="store_const", const="high", help="thinking mode (default)")
-    t.add_argument("--nothink", dest="think", action="store_const", const="none")
-    t.add_argument("--think-max", dest="think", action="store_const", const="max")
+    t.add_argument("--think", dest="think", action="store_const", const="high",
+                   help="the model reasons in <think> before it answers (the default)")
+    t.add_argument("--nothink", dest="think", action="store_const", const="none",
+                   help="answer at once, without reasoning")
+    t.add_argument("--think-max", dest="think", action="store_const", const="max",
+                   help="the longest reasoning (ds4's Think Max; needs --ctx 393216 or more, else --think)")
     p.set_defaults(think="high")
     add_engine_flags(p)
-    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk size")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk size in tokens")
     p.add_argument("--dump-tokens", action="store_true", help="print prompt and generated token ids and pieces")
     p.add_argument("--dump-logprobs", metavar="FILE", help="write the top-k log-probabilities of every step as JSON")
-    p.add_argument("--logprobs-top-k", type=int, default=20)
+    p.add_argument("--logprobs-top-k", type=int, default=20, help="how many log-probabilities --dump-logprobs keeps per step")
     p.add_argument("--dump-logits", metavar="FILE", help="write every step's full logits (.npy, float32)")
     return p
 

@@ -1,8 +1,11 @@
 """`ds4-agent -p TASK`: one task to completion without a UI, for scripts and CI.
 
-The answer goes to stdout as it streams; tool calls and notices go to stderr. Tools that need
-approval run only with --yolo (a headless run cannot ask). Exit status 0 when the model finished
-its answer, 1 on an error, an interruption, the token cap or a model that could not load.
+The answer goes to stdout as it streams. The reasoning streams to stderr (dimmed when stderr is a
+terminal; `quiet` hides it), so a thinking model shows it is working long before the answer.
+Tool calls and notices go to stderr too. Tools that need approval run only with --yolo (a
+headless run cannot ask). Exit status 0 when the model finished its answer and the session was
+saved, 1 on an error, an interruption, the token cap, a session that could not be saved or a
+model that could not load.
 """
 from __future__ import annotations
 
@@ -12,13 +15,42 @@ import sys
 from . import events as E
 from .worker import AgentWorker
 
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
-def run_headless(make_agent, task: str, *, resume: bool = False, out=None, err=None) -> int:
+
+def _is_tty(f) -> bool:
+    try:
+        return f.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = False,
+                 out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
+    dim = _is_tty(err)
     calls: list[str] = []
-    state = {"finished": None}
+    said: set[str] = set()           # a failure repeated (the turn's save, then the exit's) is said once
+    state = {"finished": None, "thinking": False}
+
+    def end_thinking():
+        # the reasoning block ends on its own line, out of the dim colour, before anything else on stderr
+        if state["thinking"]:
+            err.write((PLAIN if dim else "") + "\n")
+            err.flush()
+            state["thinking"] = False
 
     def emit(ev):
+        if isinstance(ev, E.ReasoningDelta):
+            if quiet or not ev.text:
+                return
+            if not state["thinking"]:
+                err.write(DIM if dim else "")
+                state["thinking"] = True
+            err.write(ev.text)
+            err.flush()
+            return
+        end_thinking()
         if isinstance(ev, E.TextDelta):
             out.write(ev.text)
             out.flush()
@@ -32,7 +64,10 @@ def run_headless(make_agent, task: str, *, resume: bool = False, out=None, err=N
             err.write(f"[approval] {ev.summary}: refused (headless; use --yolo to allow)\n")
             worker.answer("n")
         elif isinstance(ev, E.Notice) and ev.level != "info":
-            err.write(f"[{ev.level}] {ev.text}\n")
+            line = f"[{ev.level}] {ev.text}\n"
+            if line not in said:
+                said.add(line)
+                err.write(line)
         elif isinstance(ev, E.TurnFinished):
             state["finished"] = ev
 
@@ -41,13 +76,18 @@ def run_headless(make_agent, task: str, *, resume: bool = False, out=None, err=N
     if worker.failed:
         return 1
     if resume:
-        worker.send_command("/resume")
+        # True: the last session of the directory; else the sha `--resume NAME|ID|pick` chose
+        worker.send_command("/resume" if resume is True else f"/switch {resume}")
     worker.send_user(task)
     worker.stop(timeout=None)
+    end_thinking()
     fin = state["finished"]
     out.write("\n")
     err.write(f"\n{len(calls)} tool call(s)" + ("".join(f"\n  {c}" for c in calls)) + "\n")
     if fin is None:
         return 1
     err.write(f"finished: {fin.finish_reason}\n")
-    return 0 if fin.finish_reason == "stop" and not fin.interrupted else 1
+    agent = worker.agent
+    # the turn's save and the exit's both failed (said once above, as "save failed: ...")
+    unsaved = agent is not None and agent.store is not None and agent.cfg.autosave and agent.modified
+    return 0 if fin.finish_reason == "stop" and not fin.interrupted and not unsaved else 1

@@ -221,6 +221,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ds4-bench", description="ds4 prefill/decode speed sweep along one token sequence")
+    from .cli_help import add_version_flag
+    add_version_flag(p)
     p.add_argument("-m", "--model", required=True, help="GGUF model file")
     p.add_argument("--prompt-file", default=None,
                    help="raw text to tokenize (default: shared/ds4-data/promessi_sposi.txt if present)")

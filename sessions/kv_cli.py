@@ -218,6 +218,8 @@ def _report(path: str, h: KVHeader, size: int, engine, out) -> str | None:
 # -- main ----------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds4-kv", description="inspect and validate ds4 KV cache files")
+    from engine.cli_help import add_version_flag
+    add_version_flag(p)
     p.add_argument("files", nargs="+", metavar="FILE", help="KV files (<sha1>.kv)")
     p.add_argument("-m", "--model", help="a ds4 GGUF: also load each payload into a session of it")
     return p

@@ -14,21 +14,31 @@ from .config import (BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS, MAX_QUEU
 def add_flags(p: argparse.ArgumentParser):
     g = p.add_argument_group("HTTP shim (--serve)")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="TCP port")
     g.add_argument("--kv-disk-dir", help="folder for the disk prefix cache (off without it)")
-    g.add_argument("--kv-disk-space-mb", type=float, default=4096)
-    g.add_argument("--kv-cache-min-tokens", type=int, default=512)
-    g.add_argument("--kv-cache-cold-max-tokens", type=int, default=30000)
-    g.add_argument("--kv-cache-continued-interval-tokens", type=int, default=10000)
-    g.add_argument("--kv-cache-boundary-trim-tokens", type=int, default=32)
-    g.add_argument("--kv-cache-boundary-align-tokens", type=int, default=2048)
-    g.add_argument("--kv-cache-reject-different-quant", action="store_true")
+    g.add_argument("--kv-disk-space-mb", type=float, default=4096, metavar="MB",
+                   help="disk budget of the --kv-disk-dir folder; the lowest-scoring files go first")
+    g.add_argument("--kv-cache-min-tokens", type=int, default=512, metavar="N",
+                   help="checkpoints shorter than this are neither saved nor loaded")
+    g.add_argument("--kv-cache-cold-max-tokens", type=int, default=30000, metavar="N",
+                   help="save prompts with no reuse only up to this length (0: never)")
+    g.add_argument("--kv-cache-continued-interval-tokens", type=int, default=10000, metavar="N",
+                   help="save the live timeline every N tokens as it grows (0: off)")
+    g.add_argument("--kv-cache-boundary-trim-tokens", type=int, default=32, metavar="N",
+                   help="a cold save without a chat anchor leaves this many tail tokens out")
+    g.add_argument("--kv-cache-boundary-align-tokens", type=int, default=2048, metavar="N",
+                   help="save points are rounded down to multiples of N (0: no rounding)")
+    g.add_argument("--kv-cache-reject-different-quant", action="store_true",
+                   help="load only checkpoints written by a model with the same expert quantisation")
     g.add_argument("--cors", action="store_true", help="answer browsers (Access-Control-Allow-Origin: *)")
     g.add_argument("--api-key", help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
-    g.add_argument("--tool-memory-max-ids", type=int, default=100_000)
+    g.add_argument("--tool-memory-max-ids", type=int, default=100_000, metavar="N",
+                   help="tool ids whose sampled DSML is kept for exact replay (least recently used go first)")
     g.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
                    help="render earlier tool calls canonically instead of replaying the sampled bytes")
-    g.add_argument("--max-tokens", type=int, help="cap on generated tokens per request, whatever the client asks")
+    g.add_argument("--max-tokens", type=int, metavar="N",
+                   help="cap on the tokens one turn generates: per request with --serve (whatever the client "
+                        "asks), per user turn in the agent and -p (also `max_tokens` in the config)")
     g.add_argument("--slots", type=int, metavar="N",
                    help=f"live KV timelines kept at once, each its own conversation (default: as many as "
                         f"fit half the free memory at --ctx, 1-{MAX_SLOTS})")

@@ -27,6 +27,8 @@ _SHAPE_FLAGS = [
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds4-gguf", description="DeepSeek V4 GGUF tools")
+    from ..cli_help import add_version_flag
+    add_version_flag(p)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("synth", help="write a synthetic DeepSeek V4 GGUF in the exact ds4 layout")
     s.add_argument("out")
