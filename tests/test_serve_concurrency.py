@@ -409,6 +409,8 @@ def _raw_post(url: str, path: str, body: dict) -> socket.socket:
 def test_queued_request_of_a_gone_client_is_skipped(srv, stream):
     url, shim = srv
     wait_idle(shim)
+    others = threading.Event()            # with several slots, A takes the one left free
+    assert _hold_worker(shim, 60, len(shim.worker.slots) - 1, others).wait(10)
     before = dict(shim.worker.stats)
     with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
         with c.stream("POST", "/v1/chat/completions", json=_long_chat(2000, "An endless list, please.")) as r:
@@ -440,6 +442,7 @@ def test_queued_request_of_a_gone_client_is_skipped(srv, stream):
             while time.monotonic() - t0 < 10 * KEEPALIVE_S:
                 next(frames)
             assert shim.worker.queued() == 1 and shim.worker.busy    # B still waits, A still runs
+            others.set()
         # A's client leaves too
     idle_after = wait_idle(shim, timeout=5.0)
     # only A ran; B was skipped, and A stopped soon after its client left, far below its 2,000
@@ -473,20 +476,35 @@ def _keepalive_checks(c: Client, wait_s: float):
     c.summary()
 
 
-def _hold_worker(shim, seconds: float) -> threading.Event:
-    """Occupy the inference thread for `seconds` of wall time, whatever the machine's speed: a
-    tiny job whose first event blocks. Returns an event set once the hold began."""
+def _hold_worker(shim, seconds: float, slots: int | None = None,
+                 release: threading.Event | None = None) -> threading.Event:
+    """Occupy `slots` inference slots (default: every one, so the next request queues) for
+    `seconds` of wall time, or until `release` is set, whatever the machine's speed: tiny jobs
+    whose first event blocks. Returns an event set once every hold began."""
     began = threading.Event()
-    state = {"held": False}
+    n = len(shim.worker.slots) if slots is None else slots
+    held = []
+    lock = threading.Lock()
+    release = release or threading.Event()
 
-    def emit(ev):
-        if not state["held"]:
-            state["held"] = True
-            began.set()
-            time.sleep(seconds)
+    def hold():
+        state = {"held": False}
 
-    body = json.dumps({"messages": [{"role": "user", "content": "hold"}], "max_tokens": 1, **NO_THINK})
-    shim.worker.submit(shim.prepare("openai_chat", body.encode(), emit))
+        def emit(ev):
+            if not state["held"]:
+                state["held"] = True
+                with lock:
+                    held.append(1)
+                    if len(held) == n:
+                        began.set()
+                release.wait(seconds)
+        return emit
+
+    for i in range(n):
+        body = json.dumps({"messages": [{"role": "user", "content": f"hold {i}"}], "max_tokens": 1, **NO_THINK})
+        shim.worker.submit(shim.prepare("openai_chat", body.encode(), hold()))
+    if n == 0:
+        began.set()
     return began
 
 

@@ -241,16 +241,28 @@ def test_connections_over_the_cap_with_none_idle_get_a_json_503(engine):
 # The queue bound
 
 def _hold_worker(shim, seconds: float) -> threading.Event:
+    """Occupy every inference slot for `seconds`: jobs whose first event blocks."""
     began = threading.Event()
-    state = {"held": False}
+    n = len(shim.worker.slots)
+    held = []
+    lock = threading.Lock()
 
-    def emit(ev):
-        if not state["held"]:
-            state["held"] = True
-            began.set()
-            time.sleep(seconds)
+    def hold():
+        state = {"held": False}
 
-    shim.worker.submit(shim.prepare("openai_chat", json.dumps(CHAT).encode(), emit))
+        def emit(ev):
+            if not state["held"]:
+                state["held"] = True
+                with lock:
+                    held.append(1)
+                    if len(held) == n:
+                        began.set()
+                time.sleep(seconds)
+        return emit
+
+    for i in range(n):
+        body = dict(CHAT, messages=[{"role": "user", "content": f"hold {i}"}])
+        shim.worker.submit(shim.prepare("openai_chat", json.dumps(body).encode(), hold()))
     return began
 
 
