@@ -49,6 +49,9 @@ from .worker import AgentWorker
 FLUSH_S = 1 / 30            # how often streamed events reach the screen at most
 REPLAY_MESSAGES = 60        # how much of a switched-to session is drawn
 QUEUE_PREVIEW_CHARS = 120
+# typed while the model works, these stop the turn (as Esc does) and run next, ahead of queued
+# messages: a turn may run for minutes, and none of them is of use after it (/quit: leaves at once)
+STOP_FIRST = ("/new", "/switch", "/resume", "/think")
 KEYS_HINT = ("Enter sends · Shift+Enter/Ctrl+J new line · ↑↓ history · Esc interrupts · "
              "Ctrl+X edits the queued message · Ctrl+O folds thinking · Ctrl+C quits · /help")
 
@@ -439,8 +442,14 @@ class AgentApp(App):
         line = text.strip()
         self.input.remember(text)
         self._save_history(text)
-        if line.split()[0].lower() in ("/quit", "/exit") and (self.busy or not self.ready):
+        word = line.split()[0].lower() if line else ""
+        if word in ("/quit", "/exit") and (self.busy or not self.ready):
             await self.action_leave()
+            return
+        if self.busy and self.ready and word in STOP_FIRST:
+            self.queue.insert(0, text)
+            self._show_queue()
+            await self.action_interrupt()
             return
         if self.busy:
             self.queue.append(text)
@@ -624,11 +633,14 @@ def default_history_path() -> Path:
 
 def run_app(make_agent: Callable, **opts) -> int:
     """Run the TUI until the user leaves. make_agent(emit) -> Agent is called on the engine thread.
-    opts: history_path (default ~/.ds4-agent/history; None keeps none), banner, resume (continue the
-    last session of the directory once the model is ready)."""
+    opts: history_path (default ~/.ds4-agent/history; None keeps none), banner, resume (once the
+    model is ready, continue: True the last session of the directory, a sha that session). After
+    the UI closes it prints where the session was saved and how to continue it."""
     opts.setdefault("history_path", default_history_path())
-    if opts.pop("resume", False):
-        opts["initial"] = ["/resume"]
+    resume = opts.pop("resume", False)
+    if resume:
+        # True: the last session of the directory; else the sha `--resume NAME|ID|pick` chose
+        opts["initial"] = ["/resume" if resume is True else f"/switch {resume}"]
     app = AgentApp(make_agent, **opts)
     try:
         app.run()
@@ -637,4 +649,9 @@ def run_app(make_agent: Callable, **opts) -> int:
         if app.worker is not None:
             app.worker.interrupt()
             app.worker.stop()            # returns at once when the engine thread is already done
+    # the terminal is the shell's again: where the session went and how to come back to it
+    agent = app.worker.agent if app.worker is not None else None
+    note = agent.farewell() if agent is not None else ""
+    if note:
+        print(note)
     return app.return_code or 0

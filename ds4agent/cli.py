@@ -1,6 +1,7 @@
 """`ds4-agent`: the coding agent, in the project directory it is started from.
 
-  ds4-agent [--model PATH] [--ctx N] [--nothink|--think-max] [--yolo] [--resume]
+  ds4-agent [--model PATH] [--ctx N] [--nothink|--think-max] [--yolo] [--resume [NAME|ID|pick]]
+  ds4-agent sessions [list [--all] | show ID|NAME | delete ID|NAME]   saved sessions, no model needed
   ds4-agent -p "task"          headless: run one task, print the answer and a tool summary
   ds4-agent --serve [--port 8000] [--kv-disk-dir DIR] ...   the HTTP shim for other agents
   ds4-agent download q2|q4|q2-imatrix|q4-imatrix [--dir DIR]   fetch ds4's published GGUF
@@ -83,7 +84,9 @@ def _parser():
                    help="the longest reasoning (ds4's Think Max; it needs --ctx 393216 or more, else --think)")
     p.add_argument("--yolo", action="store_true", help="run bash/write/edit/git commit without asking")
     p.add_argument("--allow-outside", action="store_true", help="let tools use paths outside the project")
-    p.add_argument("--resume", action="store_true", help="continue the last session of this directory")
+    p.add_argument("--resume", nargs="?", const=True, metavar="NAME|ID|pick",
+                   help="continue the last session of this directory; NAME or ID: that session; "
+                        "pick: choose from a numbered list (`ds4-agent sessions` lists, shows, deletes)")
     p.add_argument("-p", "--prompt", help="headless: run this task, print the answer, exit")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="with -p: do not stream the model's reasoning to stderr")
@@ -152,6 +155,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["download"]:
         from .download import main as download_main
         return download_main(argv[1:])
+    if argv[:1] == ["sessions"]:          # saved sessions, no model needed
+        from .sessions_cli import main as sessions_main
+        return sessions_main(argv[1:])
     a = _parser().parse_args(argv)
     from engine.options import EngineOptions
     try:
@@ -202,6 +208,17 @@ def main(argv=None) -> int:
     except SessionStoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    resume = a.resume                   # True: the last one; a name, an id or "pick": chosen here
+    if isinstance(resume, str):
+        from .sessions_cli import NoChoice, choose_resume
+        try:
+            resume = choose_resume(store, resume)
+        except SessionStoreError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except NoChoice:
+            print("no session chosen", file=sys.stderr)
+            return 1
 
     def make_agent(emit):
         eng = Engine.open(model, options)
@@ -211,10 +228,10 @@ def main(argv=None) -> int:
     try:
         if a.prompt is not None:
             from .headless import run_headless
-            return run_headless(make_agent, a.prompt, resume=a.resume, quiet=a.quiet)
+            return run_headless(make_agent, a.prompt, resume=resume, quiet=a.quiet)
         from .app import run_app
         banner = f"ds4-agent · {Path(model).name} · context {ctx} · {project}"
-        return run_app(make_agent, resume=a.resume, banner=banner) or 0
+        return run_app(make_agent, resume=resume, banner=banner) or 0
     except ModelFileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
