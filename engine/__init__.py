@@ -5,7 +5,8 @@
 - model/     the model's math in model order (the forward pass) and its state: KV, snapshots,
              the bound weights, ds4's numerics;
 - backends/  what runs the model's operations: numpy (the reference) and cpu (the C kernels);
-- runtime/   Engine and Session (prefill, decode, rewind), sampling, the tokenizer.
+- runtime/   Engine and Session (prefill, decode, rewind), the batcher (decode steps of sessions
+             on several threads as one pass), sampling, the tokenizer.
 
 It knows nothing of chat, HTTP, tools or the UI; only this package touches arrays.
 """
@@ -14,9 +15,10 @@ from .gguf.config import ModelConfig
 from .gguf.model_file import ModelFile, QTensor
 from .model.snapshot import SnapshotError
 from .options import EngineOptions
+from .runtime.batcher import Batcher
 from .runtime.sampling import Rng, SamplingParams
 from .runtime.session import ContextFull, Engine, Session
 from .runtime.tokenizer import Tokenizer
 
-__all__ = ["BackendError", "ContextFull", "Engine", "EngineOptions", "ModelConfig", "ModelFile", "ModelFileError",
+__all__ = ["BackendError", "Batcher", "ContextFull", "Engine", "EngineOptions", "ModelConfig", "ModelFile", "ModelFileError",
            "QTensor", "Rng", "SamplingParams", "Session", "SnapshotError", "Tokenizer"]

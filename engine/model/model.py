@@ -14,6 +14,8 @@ kernel runs, and small) and handed over with `xp.asarray`, a no-op on the host b
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..gguf.config import CSA_RATIO, ModelConfig
@@ -23,6 +25,14 @@ from ..backends.protocol import Ops
 from .weights import CompressorWeights, HCWeights, LayerWeights, ModelWeights, dense_arrays
 
 QUERY_BLOCK = 256  # queries per attention block: bounds the [T, H, keys] score tensor
+
+
+class Segment(NamedTuple):
+    """Rows r0..r1-1 of a pass's stacked rows: one timeline's tokens at positions pos0.., on `state`."""
+    r0: int
+    r1: int
+    pos0: int
+    state: KVState
 
 
 class Model:
@@ -43,19 +53,45 @@ class Model:
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, pos0: int, state: KVState, all_logits: bool = False) -> np.ndarray:
         """Logits [T, vocab] (all_logits) or [vocab] for the last token."""
+        tokens = np.asarray(tokens, dtype=np.int64)             # host: the hash layers index a host table
+        return self._run(tokens, [Segment(0, len(tokens), int(pos0), state)], all_logits)
+
+    def forward_batch(self, tokens, positions, states) -> "np.ndarray":
+        """One decode step of B sessions at once: token b at position positions[b] on states[b]
+        (each its own timeline). Returns the logits [B, vocab], row b what
+        forward([tokens[b]], positions[b], states[b]) gives, to rounding (bit for bit where a
+        backend's kernels treat rows alone: numpy and cpu). Each weight is read once for the B
+        rows; the KV rows, compressor frontier, indexer and attention are each session's own."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        positions = [int(p) for p in positions]
+        states = list(states)
+        if not (len(tokens) == len(positions) == len(states)) or not len(tokens):
+            raise ValueError(f"forward_batch needs one position and one state per token "
+                             f"(got {len(tokens)} tokens, {len(positions)} positions, {len(states)} states)")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("forward_batch got one state twice: a timeline advances one token a step")
+        return self._run(tokens, [Segment(b, b + 1, p, s) for b, (p, s) in enumerate(zip(positions, states))], True)
+
+    def _run(self, tokens: np.ndarray, segs: list, all_logits: bool):
+        """The layers over the rows of every segment stacked ([N, ...], N = len(tokens)): the
+        token-independent work once over all rows, each segment's cache-dependent work on its own
+        state. One segment: logits [T, vocab] (all_logits) or [vocab]; several: [N, vocab]."""
         c = self.c
         xp = self.xp
         self._theta_cache = {}
-        tokens = np.asarray(tokens, dtype=np.int64)             # host: the hash layers index a host table
-        e = self.ops.embed(self.w.embd, tokens)                                    # [T, E]
-        X = xp.repeat(e[:, None, :], c.n_hc, axis=1).astype(xp.float32)           # [T, n_hc, E]
+        pos = np.concatenate([np.arange(g.pos0, g.pos0 + g.r1 - g.r0) for g in segs]) if len(segs) > 1 \
+            else np.arange(segs[0].pos0, segs[0].pos0 + len(tokens))             # host: every row's position
+        e = self.ops.embed(self.w.embd, tokens)                                    # [N, E]
+        X = xp.repeat(e[:, None, :], c.n_hc, axis=1).astype(xp.float32)           # [N, n_hc, E]
         if self.pager:
             self.pager(self._dense[0])
-        for i, (lw, ls) in enumerate(zip(self.w.layers, state.layers)):
+        for i, lw in enumerate(self.w.layers):
             if self.pager:
                 self.pager(self._dense[i + 1])
-            X = self._attention(lw, ls, X, pos0)
+            X = self._attention(lw, i, X, segs, pos)
             X = self._ffn(lw, X, tokens)
+        if len(segs) > 1:
+            return self._head(X)
         if not all_logits:
             X = X[-1:]
         logits = self._head(X)
@@ -94,33 +130,64 @@ class Model:
             self._theta_cache[key + (True,)] = th[:, None, :]
         return self._theta_cache[key + (True,)] if heads else th
 
-    def _attention(self, lw: LayerWeights, ls: LayerState, X, pos0: int):
+    def _attention(self, lw: LayerWeights, il: int, X, segs: list, pos: np.ndarray):
+        """The attention sublayer in three parts: the front (HC, norms, projections, RoPE at each
+        row's position, the compressors' and indexer's projections) and the back (inverse RoPE,
+        output projections, HC) over every row at once; between them each segment's own KV work."""
         c, ops = self.c, self.ops
         xp = self.xp
-        T = X.shape[0]
-        pos = np.arange(pos0, pos0 + T)                                            # host
+        N = X.shape[0]
         x, post, C = self._hc_pre(lw.hc_attn, X)
         h = ops.rmsnorm(x, lw.attn_norm, c.rms_eps)
         qa, kv = ops.linears([lw.q_a, lw.kv], h)                                   # both read h
         qr = ops.rmsnorm(qa, lw.q_a_norm, c.rms_eps)
-        q = ops.linear(lw.q_b, qr).reshape(T, c.n_head, c.head_dim)
+        q = ops.linear(lw.q_b, qr).reshape(N, c.n_head, c.head_dim)
         q = ops.rmsnorm(q, None, c.rms_eps)                                        # per head, no weight
         kv = ops.rmsnorm(kv, lw.kv_norm, c.rms_eps)
-        th = self._thetas(lw.ratio, pos, c.n_rot)                                  # [T, n_rot/2]
-        th_h = self._thetas(lw.ratio, pos, c.n_rot, heads=True)                   # [T, 1, n_rot/2]
+        th = self._thetas(lw.ratio, pos, c.n_rot)                                  # [N, n_rot/2]
+        th_h = self._thetas(lw.ratio, pos, c.n_rot, heads=True)                   # [N, 1, n_rot/2]
         q = ops.rope(q, th_h, inplace=True)
         kv = ops.store_kv(ops.rope(kv, th), c.n_nope)
+        comp = self._compress_proj(lw.comp, h, pos) if lw.ratio else None
+        icomp = iproj = None
+        if lw.ratio == CSA_RATIO:
+            icomp = self._compress_proj(lw.indexer.comp, h, pos)
+            iproj = self._indexer_proj(lw, segs, h, qr)
 
+        # each segment's KV rows, compressed rows, indexer picks and attention on its own state
+        o = []
+        for j, g in enumerate(segs):
+            one = len(segs) == 1
+            part = (lambda a: a) if one else (lambda a, g=g: None if a is None else a[g.r0:g.r1])
+            o.append(self._attend(lw, g.state.layers[il], part(q), part(kv),
+                                  None if comp is None else tuple(map(part, comp)),
+                                  None if icomp is None else tuple(map(part, icomp)),
+                                  None if iproj is None else iproj[j], g.pos0))
+        o = o[0] if len(o) == 1 else xp.concatenate(o, axis=0)
+        o = ops.rope(o, th_h, inverse=True, inplace=True).reshape(N, c.n_head * c.head_dim)
+        z = ops.grouped_linear(lw.out_a, o, c.o_groups)
+        y = ops.linear(lw.out_b, z)
+        return self._hc_post(y, X, post, C)
+
+    def _attend(self, lw: LayerWeights, ls: LayerState, q, kv, comp, icomp, iproj, pos0: int):
+        """One segment's attention at positions pos0..: its rows q [T, H, D] and kv [T, D] (after
+        RoPE), the compressors' projections of its rows, the indexer's (None: not needed)."""
+        c, ops = self.c, self.ops
+        xp = self.xp
+        T = q.shape[0]
+        pos = np.arange(pos0, pos0 + T)                                            # host
         # raw rows this chunk can see: the n_swa-1 before it, then its own
         lo = max(0, pos0 - c.n_swa + 1)
         raw = ls.raw.write_window(lo, pos0, kv)                                    # positions lo..pos0+T-1
 
         if lw.ratio:
-            self._compress(lw.comp, ls, h, pos0, index=False)
+            self._compress_store(lw.comp, ls, *comp, pos0, index=False)
         sel = None
         if lw.ratio == CSA_RATIO:
-            self._compress(lw.indexer.comp, ls, h, pos0, index=True)
-            sel = self._indexer_select(lw, ls, h, qr, pos, th_fn=lambda p: self._thetas(CSA_RATIO, p, c.n_rot, heads=True))
+            self._compress_store(lw.indexer.comp, ls, *icomp, pos0, index=True)
+            if iproj is not None:
+                sel = self._indexer_select(lw, ls, *iproj, pos,
+                                           th_fn=lambda p: self._thetas(CSA_RATIO, p, c.n_rot, heads=True))
 
         o = []
         scale = 1.0 / np.sqrt(c.head_dim)
@@ -141,23 +208,24 @@ class Model:
                     nmax = int(n_vis[-1])
                     segments.append((ls.comp[:nmax], np.arange(nmax)[None, :] < n_vis[:, None]))
             o.append(ops.attention(q[b0:b1], segments, lw.sinks, scale))
-
-        o = o[0] if len(o) == 1 else xp.concatenate(o, axis=0)
-        o = ops.rope(o, th_h, inverse=True, inplace=True).reshape(T, c.n_head * c.head_dim)
-        z = ops.grouped_linear(lw.out_a, o, c.o_groups)
-        y = ops.linear(lw.out_b, z)
-        return self._hc_post(y, X, post, C)
+        return o[0] if len(o) == 1 else xp.concatenate(o, axis=0)
 
     # -- compressors (§3.7) --------------------------------------------------------------------
-    def _compress(self, cw: CompressorWeights, ls: LayerState, h, pos0: int, index: bool):
-        """Project the chunk into the frontier and emit a row for every window the chunk closes."""
+    def _compress_proj(self, cw: CompressorWeights, h, pos: np.ndarray):
+        """The compressor's projections of rows h at positions pos: (kv [N, w], score [N, w])."""
+        ops, xp = self.ops, self.xp
+        kvp = ops.linear(cw.kv, h)                                                 # [N, w]
+        scp = (ops.linear(cw.gate, h) + xp.asarray(cw.ape[pos % cw.ratio])).astype(xp.float32)   # ape: host
+        return kvp, scp
+
+    def _compress_store(self, cw: CompressorWeights, ls: LayerState, kvp, scp, pos0: int, index: bool):
+        """Put a segment's projections (positions pos0..) into the frontier and emit a row for
+        every window they close."""
         c, ops = self.c, self.ops
         xp = self.xp
         r, hd = cw.ratio, cw.hd
-        T = h.shape[0]
+        T = kvp.shape[0]
         pos = np.arange(pos0, pos0 + T)                                            # host
-        kvp = ops.linear(cw.kv, h)                                                 # [T, w]
-        scp = (ops.linear(cw.gate, h) + xp.asarray(cw.ape[pos % r])).astype(xp.float32)   # ape: host
         ring_kv, ring_sc = (ls.iproj_kv, ls.iproj_sc) if index else (ls.proj_kv, ls.proj_sc)
         lo = frontier_start(pos0, r)
         all_kv = ring_kv.write_window(lo, pos0, kvp)                               # positions lo..pos0+T-1
@@ -183,29 +251,57 @@ class Model:
         pooled = (a * kvs).sum(axis=1)                                             # [n, hd] float32
         rows = ops.rmsnorm(pooled, cw.norm, c.rms_eps)
         rows = ops.rope(rows, self._thetas(r, ws, c.n_rot))                       # at the window's first position
+        # row i holds the window starting at i * r: placed by position, not appended, so a step
+        # run again (the batcher's retry after a failed batch) writes the same rows
+        i0 = int(ws[0]) // r
         if index:
             rows = ops.store_index(rows)
-            ls.index[ls.n_index:ls.n_index + len(rows)] = rows
-            ls.n_index += len(rows)
+            ls.index[i0:i0 + len(rows)] = rows
+            ls.n_index = i0 + len(rows)
         else:
             rows = ops.store_kv(rows, hd - c.n_rot)
-            ls.comp[ls.n_comp:ls.n_comp + len(rows)] = rows
-            ls.n_comp += len(rows)
+            ls.comp[i0:i0 + len(rows)] = rows
+            ls.n_comp = i0 + len(rows)
 
     # -- indexer (§3.8) ------------------------------------------------------------------------
-    def _indexer_select(self, lw: LayerWeights, ls: LayerState, h, qr, pos, th_fn):
-        """Per query: (indices [T, k], valid [T, k]) of the compressed rows it attends, or None
-        where every visible row is used (at most top_k visible)."""
+    def _indexer_proj(self, lw: LayerWeights, segs: list, h, qr) -> list:
+        """Per segment, the indexer's projections of its rows (qi [T, heads, dim] before RoPE,
+        weights [T, heads]), or None where its queries see at most top_k rows (all are used).
+        Computed once over the rows of every segment that needs them."""
+        c, ops = self.c, self.ops
+        xp = self.xp
+        need = [(g.pos0 + g.r1 - g.r0) // CSA_RATIO > c.idx_topk for g in segs]
+        if not any(need):
+            return [None] * len(segs)
+        if all(need):
+            hs, qs = h, qr
+        else:
+            rows = np.concatenate([np.arange(g.r0, g.r1) for g, n in zip(segs, need) if n])
+            rx = xp.asarray(rows)
+            hs, qs = h[rx], qr[rx]
+        M = hs.shape[0]
+        qi = ops.linear(lw.indexer.q_b, qs).reshape(M, c.idx_n_head, c.idx_head_dim)
+        wts = ops.linear(lw.indexer.proj, hs) * xp.asarray(1.0 / np.sqrt(c.idx_head_dim * c.idx_n_head), dtype=xp.float32)
+        if len(segs) == 1:
+            return [(qi, wts)]
+        out, k = [], 0
+        for g, n in zip(segs, need):
+            if n:
+                t = g.r1 - g.r0
+                out.append((qi[k:k + t], wts[k:k + t]))
+                k += t
+            else:
+                out.append(None)
+        return out
+
+    def _indexer_select(self, lw: LayerWeights, ls: LayerState, qi, wts, pos, th_fn):
+        """Per query: (indices [T, k], valid [T, k]) of the compressed rows it attends; qi and
+        wts: the indexer's projections of these queries (_indexer_proj)."""
         c, ops = self.c, self.ops
         xp = self.xp
         k = c.idx_topk
         n_vis = (pos + 1) // CSA_RATIO
-        if n_vis[-1] <= k:
-            return None
-        T = len(pos)
-        qi = ops.linear(lw.indexer.q_b, qr).reshape(T, c.idx_n_head, c.idx_head_dim)
         qi = ops.index_qat(ops.rope(qi, th_fn(pos)))
-        wts = ops.linear(lw.indexer.proj, h) * xp.asarray(1.0 / np.sqrt(c.idx_head_dim * c.idx_n_head), dtype=xp.float32)
         keys = ls.index[:int(n_vis[-1])]
         score = ops.indexer_scores(qi, keys, wts)                                  # [T, n rows]
         vis = xp.asarray(np.arange(keys.shape[0])[None, :] < n_vis[:, None])

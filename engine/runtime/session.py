@@ -21,6 +21,7 @@ from ..model.model import Model
 from ..gguf.model_file import ModelFile
 from ..backends import registry
 from ..options import PAGING, EngineOptions
+from .batcher import Batcher
 from .sampling import Rng, SamplingParams, logprob_of, sample, top_logprobs
 from .tokenizer import Tokenizer
 
@@ -48,6 +49,7 @@ class Engine:
         # token boundary, so two passes must never overlap. Sessions on several threads (one each)
         # are safe; one Session is still used by one thread at a time.
         self.lock = threading.RLock()
+        self.batcher = Batcher(self)    # off until start_batching
         if ops is None:
             ops = registry.make_ops(registry.pick(backend), numerics)
         # the upload/repack hook: its time and the bytes it copied (none for the host backends)
@@ -93,6 +95,29 @@ class Engine:
         except BaseException:
             m.close()
             raise
+
+    # -- batched decode across sessions (engine/runtime/batcher.py) ------------------------------
+    def start_batching(self, window_ms: float = 4.0, prefill_chunk: int | None = 256,
+                       max_batch: int | None = None, trace: int = 0) -> Batcher:
+        """Route every Session of this Engine through the batcher: decode steps (Session.eval, or
+        a sync that adds one token) asked for at about the same time from several threads run as
+        one Model.forward_batch; a prefill runs in chunks of at most `prefill_chunk` tokens (None:
+        the session's own chunk), alternating with decode batches. A step waits at most
+        `window_ms` for the sessions registered with `Session.generating()` that have not asked
+        yet (none registered, or all asked: it runs at once). `max_batch`: the most decode steps
+        in one pass (None: all waiting). `trace`: keep the last n steps in `batcher.trace` as
+        (kind, [id(session)], tokens) (tests, logs). Returns the batcher (`.stats`)."""
+        self.batcher.configure(window_ms, prefill_chunk, max_batch, trace)
+        self.batcher.enabled = True
+        return self.batcher
+
+    def stop_batching(self):
+        """Back to direct passes (steps already queued still run through the batcher)."""
+        self.batcher.enabled = False
+
+    @property
+    def batching(self) -> bool:
+        return self.batcher.enabled
 
     @property
     def resident_seconds(self) -> float | None:
@@ -237,8 +262,12 @@ class Session:
             return np.zeros((0, self.engine.config.n_vocab), np.float32) if keep_logits else True
         kept = []
         done = 0
-        for c0 in range(0, len(new), self.chunk):
-            part = new[c0:c0 + self.chunk]
+        step = self.chunk
+        b = self.engine.batcher
+        if b.enabled and b.prefill_chunk:
+            step = min(step, b.prefill_chunk)      # (the others' decode steps run between chunks)
+        for c0 in range(0, len(new), step):
+            part = new[c0:c0 + step]
             out = self._forward(part, all_logits=keep_logits)
             if keep_logits:
                 kept.append(out)
@@ -312,12 +341,21 @@ class Session:
             raise ContextFull(f"{len(tokens)} tokens do not fit the context of {self.ctx}")
         return tokens
 
+    def generating(self):
+        """Context manager: while inside it, this session tells the Engine's batcher (when
+        batching is on) that it will ask for decode steps, so a batched step waits for it (at most
+        the batcher's window) instead of leaving it for the next one. A no-op for a direct Engine."""
+        return self.engine.batcher.generating(self)
+
     def _forward(self, part: list[int], all_logits: bool):
         t0 = time.perf_counter()
         model = self.engine.model
-        with self.engine.lock:
-            out = model.ops.logits_to_host(model.forward(np.asarray(part), len(self._tokens), self.state,
-                                                         all_logits=all_logits))
+        if self.engine.batcher.enabled:
+            out = self.engine.batcher.run(self, part, all_logits)
+        else:
+            with self.engine.lock:
+                out = model.ops.logits_to_host(model.forward(np.asarray(part), len(self._tokens), self.state,
+                                                             all_logits=all_logits))
         dt = time.perf_counter() - t0
         key = "decode" if len(part) == 1 else "prefill"
         self.stats[key + "_tokens"] += len(part)
