@@ -39,6 +39,7 @@ MAX_TOOL_ROUNDS = 64
 COMPACT_AT = 0.85          # ds4's soft limit: compact at 85 % of the context ...
 WARN_AT = 0.75             # ... and warn from 75 %
 SUMMARY_MAX_TOKENS = 1024
+STATUS_EVERY_S = 0.5       # how often a generation updates the status bar (speed, context)
 COMPACT_REQUEST = (
     "Internal ds4-agent context compaction request. This is not a user request.\n"
     "Write a durable task-state summary of the conversation so far: the user's goals, constraints and "
@@ -109,7 +110,8 @@ class Agent:
         self.pending_eos = False   # the last assistant turn ended; its EOS goes in with the next append
         self.modified = False
         self.last_finish = E.TurnFinished()
-        self.gen_tps = 0.0         # of the last generation, for the status bar
+        self.gen_tps = 0.0         # the status bar's speeds: this turn's generation (live) ...
+        self.prefill_tps = 0.0     # ... and its latest prefill
         self._last_gen_tokens = 0
         self._system = system      # fixed system text (tests); None: gathered from the project
 
@@ -154,7 +156,7 @@ class Agent:
         if self.store is not None and self.store.load_system_prefix(self.session, text):
             self._status()
             return
-        self._prefill_to(ids, interruptible=False)
+        self._prefill_to(ids, interruptible=False, what="system prompt")
         if self.store is not None:
             try:
                 self.store.save_system_prefix(self.session, text)
@@ -162,13 +164,13 @@ class Agent:
                 self.emit(E.Notice(f"could not cache the system prompt: {e}", "warning"))
         self._status()
 
-    def _append(self, text: str, *, interruptible: bool = True):
+    def _append(self, text: str, *, interruptible: bool = True, what: str = ""):
         """Append rendered text to the live timeline (tokenized on its own, then prefilled). All or
         nothing: on an interrupt or an error the timeline and the pending EOS are as before."""
         prev, prev_eos = self.session.tokens, self.pending_eos
         ids = self.tok.encode((EOS_TEXT if prev_eos else "") + text)
         try:
-            self._prefill_to(prev + ids, interruptible=interruptible)
+            self._prefill_to(prev + ids, interruptible=interruptible, what=what)
         except BaseException:
             if self.session.tokens != prev:
                 self.session.sync(prev)          # cut back (in place: see _prefill_to)
@@ -176,7 +178,7 @@ class Agent:
             raise
         self.pending_eos = False
 
-    def _prefill_to(self, target: list[int], *, interruptible: bool = True):
+    def _prefill_to(self, target: list[int], *, interruptible: bool = True, what: str = ""):
         if len(target) >= self.cfg.ctx:
             raise ValueError(f"the conversation ({len(target)} tokens) does not fit the context of {self.cfg.ctx}")
         start = self.session.pos
@@ -187,9 +189,13 @@ class Agent:
         def progress(done, total):
             dt = max(time.perf_counter() - t0, 1e-9)
             tps = done / dt
-            self.emit(E.Prefill(done, total, tps, (total - done) / tps if tps else 0.0))
+            self.prefill_tps = tps                     # the status bar's figure is this prefill's
+            self.emit(E.Prefill(done, total, tps, (total - done) / tps if tps else 0.0, what))
+            self._status("prefill")
             return not (interruptible and done <= window and self._interrupt.is_set())
         self._status("prefill")
+        if len(target) > start:   # the bar shows at once: the first chunk alone can take seconds
+            self.emit(E.Prefill(0, len(target) - start, 0.0, 0.0, what))
         ok = self.session.sync(target, progress=progress if len(target) > start else None)
         if ok is False:
             raise Interrupted()
@@ -204,9 +210,10 @@ class Agent:
             raise ValueError(f"max_tokens must be at least 1, not {cap}")
         used = 0
         self._interrupt.clear()
+        self.gen_tps = self.prefill_tps = 0.0    # the status bar speaks of this turn from here on
         self.maybe_compact("soft limit before user turn")
         try:
-            self._append(prompts.USER + text + assistant_prefix(self.think_mode))
+            self._append(prompts.USER + text + assistant_prefix(self.think_mode), what="message")
         except Interrupted:
             # cancelled during the user message's prefill: the turn never happened
             self.emit(E.Notice("interrupted before the model started; the message was not sent", "warning"))
@@ -247,7 +254,8 @@ class Agent:
             # the model is not asked to continue, and the next user turn follows the results.
             tail = render_tool_results(m.content for m in results)
             try:
-                self._append(tail if stop else tail + assistant_prefix(self.think_mode), interruptible=False)
+                self._append(tail if stop else tail + assistant_prefix(self.think_mode), interruptible=False,
+                             what="tool results")
             except ValueError as e:
                 self.emit(E.Notice(str(e), "error"))
                 return self._finish(E.TurnFinished(False, "error", n_calls, answer))
@@ -269,10 +277,11 @@ class Agent:
         return result
 
     def _generate(self, *, think_mode: str | None = None, max_tokens: int | None = None,
-                  greedy: bool = False, stream_events: bool = True):
+                  greedy: bool = False, stream_events: bool | Callable = True):
         """Sample until EOS, the end of a tool block, the token cap or an interrupt. Every sampled
         token is evaluated into the timeline (ds4agent/generation.py). Returns (Parsed, interrupted);
-        a turn the cap cuts parses as "length", so the UI and headless mode say so."""
+        a turn the cap cuts parses as "length", so the UI and headless mode say so. stream_events:
+        forward the stream's events as the UI's deltas (True), drop them, or hand them to a callable."""
         mode = think_mode or self.think_mode
         stream = DsmlStream(mode, has_tools=True)
         # leave room for a compaction request and its summary, so a full context can still compact
@@ -280,11 +289,19 @@ class Agent:
         forced = self._forced.pop(0) if self._forced else None
         limit = room if forced is not None else min(max_tokens or self.cfg.max_turn_tokens, room)
         self._status("generating")
+        pos0, t0, shown = self.session.pos, time.perf_counter(), [time.perf_counter()]
+
+        def live_status():        # the status bar's speed and context while it generates, not after
+            now = time.perf_counter()
+            if now - shown[0] >= STATUS_EVERY_S:
+                shown[0] = now
+                self.gen_tps = (self.session.pos - pos0) / (now - t0)
+                self._status("generating")
+        sink = stream_events if callable(stream_events) else self._forward_events if stream_events else None
         res = generate(self.session, stream, sampling=GREEDY if greedy else self.cfg.sampling,
                        rng=self.rng, limit=limit, eos_id=self.tok.eos_id,
                        token_bytes=self.tok.token_bytes, forced=forced,
-                       should_stop=self._interrupt.is_set,
-                       on_events=self._forward_events if stream_events else None)
+                       should_stop=self._interrupt.is_set, before_token=live_status, on_events=sink)
         self.pending_eos = True   # the assistant turn is over: EOS opens the next append
         self._last_gen_tokens = res.n_tokens     # submit counts them against the turn's cap
         if res.elapsed > 0 and res.n_tokens:
@@ -347,9 +364,17 @@ class Agent:
         self._status("compacting")
         self.emit(E.Notice(f"compacting ({reason}): summarizing the conversation", "warning"))
         try:
-            self._append(prompts.USER + COMPACT_REQUEST.format(reason=reason) + assistant_prefix("none"))
+            self._append(prompts.USER + COMPACT_REQUEST.format(reason=reason) + assistant_prefix("none"),
+                         what="compaction request")
+            pos0, t0 = self.session.pos, time.perf_counter()
+
+            def show_summary(evs):   # the summary streams as it is written (its own event: not an answer)
+                text = "".join(ev.text for ev in evs if isinstance(ev, (prompts.TextDelta, prompts.ReasoningDelta)))
+                if text:
+                    n = self.session.pos - pos0
+                    self.emit(E.SummaryDelta(text, n, SUMMARY_MAX_TOKENS, n / max(time.perf_counter() - t0, 1e-9)))
             parsed, interrupted = self._generate(think_mode="none", max_tokens=SUMMARY_MAX_TOKENS,
-                                                 greedy=True, stream_events=False)
+                                                 greedy=True, stream_events=show_summary)
             summary = (parsed.content or "").split("</think>")[0].strip()
             if interrupted or not summary:
                 raise ValueError("the compaction summary was empty" if not interrupted else "interrupted")
@@ -361,7 +386,7 @@ class Agent:
                 text = text[: -len(assistant_prefix(self.think_mode))]
             self.pending_eos = False        # the rendered text already closes every assistant turn
             self.session.reset()
-            self._prefill_to(self.tok.encode(text), interruptible=False)
+            self._prefill_to(self.tok.encode(text), interruptible=False, what="compacted context")
         except (ValueError, Interrupted) as e:
             self.transcript, self.pending_eos = old_transcript, old_eos
             if self.session.tokens != old_tokens:
@@ -507,12 +532,10 @@ class Agent:
         return out
 
     def _status(self, busy: str = ""):
-        st = self.session.stats
         used, ctx = self.session.pos, self.cfg.ctx
         warn = f"context {100 * used // ctx}% full: compaction at {int(COMPACT_AT * 100)}%" if used >= WARN_AT * ctx else ""
         self.emit(E.Status(self.model_name, self.engine.backend, used, ctx,
-                           st["prefill_tokens"] / st["prefill_s"] if st["prefill_s"] else 0.0,
-                           self.gen_tps, self.session_name, self.cfg.think_mode, busy, warn))
+                           self.prefill_tps, self.gen_tps, self.session_name, self.cfg.think_mode, busy, warn))
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -562,6 +585,11 @@ def transcript_from_text(text: str) -> list[Message]:
         gen = rest.split(EOS_TEXT)[0]
         mode = "high" if gen.startswith("<think>") else "none"
         gen = gen[len("<think>"):] if gen.startswith("<think>") else gen[len("</think>"):] if gen.startswith("</think>") else gen
+        if mode == "high" and "</think>" not in gen:
+            # a turn stopped while it reasoned (Esc, the cap): all of it is reasoning (the parser,
+            # ds4's rule for a finished reply, would give an unclosed think block as the answer)
+            out.append(Message("assistant", "", gen))
+            continue
         parsed = prompts.parse_output(gen, mode)
         out.append(Message("assistant", parsed.content or "", parsed.reasoning,
                            [ToolCall(None, c.name, c.arguments_json, parsed.dsml) for c in parsed.tool_calls]))

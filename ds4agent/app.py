@@ -7,9 +7,11 @@
         tool call: arguments, approval, result (edits as coloured diffs, bash output + exit status)
     queue preview        messages typed while the model works, sent in order
     approval bar         y / n / a(lways) for bash, write, edit, git commit
-    prefill bar          ▶▶▶···  done/total  pct  t/s  ETA
+    progress bar         prefill (system prompt|message|...) ▶▶▶···  done/total  pct  t/s  ETA;
+                         a compaction's summary as it is written, tokens of at most 1024
     input                multi-line: Enter sends, Shift+Enter / Ctrl+J new line, Up/Down history
-    status bar           model · backend │ ctx used/total │ prefill t/s │ gen t/s │ session │ think │ state
+    status bar           state │ ctx used/total │ gen t/s │ prefill t/s │ think │ session │ model · backend
+                         (this turn's speeds, live; fields fitted to the width by priority)
 
 The engine never runs on the UI thread. AgentWorker owns the Agent (and so the Session); this app
 sends it lines and reads its events (ds4agent/events.py). Events arrive on the worker thread and go
@@ -34,16 +36,16 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.content import Content  # titles are plain text: a "[" in a tool result is not markup
 from textual.message import Message
 from textual.widget import Widget
-from textual.widgets import Collapsible, Static
+from textual.widgets import Static
 
 from engine.atomic import atomic_write
 
 from . import events as E
-from .tui_widgets import (HISTORY_MAX, Answer, ApprovalBar, InputArea, NoticeLine, Thinking, ToolView, UserMessage,
-                          call_header, fmt_secs, fmt_tokens, one_line, prefill_bar)
+from .tui_widgets import (HISTORY_MAX, Answer, ApprovalBar, InputArea, NoticeLine, StatusBar, SummaryView, Thinking,
+                          ToolView, UserMessage, fmt_secs, fmt_tokens, one_line, prefill_bar, replay_widgets,
+                          status_fields)
 from .worker import AgentWorker
 
 FLUSH_S = 1 / 30            # how often streamed events reach the screen at most
@@ -106,15 +108,22 @@ def instrument(make_agent: Callable) -> Callable:
             finally:
                 emit(End("user"))
 
+        nested = [0]
+
         def command(line):
+            if nested[0]:                # a command that runs another (/resume runs /switch): one item
+                return orig_command(line)
             emit(Begin("command", line))
             before = agent.transcript
             error = False
+            nested[0] += 1
             try:
                 out = orig_command(line)
             except Exception as e:
                 out, error = f"internal error: {e}", True
-            if agent.transcript is not before and line.split()[0].lower() in ("/switch", "/new"):
+            finally:
+                nested[0] -= 1
+            if agent.transcript is not before and line.split()[0].lower() in ("/switch", "/new", "/resume"):
                 emit(Timeline(list(agent.transcript)))
             emit(End("command", error))
             return out                   # the worker emits it as a Notice right after End
@@ -152,6 +161,7 @@ Screen { layout: vertical; }
 .tool-state { padding: 0 0 0 2; }
 .result-box { background: $boost; border-top: none; padding: 0; }
 .result-box Contents { padding: 0 0 0 2; }
+.summary { margin-bottom: 1; }
 .turn-end { color: $text-muted; text-style: italic; }
 .turn-end.bad { color: $warning; }
 #queue { height: auto; max-height: 4; color: $accent; padding: 0 1; display: none; }
@@ -204,6 +214,7 @@ class AgentApp(App):
         self._think: Thinking | None = None
         self._answer: Answer | None = None
         self._tools: dict[int, ToolView] = {}
+        self._summary: SummaryView | None = None   # a compaction's summary while it is written
         self._turn_t0 = 0.0
         self.turns_finished = 0        # tests and the screenshot wait on these
         self.events_seen: deque = deque(maxlen=10_000)
@@ -215,7 +226,7 @@ class AgentApp(App):
         yield Static(id="prefill")
         yield InputArea(self._load_history(), id="input")
         yield Static(id="warning")
-        yield Static(Text("loading the model…", style="dim"), id="status")
+        yield StatusBar(Text("loading the model…", style="dim"), id="status")
 
     async def on_mount(self):
         self._loop = asyncio.get_running_loop()
@@ -223,9 +234,7 @@ class AgentApp(App):
         self.transcript.anchor()
         self.input = self.query_one("#input", InputArea)
         self.input.focus()
-        if self.banner:
-            await self._add(Static(Text(self.banner, style="bold"), classes="banner"))
-        await self._add(NoticeLine(KEYS_HINT, "info"))
+        await self._add_header()
         self.worker = self._worker_factory(instrument(self._make_agent), self._emit)
 
     # -- events from the worker thread ---------------------------------------------------------------
@@ -275,8 +284,11 @@ class AgentApp(App):
             await self._think.add(ev.text)
         elif isinstance(ev, E.Prefill):
             bar = self.query_one("#prefill", Static)
-            bar.update(prefill_bar(ev.done, ev.total, ev.tokens_per_s, ev.eta_s))
+            bar.update(prefill_bar(ev.done, ev.total, ev.tokens_per_s, ev.eta_s, what=ev.what,
+                                   width=bar.content_size.width or self.size.width - 2))
             bar.display = ev.done < ev.total
+        elif isinstance(ev, E.SummaryDelta):
+            await self._summary_delta(ev)
         elif isinstance(ev, E.Status):
             self._show_status(ev)
         elif isinstance(ev, E.ToolStarted):
@@ -297,11 +309,7 @@ class AgentApp(App):
         elif isinstance(ev, E.TurnFinished):
             await self._turn_finished(ev)
         elif isinstance(ev, E.Compacted):
-            await self._add(NoticeLine(f"context compacted: {fmt_tokens(ev.before_tokens)} → "
-                                       f"{fmt_tokens(ev.after_tokens)} tokens", "warning"))
-            if ev.summary:
-                await self._add(Collapsible(Static(Text(ev.summary, style="dim")), title="summary kept",
-                                            collapsed=True, classes="result-box"))
+            await self._compacted(ev)
         elif isinstance(ev, E.Notice):
             await self._notice(ev)
         elif isinstance(ev, Ready):
@@ -311,6 +319,7 @@ class AgentApp(App):
             pass
         elif isinstance(ev, End):
             await self._close_stream()
+            self._close_summary(None)
             await self._drop_approval()
             self.query_one("#prefill", Static).display = False
             if ev.kind == "command":
@@ -335,11 +344,53 @@ class AgentApp(App):
             return
         if ev.level == "error" and not self.ready and self.worker is not None and self.worker.failed:
             self._set_status(Text(f"could not start: {self.worker.failed}", style="bold red"))
+        if ev.level == "error" and ev.text.startswith("compaction failed"):
+            self._close_summary(None)
         await self._add(NoticeLine(ev.text, ev.level))
+
+    # -- compaction: the summary streams into its own block, the bar counts its tokens -----------------
+    async def _summary_delta(self, ev: E.SummaryDelta):
+        if self._summary is None:
+            await self._close_stream()
+            self._summary = SummaryView()
+            await self._add(self._summary)
+        self._summary.add(ev.text)
+        bar = self.query_one("#prefill", Static)
+        bar.update(prefill_bar(ev.tokens, ev.max_tokens, ev.tokens_per_s, 0.0, label="summary",
+                               unit=" tokens", hint="at most; Esc stops it",
+                               width=bar.content_size.width or self.size.width - 2))
+        bar.display = True
+
+    async def _compacted(self, ev: E.Compacted):
+        if self._summary is None and ev.summary:       # nothing was streamed: show the kept summary
+            self._summary = SummaryView()
+            await self._add(self._summary)
+        self._close_summary(ev.summary)
+        await self._add(NoticeLine(f"context compacted: {fmt_tokens(ev.before_tokens)} → "
+                                   f"{fmt_tokens(ev.after_tokens)} tokens", "warning"))
+
+    def _close_summary(self, kept: str | None):
+        if self._summary is not None:
+            self._summary.done(kept)
+            self._summary = None
+            self.query_one("#prefill", Static).display = False
 
     # -- transcript helpers ------------------------------------------------------------------------
     async def _add(self, widget: Widget):
         await self.transcript.mount(widget)
+
+    async def _add_header(self):
+        """The banner and the keys: at the top of every view (a /new, a /switch, Ctrl+L keep them)."""
+        if self.banner:
+            await self._add(Static(Text(self.banner, style="bold"), classes="banner header"))
+        await self._add(NoticeLine(KEYS_HINT, "info"))
+        self.transcript.children[-1].add_class("header")
+
+    async def _clear_transcript(self):
+        await self.transcript.remove_children()
+        await self._add_header()
+        self._think = self._answer = self._summary = None
+        self._tools = {}
 
     async def _close_thinking(self, collapse: bool):
         if self._think is not None:
@@ -371,36 +422,10 @@ class AgentApp(App):
                                classes="turn-end bad" if bad else "turn-end"))
 
     async def _replay(self, messages: list):
-        """Draw a switched-to (or new) timeline from its messages, nothing streamed."""
-        await self.transcript.remove_children()
-        self._think = self._answer = None
-        self._tools = {}
-        body = [m for m in messages if m.role != "system"]
-        if len(body) > REPLAY_MESSAGES:
-            await self._add(NoticeLine(f"... {len(body) - REPLAY_MESSAGES} earlier messages", "info"))
-            body = body[-REPLAY_MESSAGES:]
-        widgets: list[Widget] = []
-        for m in body:
-            if m.role == "user":
-                widgets.append(UserMessage(m.content))
-            elif m.role == "assistant":
-                if m.reasoning:
-                    th = Thinking(m.reasoning, collapsed=True)
-                    th.title = Content(f"thinking ({len(m.reasoning)} chars)")
-                    widgets.append(th)
-                if m.content:
-                    widgets.append(Answer(m.content))
-                for c in m.tool_calls:
-                    try:
-                        args = json.loads(c.arguments_json) if c.arguments_json else {}
-                    except (ValueError, TypeError):
-                        args = {"arguments": c.arguments_json}
-                    widgets.append(Static(call_header(c.name, args if isinstance(args, dict) else {}),
-                                          classes="tool"))
-            elif m.role == "tool":
-                first = one_line(m.content.splitlines()[0] if m.content.strip() else "(empty)", 100)
-                widgets.append(Collapsible(Static(Text(m.content, style="dim")), title=Content(f"result: {first}"),
-                                           collapsed=True, classes="result-box"))
+        """Draw a switched-to (or new) timeline as it looked live: reasoning folded, tool calls as
+        tool blocks with their results (tui_widgets.replay_widgets); nothing streamed."""
+        await self._clear_transcript()
+        widgets = replay_widgets(messages, REPLAY_MESSAGES)
         if widgets:
             await self.transcript.mount_all(widgets)
         self.transcript.anchor()
@@ -512,33 +537,15 @@ class AgentApp(App):
         self.status = st
         busy = "waiting for your approval" if self.approval is not None else \
             st.busy or ("working" if self.busy and self.ready else "idle")
-        sep = (" │ ", "dim")
-        t = Text()
-        t.append("● " + busy, style="bold magenta" if busy != "idle" else "green")
-        t.append(*sep)
-        pct = 100 * st.ctx_used / st.ctx_total if st.ctx_total else 0
-        t.append(f"ctx {fmt_tokens(st.ctx_used)}/{fmt_tokens(st.ctx_total)} {pct:.0f}%",
-                 style="bold yellow" if st.warning else "")
-        t.append(*sep)
-        t.append(f"prefill {st.prefill_tps:,.0f} t/s")
-        t.append(*sep)
-        t.append(f"gen {st.gen_tps:.1f} t/s")
-        t.append(*sep)
-        t.append(f"session {st.session}")
-        t.append(*sep)
-        t.append(f"think {st.think_mode}")
-        t.append(*sep)
-        t.append(st.model, style="bold")
-        t.append(f" · {st.backend}")
-        self._set_status(t)
+        self.query_one("#status", StatusBar).show_fields(status_fields(st, busy))
         warn = self.query_one("#warning", Static)
         warn.update(Text("⚠ " + st.warning) if st.warning else "")
         warn.display = bool(st.warning)
-        if st.busy != "prefill":
+        if st.busy != "prefill" and self._summary is None:   # (a summary's bar stays while it is written)
             self.query_one("#prefill", Static).display = False
 
     def _set_status(self, t: Text):
-        self.query_one("#status", Static).update(t)
+        self.query_one("#status", StatusBar).show_text(t)
 
     # -- actions -----------------------------------------------------------------------------------
     async def action_interrupt(self):
@@ -579,9 +586,7 @@ class AgentApp(App):
                 b.collapsed = collapse
 
     async def action_clear_screen(self):
-        await self.transcript.remove_children()
-        self._think = self._answer = None
-        self._tools = {}
+        await self._clear_transcript()
 
     # -- history file ------------------------------------------------------------------------------
     def _load_history(self) -> list[str]:
@@ -613,12 +618,15 @@ class AgentApp(App):
 
 
 def coalesce(evs: list) -> list:
-    """Merge runs of text deltas of the same kind; keep only the last of a run of Prefill/Status."""
+    """Merge runs of text (reasoning, answer, summary) deltas of the same kind; keep only the last of
+    a run of Prefill/Status."""
     out: list = []
     for ev in evs:
         prev = out[-1] if out else None
         if isinstance(ev, (E.TextDelta, E.ReasoningDelta)) and type(prev) is type(ev):
             out[-1] = type(ev)(prev.text + ev.text)
+        elif isinstance(ev, E.SummaryDelta) and type(prev) is type(ev):
+            out[-1] = E.SummaryDelta(prev.text + ev.text, ev.tokens, ev.max_tokens, ev.tokens_per_s)
         elif isinstance(ev, (E.Prefill, E.Status)) and type(prev) is type(ev):
             out[-1] = ev
         else:

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class Prefill:               # after each prefill chunk
+class Prefill:               # before the first prefill chunk (done 0), then after each one
     done: int
     total: int
     tokens_per_s: float
     eta_s: float
+    what: str = ""           # "system prompt", "message", "tool results", "compaction request", "compacted context"
 
 
 @dataclass
@@ -58,8 +59,8 @@ class Status:                    # context, speeds, session, mode: for the statu
     backend: str
     ctx_used: int
     ctx_total: int
-    prefill_tps: float
-    gen_tps: float
+    prefill_tps: float           # this turn's latest prefill (0: none yet this turn)
+    gen_tps: float               # this turn's generation, live (0: no token yet this turn)
     session: str
     think_mode: str
     busy: str = ""               # "", "prefill", "generating", "tool", "saving", "compacting"
@@ -78,6 +79,14 @@ class TurnFinished:
 class Notice:                    # a line for the transcript (command output, saves, errors)
     text: str
     level: str = "info"          # info | warning | error
+
+
+@dataclass
+class SummaryDelta:              # compaction: the summary as it is written (not part of any answer)
+    text: str
+    tokens: int                  # written so far ...
+    max_tokens: int              # ... of at most this many
+    tokens_per_s: float
 
 
 @dataclass

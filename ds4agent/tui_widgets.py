@@ -1,11 +1,14 @@
-"""The TUI's pieces below the app: the formatting of counts, bars, diffs and tool calls, and the
-transcript widgets (user message, notice, thinking, answer, tool call, approval bar) and the
-input area with its history. ds4agent/app.py lays them out and feeds them the agent's events.
+"""The TUI's pieces below the app: the formatting of counts, bars, diffs and tool calls, the status
+bar (its fields fitted to the terminal's width by priority), the transcript widgets (user message,
+notice, thinking, answer, tool call, compaction summary, approval bar) and the input area with its
+history. ds4agent/app.py lays them out and feeds them the agent's events.
 """
 from __future__ import annotations
 
 import json
+import re
 import time
+from dataclasses import dataclass
 
 from rich.text import Text
 from textual import events
@@ -21,6 +24,7 @@ from . import events as E
 HISTORY_MAX = 512
 SHOW_DIFF_LINES = 400       # longer diffs and outputs are cut on screen (the model got its own copy)
 SHOW_OUTPUT_LINES = 200
+_EXIT = re.compile(r"finished after [0-9.]+ s: (?:.*?)exit (?:status |code )?(-?[0-9]+)")
 
 
 # -- formatting -------------------------------------------------------------------------------------
@@ -40,19 +44,130 @@ def fmt_secs(s: float) -> str:
     return f"{m}m{s:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
 
 
-def prefill_bar(done: int, total: int, tps: float, eta: float, cells: int = 24) -> Text:
-    frac = done / total if total else 1.0
-    filled = max(1 if done < total else cells, int(frac * cells)) if total else cells
-    t = Text("prefill ", style="bold")
-    t.append("▶" * filled, style="bold magenta")
-    t.append("·" * (cells - filled), style="dim")
-    t.append(f" {done}/{total} {100 * frac:.0f}%")
-    if tps:
-        t.append(f"  {tps:,.0f} t/s", style="cyan")
-    if done < total and tps:
-        t.append(f"  ETA {fmt_secs(eta)}", style="yellow")
-    t.append("   Esc stops it", style="dim")
+def prefill_bar(done: int, total: int, tps: float, eta: float, cells: int = 24, *, label: str = "prefill",
+                what: str = "", width: int = 0, hint: str = "Esc stops it", unit: str = "") -> Text:
+    """One line: `label (what) ▶▶▶··· done/total pct  t/s  ETA  hint`. Within `width` (0: any) the
+    hint goes first, then the bar narrows, then `what`."""
+    def line(cells: int, what: str, hint: str) -> Text:
+        frac = min(done / total, 1.0) if total else 1.0
+        filled = max(1 if done < total else cells, int(frac * cells)) if total else cells
+        t = Text(label + (f" ({what})" if what else "") + " ", style="bold")
+        t.append("▶" * filled, style="bold magenta")
+        t.append("·" * (cells - filled), style="dim")
+        t.append(f" {done}/{total}{unit} {100 * frac:.0f}%")
+        if tps:
+            t.append(f"  {tps:,.0f} t/s" if tps >= 100 else f"  {tps:.1f} t/s", style="cyan")
+        if done < total and tps:
+            t.append(f"  ETA {fmt_secs(eta)}", style="yellow")
+        if hint:
+            t.append("   " + hint, style="dim")
+        return t
+    for c, w, h in ((cells, what, hint), (cells, what, ""), (12, what, ""), (6, what, ""), (6, "", "")):
+        t = line(c, w, h)
+        if not width or t.cell_len <= width:
+            return t
     return t
+
+
+# -- the status bar ---------------------------------------------------------------------------------
+@dataclass
+class Field:
+    """One field of the status bar. forms[i] is shown from narrowing step steps[i] on (steps[0] is
+    0: the full form); from step `drop` on it is left out (None: never). sep goes before it."""
+    forms: list[str]
+    steps: list[int]
+    drop: int | None = None
+    style: str = ""
+    sep: str = " │ "
+
+    def at(self, step: int) -> str | None:
+        if self.drop is not None and step >= self.drop:
+            return None
+        return self.forms[max(i for i, s in enumerate(self.steps) if s <= step)]
+
+
+STATE_SHORT = {"waiting for your approval": "approval", "generating": "gen", "compacting": "compact"}
+NARROWEST = 15
+
+
+def short_model(name: str, n: int) -> str:
+    """A model file name in n cells: whole if it fits, else without .gguf and cut in the middle
+    (ds4's names end with the recipe)."""
+    if len(name) <= n:
+        return name
+    name = name[:-5] if name.endswith(".gguf") else name
+    if len(name) <= n:
+        return name
+    head = (n - 1) * 2 // 3
+    return name[:head] + "…" + name[len(name) - (n - 1 - head):]
+
+
+def status_fields(st: E.Status, state: str) -> list[Field]:
+    """The status bar's fields in the order shown. As the terminal narrows, step by step (the
+    numbers below): the prefill speed is shortened (1), then left out (2); the session likewise
+    (3, 4); the model name is shortened (5), the context (6) and the generation speed (7); the
+    backend goes (8); the state (9) and the thinking mode (10) are shortened; the model (11), the
+    generation speed (12), the thinking mode (13) and the context (14) go. The state always stays."""
+    pct = 100 * st.ctx_used / st.ctx_total if st.ctx_total else 0
+    gen = f"{st.gen_tps:.1f} t/s" if st.gen_tps else "–"
+    pre = f"{st.prefill_tps:,.0f} t/s" if st.prefill_tps else "–"
+    return [
+        Field(["● " + state, "● " + STATE_SHORT.get(state, state)], [0, 9],
+              style="bold magenta" if state != "idle" else "green", sep=""),
+        Field([f"ctx {fmt_tokens(st.ctx_used)}/{fmt_tokens(st.ctx_total)} {pct:.0f}%", f"ctx {pct:.0f}%"], [0, 6], 14,
+              style="bold yellow" if st.warning else ""),
+        Field([f"gen {gen}", gen], [0, 7], 12),
+        Field([f"prefill {pre}", f"pp {pre}"], [0, 1], 2),
+        Field([f"think {st.think_mode}", st.think_mode], [0, 10], 13),
+        Field([f"session {st.session}", f"session {st.session[:8]}"], [0, 3], 4),
+        Field([short_model(st.model, 32), short_model(st.model, 16)], [0, 5], 11, style="bold"),
+        Field([st.backend], [0], 8, sep=" · "),
+    ]
+
+
+def fit_status(fields: list[Field], width: int) -> Text:
+    """The fields in `width` cells: the first narrowing step at which they fit (see status_fields);
+    what still does not fit is cut at the end."""
+    def text(step: int) -> Text:
+        t = Text()
+        for f in fields:
+            form = f.at(step)
+            if form is not None:
+                if len(t):
+                    t.append(f.sep, style="dim")
+                t.append(form, style=f.style)
+        return t
+    for step in range(NARROWEST + 1):
+        t = text(step)
+        if t.cell_len <= width:
+            return t
+    t.truncate(max(width, 1), overflow="ellipsis")
+    return t
+
+
+class StatusBar(Static):
+    """The status bar: a line of text (loading, errors) or the agent's Status fitted to the width,
+    fitted again whenever the terminal is resized."""
+
+    def __init__(self, text: Text | str = "", **kw):
+        super().__init__(text, **kw)
+        self.fields: list[Field] | None = None
+
+    def show_fields(self, fields: list[Field]):
+        self.fields = fields
+        self.update(fit_status(fields, self._width()))
+
+    def show_text(self, text: Text | str):
+        self.fields = None
+        self.update(text)
+
+    def _width(self) -> int:
+        w = self.content_size.width
+        return w if w > 0 else max(self.app.size.width - 2, 1)   # not laid out yet: the screen's
+
+    def on_resize(self):
+        if self.fields is not None:
+            self.update(fit_status(self.fields, self._width()))
 
 
 def diff_text(diff: str, limit: int = SHOW_DIFF_LINES) -> Text:
@@ -149,10 +264,12 @@ class NoticeLine(Static):
 
 class Thinking(Collapsible):
     """Reasoning: dimmed, collapsible, streamed a paragraph per Static (so an update re-renders one
-    paragraph, not the whole block)."""
+    paragraph, not the whole block). Given `text` (a restored turn), it is drawn folded, as a
+    finished block is live (without the time: a saved session does not keep it)."""
 
     def __init__(self, text: str = "", collapsed: bool = False):
-        super().__init__(title="thinking…", collapsed=collapsed, classes="thinking")
+        super().__init__(title=f"thought ({len(text)} chars)" if text else "thinking…",
+                         collapsed=collapsed, classes="thinking")
         self.t0 = time.perf_counter()
         self.chars = 0
         self._cur: Static | None = None
@@ -213,13 +330,15 @@ class Answer(Markdown):
 
 
 class ToolView(Vertical):
-    """One tool call: its arguments, then the approval state, then its result."""
+    """One tool call: its arguments, then the approval state, then its result. `restored`: the
+    result of a call in a saved session, shown once mounted (see restored_result)."""
 
-    def __init__(self, name: str, args: dict):
+    def __init__(self, name: str, args: dict, restored: E.ToolFinished | None = None):
         super().__init__(classes="tool")
         self.tool_name, self.args = name, args
         self.finished: E.ToolFinished | None = None
         self.answer = ""           # what the user said when asked: "y", "always", "n" ("" not asked)
+        self._restored = restored
 
     def compose(self) -> ComposeResult:
         yield Static(call_header(self.tool_name, self.args), classes="tool-head")
@@ -227,10 +346,12 @@ class ToolView(Vertical):
         yield Static(prev if prev is not None else "", classes="tool-body")
         yield Static("", classes="tool-state")
 
-    def on_mount(self):
+    async def on_mount(self):
         body = self.query_one(".tool-body", Static)
         body.display = bool(str(body.content))
         self.query_one(".tool-state", Static).display = False
+        if self._restored is not None:
+            await self.finish(self._restored)
 
     def set_state(self, text: Text | str):
         st = self.query_one(".tool-state", Static)
@@ -278,6 +399,87 @@ class ToolView(Vertical):
             self.set_state("")
             await self.mount(Collapsible(Static(Text(out, style="dim"), classes="result"),
                                          title=Content(f"✓ {first} ({n} lines)"), collapsed=True, classes="result-box"))
+
+
+def restored_result(index: int, name: str, args: dict, text: str) -> E.ToolFinished:
+    """A saved session keeps what the model read of a result, not its diff or exit status: they
+    are read back where the text says them (a refusal, an error, a bash job's exit); an edit's
+    change is drawn from its arguments (old lines red, new green)."""
+    refused = text.startswith("error: the user did not approve")
+    ok = not text.startswith("error:")
+    exit_status = None
+    if name == "bash":
+        m = _EXIT.search(text.split("\n", 1)[0])
+        if m:
+            exit_status = int(m.group(1))
+    diff = None
+    if name == "edit" and ok and not refused and ("old" in args or "new" in args):   # its change, as asked
+        diff = "".join(f"-{line}\n" for line in str(args.get("old", "")).splitlines()) + \
+            "".join(f"+{line}\n" for line in str(args.get("new", "")).splitlines())
+    return E.ToolFinished(index, name, args, ok, text, diff or None, exit_status, not refused)
+
+
+def replay_widgets(messages: list, limit: int) -> list:
+    """The widgets of a restored timeline (after /switch, --resume), the last `limit` messages:
+    each turn as it was drawn live: the user's message, its reasoning folded, the answer, each
+    tool call as a tool block with its result."""
+    body = [m for m in messages if m.role != "system"]
+    out: list = []
+    if len(body) > limit:
+        out.append(NoticeLine(f"... {len(body) - limit} earlier messages", "info"))
+        body = body[-limit:]
+    calls: list[tuple[str, dict]] = []       # the last assistant turn's calls, answered in order below
+    for m in body:
+        if m.role != "tool":                  # calls asked for and never answered (the turn stopped)
+            out.extend(ToolView(name, args) for name, args in calls)
+            calls = []
+        if m.role == "user":
+            out.append(UserMessage(m.content))
+        elif m.role == "assistant":
+            if m.reasoning:
+                out.append(Thinking(m.reasoning, collapsed=True))
+            if m.content:
+                out.append(Answer(m.content))
+            for c in m.tool_calls:
+                try:
+                    args = json.loads(c.arguments_json) if c.arguments_json else {}
+                except (ValueError, TypeError):
+                    args = {"arguments": c.arguments_json}
+                calls.append((c.name, args if isinstance(args, dict) else {"arguments": args}))
+        elif m.role == "tool":
+            if calls:
+                name, args = calls.pop(0)
+                out.append(ToolView(name, args, restored_result(len(out), name, args, m.content)))
+            else:                             # a result whose call is out of view (or was not parsed)
+                first = one_line(m.content.splitlines()[0] if m.content.strip() else "(empty)", 100)
+                out.append(Collapsible(Static(Text(m.content, style="dim")), title=Content(f"result: {first}"),
+                                       collapsed=True, classes="result-box"))
+    out.extend(ToolView(name, args) for name, args in calls)
+    return out
+
+
+class SummaryView(Collapsible):
+    """A compaction's summary: open and streamed while it is written, folded once kept."""
+
+    def __init__(self):
+        body = Static("", classes="summary-body")
+        super().__init__(body, title="summary (being written…)", collapsed=False, classes="result-box summary")
+        self.text = ""
+        self._body = body
+
+    def add(self, text: str):
+        self.text += text
+        self._body.update(Text(self.text.lstrip("\n"), style="dim"))
+
+    def done(self, kept: str | None):
+        """kept: the summary the agent kept (None: the compaction failed, what was written is not used)."""
+        if kept is not None:
+            self.text = kept
+            self._body.update(Text(kept, style="dim"))
+            self.title = Content(f"summary kept ({len(kept)} chars)")
+        else:
+            self.title = Content("summary not used (the compaction failed)")
+        self.collapsed = True
 
 
 class ApprovalBar(Static, can_focus=True):

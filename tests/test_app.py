@@ -189,6 +189,8 @@ async def test_plain_turn_streams_and_updates_status(env, project, tmp_path):
             agent = app.worker.agent
             assert app.status.ctx_used == agent.session.pos > start_used
             assert app.status.session != "new"           # autosaved under its sha
+            await pilot.resize_terminal(140, SIZE[1])     # wide enough for every field of the status bar
+            await pilot.pause(0.1)
             bar = status_text(app)
             for part in (f"ctx {fmt_tokens(agent.session.pos)}/8.2k", "gen ", "prefill ",
                          f"session {app.status.session}", "think none", "tiny-q2.gguf", "idle"):
