@@ -1,7 +1,8 @@
 """`ds4-agent -p TASK`: one task to completion without a UI, for scripts and CI.
 
 The answer goes to stdout as it streams. The reasoning streams to stderr (dimmed when stderr is a
-terminal; `quiet` hides it), so a thinking model shows it is working long before the answer.
+terminal; `quiet` hides it), so a thinking model shows it is working long before the answer; on a
+terminal a live line shows a prefill's progress.
 Tool calls and notices go to stderr too. Tools that need approval run only with --yolo (a
 headless run cannot ask). Exit status 0 when the model finished its answer and the session was
 saved, 1 on an error, an interruption, the token cap, a session that could not be saved or a
@@ -30,8 +31,14 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
     out, err = out or sys.stdout, err or sys.stderr
     dim = _is_tty(err)
     calls: list[str] = []
-    said: set[str] = set()           # a failure repeated (the turn's save, then the exit's) is said once
-    state = {"finished": None, "thinking": False}
+    said: set[str] = set()
+    state = {"finished": None, "thinking": False, "live": False}
+
+    def end_live():
+        # the prefill's live line is overwritten in place; cleared before anything else is written
+        if state["live"]:
+            err.write("\r\x1b[K")
+            state["live"] = False
 
     def end_thinking():
         # the reasoning block ends on its own line, out of the dim colour, before anything else on stderr
@@ -41,35 +48,42 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
             state["thinking"] = False
 
     def emit(ev):
+        if isinstance(ev, E.Prefill):
+            # a long prefill (the system prompt on a first start, a big message) is minutes of
+            # silence on the real model: on a terminal one line says how far it is
+            if dim and not quiet and ev.total:
+                eta = f", {ev.eta_s:.0f} s left" if ev.tokens_per_s else ""
+                err.write(f"\r\x1b[K{DIM}prefill {ev.done}/{ev.total} tokens"
+                          f"{f' ({ev.tokens_per_s:.0f} t/s{eta})' if ev.tokens_per_s else ''}{PLAIN}")
+                err.flush()
+                state["live"] = True
+            return
         if isinstance(ev, E.ReasoningDelta):
             if quiet or not ev.text:
                 return
+            end_live()
             if not state["thinking"]:
                 err.write(DIM if dim else "")
                 state["thinking"] = True
             err.write(ev.text)
             err.flush()
             return
-        end_thinking()
-        if isinstance(ev, E.TextDelta):
-            out.write(ev.text)
-            out.flush()
-        elif isinstance(ev, E.ToolStarted):
-            err.write(f"\n[tool] {ev.name} {json.dumps(ev.arguments, ensure_ascii=False)[:300]}\n")
-        elif isinstance(ev, E.ToolFinished):
-            status = "ok" if ev.ok else ("refused" if not ev.approved else "failed")
-            calls.append(f"{ev.name}: {status}" + (f" (exit {ev.exit_status})" if ev.exit_status is not None else ""))
-            err.write(f"[tool] {ev.name} -> {status}\n")
-        elif isinstance(ev, E.ApprovalNeeded):
-            err.write(f"[approval] {ev.summary}: refused (headless; use --yolo to allow)\n")
-            worker.answer("n")
-        elif isinstance(ev, E.Notice) and ev.level != "info":
-            line = f"[{ev.level}] {ev.text}\n"
-            if line not in said:
-                said.add(line)
-                err.write(line)
-        elif isinstance(ev, E.TurnFinished):
+        if isinstance(ev, E.TurnFinished):
             state["finished"] = ev
+            return
+        if isinstance(ev, E.ApprovalNeeded):
+            worker.answer("n")
+        text = _line(ev, calls)
+        if text is None:
+            return
+        if isinstance(ev, E.Notice):
+            if text in said:          # a failure repeated (the turn's save, then the exit's): once
+                return
+            said.add(text)
+        end_live()
+        end_thinking()
+        (out if isinstance(ev, E.TextDelta) else err).write(text)
+        (out if isinstance(ev, E.TextDelta) else err).flush()
 
     worker = AgentWorker(make_agent, emit)
     worker.ready.wait()
@@ -80,6 +94,7 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
         worker.send_command("/resume" if resume is True else f"/switch {resume}")
     worker.send_user(task)
     worker.stop(timeout=None)
+    end_live()
     end_thinking()
     fin = state["finished"]
     out.write("\n")
@@ -91,3 +106,21 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
     # the turn's save and the exit's both failed (said once above, as "save failed: ...")
     unsaved = agent is not None and agent.store is not None and agent.cfg.autosave and agent.modified
     return 0 if fin.finish_reason == "stop" and not fin.interrupted and not unsaved else 1
+
+
+def _line(ev, calls: list[str]) -> str | None:
+    """What an event prints (stdout for answer text, stderr for the rest), or None; a finished
+    tool call also goes into the summary."""
+    if isinstance(ev, E.TextDelta):
+        return ev.text or None
+    if isinstance(ev, E.ToolStarted):
+        return f"\n[tool] {ev.name} {json.dumps(ev.arguments, ensure_ascii=False)[:300]}\n"
+    if isinstance(ev, E.ToolFinished):
+        status = "ok" if ev.ok else ("refused" if not ev.approved else "failed")
+        calls.append(f"{ev.name}: {status}" + (f" (exit {ev.exit_status})" if ev.exit_status is not None else ""))
+        return f"[tool] {ev.name} -> {status}\n"
+    if isinstance(ev, E.ApprovalNeeded):
+        return f"[approval] {ev.summary}: refused (headless; use --yolo to allow)\n"
+    if isinstance(ev, E.Notice) and ev.level != "info":
+        return f"[{ev.level}] {ev.text}\n"
+    return None

@@ -192,3 +192,39 @@ def test_a_session_that_cannot_be_saved_is_said_once_and_fails_the_run(engine, p
     assert rc == 1 and out.getvalue().strip() == "done"
     assert err.getvalue().count("save failed") == 1, err.getvalue()
     assert "finished: stop" in err.getvalue()
+
+
+# -- what stderr shows between the events -----------------------------------------------------------
+class ScriptedAgent:
+    """Stands in for Agent in run_headless: emits a fixed list of events for the turn."""
+
+    def __init__(self, emit, events):
+        self.emit, self.events = emit, events
+        self.store, self.modified, self.cfg = None, False, AgentConfig()
+
+    def start(self):
+        pass
+
+    def submit(self, text):
+        for ev in self.events:
+            self.emit(ev)
+
+    def save_on_exit(self):
+        pass
+
+
+def test_prefill_line_and_one_unbroken_reasoning_block_on_a_terminal():
+    status = E.Status("m", "numpy", 10, 100, 0.0, 0.0, "new", "high", "generating")
+    events = [E.Prefill(0, 900, 0.0, 0.0), E.Prefill(450, 900, 90.0, 5.0), E.ReasoningDelta("weigh"),
+              status, E.ReasoningDelta("ing "), E.Notice("saved", "info"), E.ReasoningDelta("it"),
+              E.TextDelta("Answer."), E.TurnFinished()]
+    out, err = io.StringIO(), TTY()
+    assert run_headless(lambda emit: ScriptedAgent(emit, events), "t", out=out, err=err) == 0
+    e = err.getvalue()
+    assert "prefill 450/900 tokens (90 t/s, 5 s left)" in e
+    assert e.index("\r\x1b[K", e.index("prefill 450")) < e.index("weigh")      # the line is cleared first
+    assert f"{DIM}weighing it\x1b[0m\n" in e          # status and info notices do not break the block
+    assert out.getvalue() == "Answer.\n"
+    out, err = io.StringIO(), io.StringIO()          # not a terminal: no live line, no colour
+    run_headless(lambda emit: ScriptedAgent(emit, events), "t", out=out, err=err)
+    assert "prefill" not in err.getvalue() and "\x1b" not in err.getvalue() and "weighing it\n" in err.getvalue()
