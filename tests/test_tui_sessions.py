@@ -159,3 +159,45 @@ def test_run_app_resumes_the_chosen_session_and_prints_the_way_back(monkeypatch,
     assert "ds4-agent --resume work" in capsys.readouterr().out
     app_mod.run_app(lambda emit: None, resume=True, history_path=None)
     assert made["initial"] == ["/resume"]
+
+
+# -- the agent's side, without the screen -----------------------------------------------------------
+def _agent(env, **kw):
+    agent = make_factory(env, **kw)(lambda ev: None)
+    agent.start()                      # from the module's cached system prefix
+    return agent
+
+
+def test_deleting_the_session_you_are_in_is_not_undone_by_leaving(env, project):
+    agent = _agent(env, max_turn_tokens=4)
+    agent.force("a1")
+    agent.submit("q1")                 # autosaved
+    sha = agent.current_sha
+    out = agent.command(f"/delete {sha[:8]}")
+    assert out.startswith(f"deleted session {sha[:8]}") and "the session you are in" in out
+    agent.save_on_exit()
+    assert agent.exit_save is None and agent.farewell() == ""
+    assert sha not in {r.sha for r in agent.store.list("all")}
+    agent.force("a2")
+    agent.submit("q2")                 # continuing it saves it again, as a new session
+    assert agent.current_sha not in (None, sha)
+    assert "usage: /delete" in agent.command("/delete")
+
+
+@pytest.mark.slow
+def test_the_name_follows_a_compaction(env, project):
+    """A compaction rebuilds the timeline (its text no longer extends the saved one): the agent
+    tells the store which session it continues, so the name comes along."""
+    agent = _agent(env, max_turn_tokens=4)
+    for i in range(2):
+        agent.force(f"answer {i}")
+        agent.submit(f"question {i}")
+    assert "as compacted-work" in agent.command("/save compacted-work")
+    before = agent.current_sha
+    agent.force("SUMMARY: two questions.")
+    assert agent.compact("test")
+    agent.force("after")
+    agent.submit("go on")
+    held = agent.store.resolve("compacted-work")
+    assert held.sha == agent.current_sha != before and held.parent is None
+    assert agent.store.info(before[:8]).earlier_of == "compacted-work"
