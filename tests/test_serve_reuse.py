@@ -59,8 +59,9 @@ class Live:
         self.n = 0
 
     def evaluated(self) -> int:
-        st = self.worker.session.stats
-        return st["prefill_tokens"] + st["decode_tokens"]
+        # every slot's session (with --slots N a request may run on any of them)
+        return sum(s.session.stats["prefill_tokens"] + s.session.stats["decode_tokens"]
+                   for s in self.worker.slots)
 
     def last(self) -> dict:
         deadline = time.monotonic() + 10

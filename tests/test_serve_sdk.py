@@ -49,9 +49,10 @@ class Server:
         self._seen = 0
 
     def evaluated(self) -> int:
-        """Tokens the session has run through the model so far (prefill chunks and single steps)."""
-        st = self.worker.session.stats
-        return st["prefill_tokens"] + st["decode_tokens"]
+        """Tokens the sessions have run through the model so far (prefill chunks and single steps)."""
+        # every slot's session (with --slots N a request may run on any of them)
+        return sum(s.session.stats["prefill_tokens"] + s.session.stats["decode_tokens"]
+                   for s in self.worker.slots)
 
     def records(self) -> list[dict]:
         path = self.shim.cfg.trace
