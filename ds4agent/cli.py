@@ -146,7 +146,10 @@ def check_ctx(ctx: int, model_file, think: str, project: Path) -> str | None:
     # the usual context (65536 against ~15 kB) needs no tokenizer here
     if ctx >= len(text.encode("utf-8")) + room:
         return None
-    n = len(Tokenizer.from_metadata(model_file.tokenizer).encode(text))
+    try:
+        n = len(Tokenizer.from_metadata(model_file.tokenizer).encode(text))
+    except Exception as e:   # metadata nobody here wrote: a tokenizer that cannot be built is one line
+        return f"{model_file.path}: cannot build the tokenizer: {' '.join(str(e).split())[:300] or type(e).__name__}"
     need = n + room
     if ctx < need:
         return (f"--ctx {ctx} is too small: the system prompt alone takes {n} tokens; "

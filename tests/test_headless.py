@@ -228,3 +228,10 @@ def test_prefill_line_and_one_unbroken_reasoning_block_on_a_terminal():
     out, err = io.StringIO(), io.StringIO()          # not a terminal: no live line, no colour
     run_headless(lambda emit: ScriptedAgent(emit, events), "t", out=out, err=err)
     assert "prefill" not in err.getvalue() and "\x1b" not in err.getvalue() and "weighing it\n" in err.getvalue()
+
+
+def test_ctx_check_of_a_file_whose_tokenizer_cannot_be_built_is_one_line(tmp_path):
+    from types import SimpleNamespace
+    broken = SimpleNamespace(path="x.gguf", tokenizer={"tokens": []}, config=SimpleNamespace(context_length=0))
+    msg = cli.check_ctx(100, broken, "high", tmp_path)
+    assert msg.startswith("x.gguf: cannot build the tokenizer: ") and "\n" not in msg
