@@ -76,3 +76,114 @@ def test_a_host_that_cannot_be_bound_is_one_line(agent_model, tmp_path, host, wo
 def test_port_out_of_range_is_a_flag_error(agent_model, tmp_path):
     rc, err = _run_serve(agent_model, tmp_path, "--port", "70000")
     assert rc == 2 and err.strip() == "error: --port must be at most 65535", err
+
+
+# ------------------------------------------------------------------------------------------
+# 2. A stop signal during a streamed answer
+
+class _Proc:
+    """`ds4-agent --serve` in a subprocess on a free port, its stderr in a file."""
+
+    def __init__(self, model: Path, tmp: Path, *args: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"serve-{self.port}.log"
+        self.p = subprocess.Popen(_serve_cmd(model, "--port", str(self.port), *args), cwd=tmp,
+                                  stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"),
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        t0 = time.monotonic()
+        while True:
+            assert self.p.poll() is None, self.text()
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                assert time.monotonic() - t0 < 60, "the server never listened"
+                time.sleep(0.1)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def signal(self, n: int):
+        for i in range(n):
+            if i:
+                time.sleep(0.3)
+            self.p.send_signal(signal.SIGINT)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            pytest.fail(f"the server did not exit:\n{self.text()[-3000:]}")
+
+
+LONG = 3000          # tokens the answer may take: far more than the test waits for
+
+
+def _chat(url, sigs, srv):
+    import openai
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    seen = []
+    with pytest.raises(openai.APIError) as e:
+        for i, chunk in enumerate(client.chat.completions.create(
+                model="deepseek-chat", stream=True, max_tokens=LONG, temperature=0,
+                messages=[{"role": "user", "content": "Tell me a long story."}])):
+            seen += [c.finish_reason for c in chunk.choices]
+            if i == 3:
+                srv.signal(sigs)
+    assert "shutting down" in str(e.value.message)
+    assert seen and not any(seen), seen          # no finish_reason: the answer did not end
+
+
+def _responses(url, sigs, srv):
+    import openai
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    types = []
+    last = None
+    for i, ev in enumerate(client.responses.create(model="deepseek-chat", stream=True, input="Tell me a story.",
+                                                   max_output_tokens=LONG, reasoning={"effort": "none"})):
+        types.append(ev.type)
+        last = ev
+        if ev.type == "response.output_text.delta" and types.count(ev.type) == 3:
+            srv.signal(sigs)
+    assert last.type == "response.failed", types
+    assert last.response.status == "failed" and "shutting down" in last.response.error.message
+    assert "response.completed" not in types and "response.incomplete" not in types
+    # the open message item closed as incomplete before it
+    assert last.response.output and last.response.output[-1].status == "incomplete"
+
+
+def _anthropic(url, sigs, srv):
+    import anthropic
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    stops = []
+    with pytest.raises(anthropic.APIStatusError) as e:
+        for i, ev in enumerate(client.messages.create(
+                model="deepseek-v4-flash", stream=True, max_tokens=LONG, **NO_THINK,
+                messages=[{"role": "user", "content": "Tell me a long story."}])):
+            if ev.type == "message_delta":
+                stops.append(ev.delta.stop_reason)
+            if i == 4:
+                srv.signal(sigs)
+    assert e.value.body["error"]["type"] == "overloaded_error", e.value.body
+    assert not stops                             # no stop_reason: the answer did not end
+
+
+@pytest.mark.parametrize("client, sigs", [(_chat, 1), (_chat, 2), (_responses, 2), (_anthropic, 2)],
+                         ids=["chat-one-signal", "chat-two", "responses-two", "anthropic-two"])
+def test_a_stop_signal_ends_a_stream_as_a_failed_answer(agent_model, tmp_path, client, sigs):
+    """One signal: the grace period (10 s) passes with the answer still running, then it is
+    ended; two: at once. Either way the SDK sees an answer that did not complete, the process
+    exits 0, and its log has no traceback."""
+    srv = _Proc(agent_model, tmp_path)
+    t0 = time.monotonic()
+    try:
+        client(srv.url, sigs, srv)
+    finally:
+        rc = srv.wait()
+    log = srv.text()
+    assert rc == 0, log[-3000:]
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+    assert time.monotonic() - t0 < (40 if sigs == 1 else 25), log[-3000:]

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import hmac
 import logging
 import time
 
@@ -32,7 +33,7 @@ from . import events as E
 from .config import MAX_BODY_BYTES
 from .edge import EdgeGuard, api_for_path, exposure_warning
 from .shim import Shim
-from .wire import error_body, make_wire
+from .wire import context_error_body, error_body, make_wire
 from .worker import QueueFull
 
 log = logging.getLogger("ds4agent.serve")
@@ -64,6 +65,7 @@ def create_app(shim: Shim) -> Starlette:
     app = Starlette(routes=routes, middleware=[Middleware(EdgeGuard, cfg=shim.cfg, cors_headers=_CORS)],
                     exception_handlers={Exception: _internal_error, HTTPException: h.http_error})
     app.state.shim = shim
+    app.state.interrupt = h.interrupt          # the server calls it when a stop's grace period ends
     return app
 
 
@@ -74,6 +76,15 @@ class _Handlers:
     def __init__(self, shim: Shim):
         self.shim = shim
         self.cfg = shim.cfg
+        self.open: dict[asyncio.Queue, object] = {}    # event queue -> job of each open request
+
+    def interrupt(self) -> None:
+        """The server is stopping and its grace period is over (or a second signal skipped it):
+        every open request ends now in its API's terms, streamed or not (an interrupted Failure
+        put behind the events already queued), and its job is cancelled. Runs on the event loop."""
+        for q, job in list(self.open.items()):
+            job.cancel.set()
+            q.put_nowait(INTERRUPTED)
 
     def headers(self) -> dict:
         return dict(_CORS) if self.cfg.cors else {}
@@ -87,12 +98,21 @@ class _Handlers:
         r.headers.update(extra or {})
         return r
 
+    def failure(self, api: str, ev: E.Failure) -> Response:
+        """A Failure before any byte of the answer went out, as an HTTP error in the API's shape."""
+        if ev.context_full:
+            return self.json_response(context_error_body(api, ev.n_prompt or 0, ev.n_ctx), 400)
+        return self.fail(api, ev.status, ev.message)
+
     def authorized(self, request: Request) -> bool:
         if not self.cfg.api_key:
             return True
-        auth = request.headers.get("authorization", "")
-        key = request.headers.get("x-api-key", "")
-        return auth == f"Bearer {self.cfg.api_key}" or key == self.cfg.api_key
+        # headers arrive as bytes (Starlette decodes them as latin-1): compared as the key's UTF-8
+        # bytes, so a non-ASCII key can match at all; in constant time
+        want = self.cfg.api_key.encode("utf-8")
+        auth = request.headers.get("authorization", "").encode("latin-1")
+        key = request.headers.get("x-api-key", "").encode("latin-1")
+        return hmac.compare_digest(auth, b"Bearer " + want) | hmac.compare_digest(key, want)
 
     async def models(self, request: Request) -> Response:
         import json
@@ -130,20 +150,26 @@ class _Handlers:
         stream = bool(conv.params.get("stream"))
         wire = make_wire(api, conv, model=self.shim.model_for(conv), seq=self.shim.next_seq(), created=int(t0),
                          stream=stream)
-        done = functools.partial(self._done, job.trace, t0)
+        done = functools.partial(self._done, job.trace, t0, q)
+        self.open[q] = job
         try:
             self.shim.worker.submit(job)
         except QueueFull as e:          # past --max-queue: an answer now, not a wait with no byte sent
             done(503)
             return _busy(self.fail(api, 503, str(e)), e)
+        # A continuation that only the live tool state can serve is refused (409) when its job
+        # starts and finds that state gone, which a job queued ahead of it may well cause: its
+        # headers wait for the job to start, so the refusal is a real status, not an error event
+        # after a 200 (no keep-alive comments meanwhile: the wait is the queue's, not a prefill's).
+        wait_s = None if job.rendered.requires_live_tool_state else self.cfg.keepalive_s
         try:
-            first = await _next_event(q, request, job, self.cfg.keepalive_s)
+            first = await _next_event(q, request, job, wait_s)
         except _Gone:
             done(499)
             return Response(status_code=499)
         if isinstance(first, E.Failure):
             done(first.status, first)
-            return self.fail(api, first.status, first.message)
+            return self.failure(api, first)
         if not stream:
             return await self._whole(api, request, job, q, first, wire, done)
         h = self.headers()
@@ -176,8 +202,9 @@ class _Handlers:
             if size >= TRIM_AFTER_BYTES:
                 await anyio.to_thread.run_sync(_trim_heap)
 
-    def _done(self, record: dict, t0: float, status: int, ev=None) -> None:
-        """The request's trace record completed and written."""
+    def _done(self, record: dict, t0: float, q: asyncio.Queue, status: int, ev=None) -> None:
+        """The request is over: no longer open, its trace record completed and written."""
+        self.open.pop(q, None)
         record.update(status=status, secs=round(time.time() - t0, 3))
         if isinstance(ev, E.Finish):
             record.update(finish=ev.finish, calls=[c.name for c in ev.calls])
@@ -204,7 +231,7 @@ class _Handlers:
             return Response(status_code=499)
         if isinstance(ev, E.Failure):
             done(ev.status, ev)
-            return self.fail(api, ev.status, ev.message)
+            return self.failure(api, ev)
         done(200, ev)
         return self.json_response(wire.body(ev))
 
@@ -220,7 +247,7 @@ class _Handlers:
                     sent = time.monotonic()
                     yield b": prefill\n\n"
                 elif isinstance(ev, E.Failure):
-                    for f in wire.error_frames(ev.message):
+                    for f in wire.frames(ev):        # the API's error, context or cut-answer end
                         yield f.encode("utf-8", "replace")
                     last_ev = ev
                     return
@@ -309,6 +336,11 @@ _LIBC = _load_libc()
 def _busy(response: Response, e: QueueFull) -> Response:
     response.headers["Retry-After"] = str(e.retry_after)
     return response
+
+
+# What an open request gets when the server stops under it (Handlers.interrupt): before any byte
+# a 503; in a stream, its API's end of an answer that did not complete.
+INTERRUPTED = E.Failure("server shutting down: the answer was cut off", 503, interrupted=True)
 
 
 class _BodyTooLarge(Exception):

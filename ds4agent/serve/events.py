@@ -107,9 +107,19 @@ class Finish:
 @dataclass(frozen=True)
 class Failure:
     """The request failed. status: the HTTP status when nothing was sent yet (409 lost live tool
-    state, 500 prefill failure, 503 shutting down); after SSE headers it becomes an error event."""
+    state, 400 context full, 500 prefill failure, 503 shutting down); after SSE headers it becomes
+    the API's error event. n_prompt/n_ctx: set when the prompt did not fit the context (each API
+    then has its own context-length error). interrupted: the server is stopping and cut the
+    answer (each API's way of ending an answer that did not complete)."""
     message: str
     status: int = 500
+    n_prompt: int | None = None
+    n_ctx: int | None = None
+    interrupted: bool = False
+
+    @property
+    def context_full(self) -> bool:
+        return self.n_ctx is not None
 
 
 Event = Union[Prefill, Begin, Reasoning, Text, ToolStart, ToolArgs, ToolEnd, Finish, Failure]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .wire_anthropic import AnthropicWire
 from .wire_chat import ChatWire, CompletionsWire
-from .wire_common import Raw, Wire, clean, dumps, raw_object, sse
+from .wire_common import Raw, Wire, clean, context_error_body, dumps, raw_object, sse
 from .wire_responses import ResponsesWire
 
 __all__ = ["Wire", "make_wire", "error_body", "context_error_body", "dumps", "clean", "sse",
@@ -52,18 +52,6 @@ def error_body(api: str, message: str, status: int = 400, kind: str | None = Non
     if api == "anthropic":
         return dumps({"type": "error", "error": {"type": t, "message": message}}) + "\n"
     return dumps({"error": {"message": message, "type": t}}) + "\n"
-
-
-def context_error_body(api: str, n_prompt: int, n_ctx: int) -> str:
-    """The 400 for a prompt that does not fit the context (§5.1), in the API's shape."""
-    msg = f"Prompt has {n_prompt} tokens, but the configured context size is {n_ctx} tokens"
-    if api == "anthropic":
-        return dumps({"type": "error", "error": {"type": "invalid_request_error", "message": msg,
-                                                 "n_prompt_tokens": n_prompt, "n_ctx": n_ctx}}) + "\n"
-    param = {"responses": "input", "openai_completions": "prompt"}.get(api, "messages")
-    return dumps({"error": {"message": msg, "type": "invalid_request_error", "param": param,
-                            "code": "context_length_exceeded", "n_prompt_tokens": n_prompt,
-                            "n_ctx": n_ctx}}) + "\n"
 
 
 def make_wire(api: str, conv, *, model: str, seq: int, created: int, stream: bool) -> Wire:

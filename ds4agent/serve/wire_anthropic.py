@@ -8,6 +8,9 @@ Where this differs from ds4, on purpose:
   string in `stop_sequence` (ds4 always says end_turn / null).
 * A stream that produced no block at all still gets an empty text block: Claude Code retries
   the whole request without streaming when no `content_block_start` arrives.
+* A turn cut inside its thinking is a thinking block (and an empty text block) in the body too,
+  as in the stream (ds4's body returns it as text).
+* A stop signal that cuts a streamed answer ends it with an `overloaded_error` event.
 * A streamed error uses Anthropic's `{"type":"error","error":{...}}` shape (as ds4 does there).
 """
 from __future__ import annotations
@@ -133,16 +136,22 @@ class AnthropicWire(Wire):
     def error_frames(self, message: str) -> list[str]:
         return [self._ev("error", error={"type": "api_error", "message": message})]
 
+    def interrupted_frames(self, message: str) -> list[str]:
+        # what Anthropic sends when it cannot finish an answer it started; the SDKs raise on an
+        # `error` event, and clients retry an overloaded_error
+        return [self._ev("error", error={"type": "overloaded_error", "message": message})]
+
     # -- whole body -----------------------------------------------------------------------------
     def body(self, fin: Finish) -> str:
+        text, reasoning = self.shown(fin)
         content: list = []
-        if fin.reasoning:
-            content.append({"type": "thinking", "thinking": fin.reasoning, "signature": self.id})
-        if fin.content:
-            content.append({"type": "text", "text": fin.content})
+        if reasoning:
+            content.append({"type": "thinking", "thinking": reasoning, "signature": self.id})
+        if text:
+            content.append({"type": "text", "text": text})
         for c in fin.calls:
             content.append(_tool_use(c))
-        if not fin.content and not fin.calls:
+        if not text and not fin.calls:
             content.append({"type": "text", "text": ""})
         sr, seq = stop_reason(fin)
         return dumps(self._message(content, sr, seq, usage_anthropic(fin.usage))) + "\n"

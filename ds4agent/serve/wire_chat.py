@@ -4,6 +4,10 @@ bodies and SSE chunks (protocol.md §5.4). SSE frames are `data:` lines only, as
 Where this differs from ds4, on purpose:
 * A call whose header was not projected live is sent whole at the end even when other calls
   were (ds4 sends the whole-call chunk only when none was projected, so such a call was lost).
+* A turn cut inside its thinking is `reasoning_content` with empty content in the body too, as
+  the stream shows it (ds4's body returns it as content).
+* A stop signal that cuts a streamed answer ends it with an error object and no finish chunk or
+  `[DONE]` (the SDK raises; a finish_reason would say the answer ended).
 * Legacy completions return the raw generation (§2.6: reasoning and `</think>` included, no
   split). The worker may still report it as Reasoning then Text; the reasoning then goes out as
   text and `</think>` is put back where the two meet, so the stream equals the raw bytes.
@@ -73,9 +77,10 @@ class ChatWire(Wire):
         return out
 
     def body(self, fin: Finish) -> str:
-        msg: dict = {"role": "assistant", "content": fin.content}
-        if fin.reasoning:
-            msg["reasoning_content"] = fin.reasoning
+        content, reasoning = self.shown(fin)
+        msg: dict = {"role": "assistant", "content": content}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
         if fin.calls:
             msg["tool_calls"] = [_whole_call(c) for c in fin.calls]
         return dumps({"id": self.id, "object": "chat.completion", "created": self.created,

@@ -19,7 +19,7 @@ from typing import Any
 from .events import Begin, Event, Failure, Finish, Prefill, Reasoning, Text, ToolArgs, ToolEnd, \
     ToolStart, Usage
 
-__all__ = ["Wire", "dumps", "clean", "sse", "Raw", "raw_object", "new_id"]
+__all__ = ["Wire", "dumps", "clean", "sse", "Raw", "raw_object", "new_id", "context_error_body"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -107,6 +107,18 @@ def sse(payload: Any, event: str | None = None) -> str:
 
 
 
+def context_error_body(api: str, n_prompt: int, n_ctx: int) -> str:
+    """The 400 for a prompt that does not fit the context (§5.1), in the API's shape."""
+    msg = f"Prompt has {n_prompt} tokens, but the configured context size is {n_ctx} tokens"
+    if api == "anthropic":
+        return dumps({"type": "error", "error": {"type": "invalid_request_error", "message": msg,
+                                                 "n_prompt_tokens": n_prompt, "n_ctx": n_ctx}}) + "\n"
+    param = {"responses": "input", "openai_completions": "prompt"}.get(api, "messages")
+    return dumps({"error": {"message": msg, "type": "invalid_request_error", "param": param,
+                            "code": "context_length_exceeded", "n_prompt_tokens": n_prompt,
+                            "n_ctx": n_ctx}}) + "\n"
+
+
 def new_id(prefix: str) -> str:
     """prefix + 24 lowercase hex (resp_, rs_, msg_, fc_ ids)."""
     return prefix + secrets.token_hex(12)
@@ -144,7 +156,7 @@ class Wire:
             return []
         if isinstance(ev, Failure):
             self.ended = True
-            return self.error_frames(ev.message)
+            return self.failure_frames(ev)
         out: list[str] = []
         if not self.begun:
             # Begin always comes first; opening here anyway keeps a stream well formed if a
@@ -185,6 +197,37 @@ class Wire:
     def error_frames(self, message: str) -> list[str]:
         """An error after the SSE headers were sent (§5.1)."""
         return [sse({"error": {"message": message, "type": "server_error"}}, "error")]
+
+    def failure_frames(self, f: Failure) -> list[str]:
+        """How a failed request's stream ends: a cut answer (the server stopping) as the API ends
+        an answer that did not complete, a prompt past the context as the API's context-length
+        error, anything else as `error_frames`."""
+        if f.interrupted:
+            return self.interrupted_frames(f.message)
+        if f.context_full:
+            return self.context_frames(f.n_prompt or 0, f.n_ctx)
+        return self.error_frames(f.message)
+
+    def interrupted_frames(self, message: str) -> list[str]:
+        """The answer was cut (the server is stopping). Chat and Completions: an error object and
+        no finish chunk or `[DONE]`: the SDK raises on it, and a client that reads chunks never
+        sees the finish_reason of an answer that ended."""
+        return self.error_frames(message)
+
+    def context_frames(self, n_prompt: int, n_ctx: int) -> list[str]:
+        """The prompt did not fit the context, found after the SSE headers went out (a queued
+        request whose text-prefix reuse came out longer): the 400 body as an error event."""
+        return [sse(Raw(context_error_body(self.api, n_prompt, n_ctx).rstrip("\n")), "error")]
+
+    def shown(self, fin: Finish) -> tuple[str, str | None]:
+        """(content, reasoning) of a whole body, as the stream shows them: a turn cut inside its
+        thinking (`</think>` never sampled) is all reasoning and no content (§3.8). ds4's parse
+        returns such a turn as content, and ds4's non-streamed bodies send it so; the stream
+        showed it as reasoning, and a client must get the same answer either way.
+        (reasoning_closed is False only for a thinking turn without `</think>`.)"""
+        if not fin.reasoning_closed:
+            return "", (fin.reasoning or "") + fin.content
+        return fin.content, fin.reasoning
 
     # -- shared helpers -------------------------------------------------------------------------
     def tail(self, fin: Finish) -> str:

@@ -16,12 +16,17 @@ Where this differs from ds4, on purpose (each is what OpenAI's own API does):
 * A streamed error (prefill failure after the headers) is an `error` event with the API's
   `type`/`code`/`message` members and ds4's `error` object as well: the SDKs raise on the
   latter, clients that switch on `type` see the former.
+* A stop signal that cuts a streamed answer ends it with `response.failed` (the open item closed
+  as incomplete); a turn cut inside its thinking has no message item in the body either (ds4's
+  body returns the thinking as output text, hidden reasoning included).
 * Reasoning item status: "completed" iff `</think>` was sampled, in the body as in the stream.
 """
 from __future__ import annotations
 
+import json
+
 from .events import CallOut, Finish, Usage
-from .wire_common import Wire, dumps, new_id, raw_object, sse
+from .wire_common import Wire, context_error_body, dumps, new_id, raw_object, sse
 
 __all__ = ["ResponsesWire", "usage_responses", "new_id"]
 
@@ -208,22 +213,43 @@ class ResponsesWire(Wire):
         out.append(self._ev(_TERMINAL[st], response=self._response(st, self.output, fin.usage)))
         return out
 
-    def error_frames(self, message: str) -> list[str]:
-        data = {"type": "error", "sequence_number": self.n, "code": "server_error",
-                "message": message, "param": None,
-                "error": {"message": message, "type": "server_error"}}
+    def error_frames(self, message: str, code: str = "server_error", error: dict | None = None,
+                     param: str | None = None) -> list[str]:
+        data = {"type": "error", "sequence_number": self.n, "code": code,
+                "message": message, "param": param,
+                "error": error or {"message": message, "type": "server_error"}}
         self.n += 1
         return [sse(data, "error")]
+
+    def context_frames(self, n_prompt: int, n_ctx: int) -> list[str]:
+        err = json.loads(context_error_body(self.api, n_prompt, n_ctx))["error"]
+        return self.error_frames(err["message"], err["code"], err, "input")
+
+    def interrupted_frames(self, message: str) -> list[str]:
+        """A cut answer is a failed response (`response.incomplete` is only for the token limit
+        and the content filter): the open item closes incomplete, then `response.failed` with
+        the error. The SDK's stream helper has no completed response then, and Codex reports
+        the failure."""
+        out = []
+        if not self.begun:
+            self.begun = True
+            out += self._on_begin(Usage(0))
+        out += self._close("incomplete")
+        r = self._response("failed", self.output, None)
+        r["error"] = {"code": "server_error", "message": message}
+        out.append(self._ev("response.failed", response=r))
+        return out
 
     # -- whole body -----------------------------------------------------------------------------
     def body(self, fin: Finish) -> str:
         status = _item_status(fin)
+        text, reasoning = self.shown(fin)
         output = []
-        if getattr(self.conv, "reasoning_summary", False) and fin.reasoning:
-            output.append(_reasoning_item(new_id("rs_"), fin.reasoning,
+        if getattr(self.conv, "reasoning_summary", False) and reasoning:
+            output.append(_reasoning_item(new_id("rs_"), reasoning,
                                           "completed" if fin.reasoning_closed else "incomplete"))
-        if fin.content:
-            output.append(_message_item(new_id("msg_"), fin.content, status))
+        if text:
+            output.append(_message_item(new_id("msg_"), text, status))
         output += [self._call_item(c, status) for c in fin.calls]
         # ds4 sends this body without a trailing newline (§5.6)
         return dumps(self._response(_STATUS.get(fin.finish, "completed"), output, fin.usage))
