@@ -97,6 +97,7 @@ class Agent:
         self.session = Session(engine, self.cfg.ctx, chunk=self.cfg.chunk)
         self.rng = Rng(self.cfg.sampling.seed)
         self.tool_ctx = tools.ToolContext(root=self.project_dir, allow_outside=self.cfg.allow_outside)
+        self.tool_ctx.should_stop = lambda: self._interrupt.is_set()   # Esc, /quit: a tool stops waiting
         self.always_allowed: set[str] = set()
         self._interrupt = threading.Event()
         self._approval = threading.Event()

@@ -26,6 +26,7 @@ class ToolContext:
     allow_outside: bool = False       # the user allowed paths outside the project
     state: dict = field(default_factory=dict)   # per-session tool state (file views, bash jobs)
     scratch: Path | None = None       # where full outputs are kept (bash logs)
+    should_stop: Callable[[], bool] | None = None   # the user interrupted: a tool's waits end early
 
     def resolve(self, path: str, *, must_exist: bool = False) -> Path:
         """A path argument as an absolute path inside the project (symlinks resolved)."""

@@ -243,12 +243,19 @@ def _get_job(ctx: ToolContext, jid: int) -> Job:
     return jobs[jid]
 
 
-def _wait(job: Job, seconds: float) -> None:
+def _wait(job: Job, seconds: float, should_stop=None) -> None:
+    """Up to `seconds` for the job to end; a user's interrupt (`should_stop`) ends the wait early,
+    as the timeout does (the job runs on in the background): Esc and /quit must not sit out a
+    600-second wait."""
     if seconds > 0 and job.poll() is None:
-        try:
-            job.proc.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            pass
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            try:
+                job.proc.wait(timeout=min(left, 0.1) if should_stop is not None else left)
+                break
+            except subprocess.TimeoutExpired:
+                if should_stop is not None and should_stop():
+                    break
         job.poll()
 
 
@@ -278,7 +285,7 @@ def _bash(args: dict, ctx: ToolContext) -> ToolResult:
     _LIVE[marker] = proc
     job = Job(jid, command, proc, log, time.monotonic(), sink, marker)
     _jobs(ctx)[jid] = job
-    _wait(job, timeout)
+    _wait(job, timeout, ctx.should_stop)
     return _observe(job)
 
 
@@ -325,7 +332,7 @@ def _bash_status(args: dict, ctx: ToolContext) -> ToolResult:
             rows.append(f"job {j.id}: {state}, {j.elapsed():.1f} s, `{j.command[:80]}`")
         return ToolResult("\n".join(rows))
     job = _get_job(ctx, jid)
-    _wait(job, args.get("wait", 0))
+    _wait(job, args.get("wait", 0), ctx.should_stop)
     return _observe(job)
 
 
