@@ -151,6 +151,7 @@ class Agent:
         self.modified = False
         self.session_name = "new"
         self.current_sha = self._continues = None
+        self.gen_tps = self.prefill_tps = 0.0      # the status bar's speeds are of this timeline's turns
         text = self.system_prefix()
         ids = self.tok.encode(text)
         self.session.reset()
@@ -191,12 +192,12 @@ class Agent:
             dt = max(time.perf_counter() - t0, 1e-9)
             tps = done / dt
             self.prefill_tps = tps                     # the status bar's figure is this prefill's
-            self.emit(E.Prefill(done, total, tps, (total - done) / tps if tps else 0.0, what))
+            self.emit(E.Prefill(done, total, tps, (total - done) / tps if tps else 0.0, what, interruptible))
             self._status("prefill")
             return not (interruptible and done <= window and self._interrupt.is_set())
         self._status("prefill")
         if len(target) > start:   # the bar shows at once: the first chunk alone can take seconds
-            self.emit(E.Prefill(0, len(target) - start, 0.0, 0.0, what))
+            self.emit(E.Prefill(0, len(target) - start, 0.0, 0.0, what, interruptible))
         ok = self.session.sync(target, progress=progress if len(target) > start else None)
         if ok is False:
             raise Interrupted()

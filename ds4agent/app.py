@@ -285,6 +285,7 @@ class AgentApp(App):
         elif isinstance(ev, E.Prefill):
             bar = self.query_one("#prefill", Static)
             bar.update(prefill_bar(ev.done, ev.total, ev.tokens_per_s, ev.eta_s, what=ev.what,
+                                   hint="Esc stops it" if ev.stoppable else "",
                                    width=bar.content_size.width or self.size.width - 2))
             bar.display = ev.done < ev.total
         elif isinstance(ev, E.SummaryDelta):
@@ -356,8 +357,7 @@ class AgentApp(App):
             await self._add(self._summary)
         self._summary.add(ev.text)
         bar = self.query_one("#prefill", Static)
-        bar.update(prefill_bar(ev.tokens, ev.max_tokens, ev.tokens_per_s, 0.0, label="summary",
-                               unit=" tokens", hint="at most; Esc stops it",
+        bar.update(prefill_bar(ev.tokens, ev.max_tokens, ev.tokens_per_s, 0.0, label="summary", cap=True,
                                width=bar.content_size.width or self.size.width - 2))
         bar.display = True
 

@@ -15,6 +15,7 @@ class Prefill:               # before the first prefill chunk (done 0), then aft
     tokens_per_s: float
     eta_s: float
     what: str = ""           # "system prompt", "message", "tool results", "compaction request", "compacted context"
+    stoppable: bool = True   # Esc stops it (a message's prefill; not the system prompt's or tool results')
 
 
 @dataclass

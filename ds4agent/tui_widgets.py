@@ -45,19 +45,20 @@ def fmt_secs(s: float) -> str:
 
 
 def prefill_bar(done: int, total: int, tps: float, eta: float, cells: int = 24, *, label: str = "prefill",
-                what: str = "", width: int = 0, hint: str = "Esc stops it", unit: str = "") -> Text:
-    """One line: `label (what) ▶▶▶··· done/total pct  t/s  ETA  hint`. Within `width` (0: any) the
-    hint goes first, then the bar narrows, then `what`."""
+                what: str = "", width: int = 0, hint: str = "Esc stops it", cap: bool = False) -> Text:
+    """One line: `label (what) ▶▶▶··· done/total pct  t/s  ETA  hint`; with cap (a generation that
+    may end before its cap: a compaction's summary) `done tokens (at most total)`, no percentage
+    or ETA. Within `width` (0: any) the hint goes first, then the bar narrows, then `what`."""
     def line(cells: int, what: str, hint: str) -> Text:
         frac = min(done / total, 1.0) if total else 1.0
         filled = max(1 if done < total else cells, int(frac * cells)) if total else cells
         t = Text(label + (f" ({what})" if what else "") + " ", style="bold")
         t.append("▶" * filled, style="bold magenta")
         t.append("·" * (cells - filled), style="dim")
-        t.append(f" {done}/{total}{unit} {100 * frac:.0f}%")
+        t.append(f" {done} tokens (at most {total})" if cap else f" {done}/{total} {100 * frac:.0f}%")
         if tps:
             t.append(f"  {tps:,.0f} t/s" if tps >= 100 else f"  {tps:.1f} t/s", style="cyan")
-        if done < total and tps:
+        if done < total and tps and not cap:
             t.append(f"  ETA {fmt_secs(eta)}", style="yellow")
         if hint:
             t.append("   " + hint, style="dim")

@@ -125,9 +125,10 @@ async def test_startup_prefill_shows_the_bar_before_the_first_chunk():
     app = scripted_app()
     async with app.run_test(size=(80, 24)) as pilot:
         app._emit(E.Status("tiny.gguf", "cpu", 0, 65536, 0.0, 0.0, "new", "high", "prefill"))
-        app._emit(E.Prefill(0, 5235, 0.0, 0.0, "system prompt"))
+        app._emit(E.Prefill(0, 5235, 0.0, 0.0, "system prompt", False))
         await until(pilot, lambda: app.query_one("#prefill").display, "the prefill bar")
         assert "prefill (system prompt)" in shown(app, "#prefill") and "0/5235" in shown(app, "#prefill")
+        assert "Esc" not in shown(app, "#prefill")          # the system prompt's prefill cannot be stopped
         assert "● prefill" in shown(app, "#status")
         app._emit(E.Prefill(4096, 5235, 2000.0, 0.6, "system prompt"))
         await until(pilot, lambda: "4096/5235" in shown(app, "#prefill"), "the bar to move")
@@ -171,11 +172,12 @@ async def test_compaction_summary_streams_then_folds():
         await until(pilot, lambda: any(v.text for v in app.query(SummaryView)), "the summary block")
         view = app.query_one(SummaryView)
         assert not view.collapsed and "The user wants" in view.text
-        assert "summary" in shown(app, "#prefill") and "3/1024 tokens" in shown(app, "#prefill")
+        assert "summary" in shown(app, "#prefill") and "3 tokens (at most 1024)" in shown(app, "#prefill")
+        assert "ETA" not in shown(app, "#prefill") and "%" not in shown(app, "#prefill")
         assert app.query_one("#prefill").display
         app._emit(status(busy="generating"))                 # a live status does not hide the summary's bar
         app._emit(E.SummaryDelta(" hello.py fixed.", 9, 1024, 25.0))
-        await until(pilot, lambda: "9/1024" in shown(app, "#prefill"), "the bar to count")
+        await until(pilot, lambda: "9 tokens" in shown(app, "#prefill"), "the bar to count")
         assert view.text == "The user wants hello.py fixed." and app.query_one("#prefill").display
         app._emit(E.Compacted(7000, 900, "The user wants hello.py fixed."))
         await until(pilot, lambda: view.collapsed, "the summary to fold")
@@ -265,6 +267,7 @@ def test_agent_start_shows_the_bar_before_the_first_chunk(engine, tmp_path):
     a.start()
     bars = [e for e in evs if isinstance(e, E.Prefill)]
     assert bars[0].done == 0 and bars[0].total == a.session.pos and bars[0].what == "system prompt"
+    assert not any(b.stoppable for b in bars)
     assert [b.done for b in bars[1:]][-1] == a.session.pos and len(bars) >= 3
     # each chunk's Status carries the context filled so far and this prefill's speed
     live = [e for e in evs if isinstance(e, E.Status) and e.busy == "prefill" and e.ctx_used]
@@ -301,6 +304,13 @@ def test_agent_status_is_live_and_per_turn(engine, warm, monkeypatch):
     assert fin.finish_reason == "interrupted"
     last = [e for e in evs if isinstance(e, E.Status)][-1]
     assert last.gen_tps == 0.0
+    # /new (start again): a fresh timeline shows no speeds of the old one
+    del a._prefill_to
+    a.gen_tps = a.prefill_tps = 5.0
+    evs.clear()
+    a.start()
+    last = [e for e in evs if isinstance(e, E.Status)][-1]
+    assert last.gen_tps == 0.0 and last.prefill_tps == 0.0     # (the system prefix came from its cache)
 
 
 def test_agent_compaction_streams_its_summary(engine, warm):
@@ -318,8 +328,8 @@ def test_agent_compaction_streams_its_summary(engine, warm):
     assert deltas[-1].tokens > deltas[0].tokens and deltas[-1].max_tokens == agent_mod.SUMMARY_MAX_TOKENS
     kept = next(e for e in evs if isinstance(e, E.Compacted))
     assert kept.summary == summary
-    whats = [e.what for e in evs if isinstance(e, E.Prefill) and e.done == 0]
-    assert whats == ["compaction request", "compacted context"]
+    whats = [(e.what, e.stoppable) for e in evs if isinstance(e, E.Prefill) and e.done == 0]
+    assert whats == [("compaction request", True), ("compacted context", False)]
     assert not any(isinstance(e, E.TextDelta) for e in evs)   # the summary is not an answer
 
 
