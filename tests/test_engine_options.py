@@ -157,7 +157,7 @@ def test_agent_passes_threads_and_paging_to_the_engine(agent_model, tmp_path, mo
         seen.append(options if options is not None else EngineOptions(**kw))
         raise _Opened
 
-    def fake_headless(make_agent, task, resume=False):
+    def fake_headless(make_agent, task, resume=False, **options):   # quiet=, and what comes later
         with pytest.raises(_Opened):
             make_agent(lambda event: None)
         return 0
