@@ -32,7 +32,7 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
     dim = _is_tty(err)
     calls: list[str] = []
     said: set[str] = set()
-    state = {"finished": None, "thinking": False, "live": False}
+    state = {"finished": None, "thinking": False, "live": False, "errors": 0}
 
     def end_live():
         # the prefill's live line is overwritten in place; cleared before anything else is written
@@ -77,6 +77,7 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
         if text is None:
             return
         if isinstance(ev, E.Notice):
+            state["errors"] += ev.level == "error"
             if text in said:          # a failure repeated (the turn's save, then the exit's): once
                 return
             said.add(text)
@@ -103,9 +104,11 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
         return 1
     err.write(f"finished: {fin.finish_reason}\n")
     agent = worker.agent
-    # the turn's save and the exit's both failed (said once above, as "save failed: ...")
+    # the turn's save and the exit's both failed (said once above, as "save failed: ..."); any
+    # error said on the way (the exit's save alone failing is one) fails the run as well
     unsaved = agent is not None and agent.store is not None and agent.cfg.autosave and agent.modified
-    return 0 if fin.finish_reason == "stop" and not fin.interrupted and not unsaved else 1
+    ok = fin.finish_reason == "stop" and not fin.interrupted and not unsaved and not state["errors"]
+    return 0 if ok else 1
 
 
 def _line(ev, calls: list[str]) -> str | None:

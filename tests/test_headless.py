@@ -235,3 +235,22 @@ def test_ctx_check_of_a_file_whose_tokenizer_cannot_be_built_is_one_line(tmp_pat
     broken = SimpleNamespace(path="x.gguf", tokenizer={"tokens": []}, config=SimpleNamespace(context_length=0))
     msg = cli.check_ctx(100, broken, "high", tmp_path)
     assert msg.startswith("x.gguf: cannot build the tokenizer: ") and "\n" not in msg
+
+
+class ExitSaveFails(SessionStore):
+    """The turn's save works; the one on exit fails."""
+    saves = 0
+
+    def save(self, *a, **k):
+        ExitSaveFails.saves += 1
+        if ExitSaveFails.saves > 1:
+            raise OSError(28, "No space left on device")
+        return super().save(*a, **k)
+
+
+def test_an_exit_save_that_fails_fails_the_run_too(engine, project, sessions_root):
+    out, err = io.StringIO(), io.StringIO()
+    rc = run_headless(agent_factory(engine, project, sessions_root, "done", think_mode="none",
+                                    store_cls=ExitSaveFails), "task", out=out, err=err)
+    assert ExitSaveFails.saves == 2 and rc == 1
+    assert err.getvalue().count("save failed") == 1
