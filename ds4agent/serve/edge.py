@@ -12,7 +12,8 @@
 * Text: the body must be UTF-8 and its JSON strings whole Unicode characters (no lone UTF-16
   surrogate escape such as `\\ud800`): such a string cannot be written as UTF-8, so it can reach
   neither the tokenizer nor a stop-string matcher. The OpenAI and Anthropic services refuse such
-  bodies too.
+  bodies too. JSON nested in a string (a tool call's `arguments`) is only decoded when the
+  prompt is rendered: `rendered_text_problem` checks the rendered text for the same reason.
 
 Every refusal is a JSON error in the shape of the API the path belongs to.
 """
@@ -25,7 +26,7 @@ import socket
 from .config import MAX_BODY_BYTES, ServeConfig
 from .wire import error_body
 
-__all__ = ["EdgeGuard", "api_for_path", "host_allowed", "origin_allowed", "text_problem",
+__all__ = ["EdgeGuard", "api_for_path", "host_allowed", "origin_allowed", "text_problem", "rendered_text_problem",
            "exposure_warning", "ALL_INTERFACES"]
 
 ALL_INTERFACES = ("0.0.0.0", "::", "", "0:0:0:0:0:0:0:0", "[::]")
@@ -160,6 +161,22 @@ def text_problem(body: bytes) -> str | None:
             return _lone(text, m)
         pending = m
     return _lone(text, pending) if pending is not None else None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def rendered_text_problem(text: str) -> str | None:
+    """Why a rendered prompt cannot be tokenized, or None: a lone surrogate that `text_problem`
+    could not see because it was escaped twice, in JSON inside a JSON string (a tool call's
+    `arguments` string holding the six characters backslash, u, d, 8, 0, 0). Such arguments are
+    decoded only when the prompt is rendered, and the tokenizer then failed (a 500)."""
+    m = _SURROGATE.search(text)
+    if m is None:
+        return None
+    return (f"invalid JSON request: a string nested in the request (a tool call's arguments) holds "
+            f"\\u{ord(m.group()):04x}, half of a UTF-16 surrogate pair without its other half "
+            f"(not a Unicode character)")
 
 
 def _lone(text: str, m: re.Match) -> str:

@@ -18,7 +18,7 @@ from prompts.messages import body_text
 from sessions.prefix_cache import PrefixCache
 
 from .config import DEFAULT_MODEL_ID, MODEL_ALIASES, ServeConfig
-from .edge import text_problem
+from .edge import rendered_text_problem, text_problem
 from .worker import Job, Worker
 
 log = logging.getLogger("ds4agent.serve")
@@ -69,6 +69,9 @@ class Shim:
         w = self.worker
         replay = _Replay(w) if w.memory is not None else None
         r = render_request(api, body, self.cfg.ctx, live_call_ids=w.live_call_ids(api), replay=replay)
+        problem = rendered_text_problem(r.text)     # JSON nested in a string (tool arguments)
+        if problem:
+            raise prompts.RequestError(problem)
         conv = r.conversation
         tokens = self._tokens(r.text)
         p = conv.params

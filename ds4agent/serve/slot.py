@@ -148,7 +148,9 @@ class Slot:
         try:
             source, cached = self._prepare(job)
         except ContextFull as e:
-            job.emit(E.Failure(f"prompt exceeds context: {e}", 400))
+            # each API's context-length error: the numbers of the prompt that did not fit
+            job.emit(E.Failure(f"prompt exceeds context: {e}", 400, n_ctx=self.session.ctx,
+                               n_prompt=job.trace.get("prompt_tokens", len(job.tokens))))
             return "error (context full)"
         except _LostLiveState as e:
             job.emit(E.Failure(str(e), 409))
@@ -281,6 +283,7 @@ class Slot:
         (cold anchor, continued multiples) so those checkpoints are exact prefixes."""
         s = self.session
         if len(target) >= s.ctx:
+            job.trace["prompt_tokens"] = len(target)     # the effective prompt, for the 400
             raise ContextFull(f"{len(target)} tokens do not fit the context of {s.ctx}")
         stops: list[tuple[int, str]] = []
         c = self.w.cache
