@@ -95,7 +95,8 @@ def remote_file(name: str, endpoint: str) -> tuple[str, int, str | None]:
     try:
         meta = get_hf_file_metadata(url, timeout=30, endpoint=endpoint, retry_on_errors=True, **_library())
     except HfHubHTTPError as e:
-        raise DownloadError(f"{endpoint} answered {_status(e)} for {REPO}/{name}") from None
+        hint = "; set HF_TOKEN if the repository needs a sign-in" if _status(e) in ("HTTP 401", "HTTP 403") else ""
+        raise DownloadError(f"{endpoint} answered {_status(e)} for {REPO}/{name}{hint}") from None
     except Exception as e:    # the HTTP library's connection errors and timeouts: the network, in one line
         raise DownloadError(f"cannot reach {endpoint}: {_one_line(e)}") from None
     if meta.size is None:
@@ -107,6 +108,11 @@ def remote_file(name: str, endpoint: str) -> tuple[str, int, str | None]:
 def _library() -> dict:
     from engine.cli_help import package_version
     return {"library_name": "ds4-agent", "library_version": package_version()}
+
+
+def _range_start(content_range: str | None) -> int | None:
+    m = re.fullmatch(r"\s*bytes\s+(\d+)-\d+/(\d+|\*)\s*", content_range or "")
+    return int(m.group(1)) if m else None
 
 
 def _status(e) -> str:
@@ -161,6 +167,9 @@ def fetch(url: str, part: Path, size: int, *, out, retries: int = RETRIES, name:
                         bar.reset(total=size)
                     elif r.status_code not in (200, 206):
                         raise DownloadError(f"the download answered HTTP {r.status_code}")
+                    elif r.status_code == 206 and _range_start(r.headers.get("Content-Range")) != have:
+                        raise DownloadError(f"the server resumed at the wrong place ({r.headers.get('Content-Range')}, "
+                                            f"asked for byte {have})")
                     with open(part, "r+b" if have else "wb") as f:
                         f.seek(have)
                         f.truncate()

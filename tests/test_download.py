@@ -29,6 +29,11 @@ class Hub(http.server.ThreadingHTTPServer):
         self.requests = []          # (method, path, Range header)
         self.drops = []             # for each coming GET: cut the body after this many bytes (None: whole)
         self.payload, self.sha = PAYLOAD, SHA
+        self.errors = []            # a client that hangs up mid-body (as a refused resume does)
+
+    def handle_error(self, request, client_address):
+        import sys
+        self.errors.append(sys.exc_info()[1])
 
 
 class HubHandler(http.server.BaseHTTPRequestHandler):
@@ -166,6 +171,22 @@ def test_an_interrupted_run_resumes_in_the_next(hub, tmp_path, capsys):
     dest = D.download("q2", folder, tmp_path / "config.toml", out=open(os.devnull, "w"), retries=0)
     assert dest.read_bytes() == PAYLOAD
     assert gets(hub)[-1][2] == f"bytes={have}-"
+
+
+def test_a_resume_at_the_wrong_offset_is_refused(hub, tmp_path, monkeypatch):
+    hub.drops = [SIZE // 2]
+    monkeypatch.setattr(HubHandler, "send_header", _shifted_range(HubHandler.send_header))
+    with pytest.raises(D.DownloadError, match="resumed at the wrong place"):
+        D.download("q2", tmp_path / "m", tmp_path / "config.toml", out=open(os.devnull, "w"))
+
+
+def _shifted_range(real):
+    def send_header(self, key, value):
+        if key == "Content-Range":           # a server that answers a range it was not asked for
+            start, rest = value[len("bytes "):].split("-", 1)
+            value = f"bytes {int(start) + 1}-{rest}"
+        return real(self, key, value)
+    return send_header
 
 
 def test_a_corrupt_download_is_caught_by_the_sha256(hub, tmp_path):
