@@ -55,7 +55,8 @@ def prefill_bar(done: int, total: int, tps: float, eta: float, cells: int = 24, 
         t = Text(label + (f" ({what})" if what else "") + " ", style="bold")
         t.append("▶" * filled, style="bold magenta")
         t.append("·" * (cells - filled), style="dim")
-        t.append(f" {done} tokens (at most {total})" if cap else f" {done}/{total} {100 * frac:.0f}%")
+        t.append(f" {done} token{'s' if done != 1 else ''} (at most {total})" if cap
+                 else f" {done}/{total} {100 * frac:.0f}%")
         if tps:
             t.append(f"  {tps:,.0f} t/s" if tps >= 100 else f"  {tps:.1f} t/s", style="cyan")
         if done < total and tps and not cap:
