@@ -60,8 +60,9 @@ class Model:
         """One decode step of B sessions at once: token b at position positions[b] on states[b]
         (each its own timeline). Returns the logits [B, vocab], row b what
         forward([tokens[b]], positions[b], states[b]) gives, to rounding (bit for bit where a
-        backend's kernels treat rows alone: numpy and cpu). Each weight is read once for the B
-        rows; the KV rows, compressor frontier, indexer and attention are each session's own."""
+        backend's kernels sum each row alike whatever the rows: numpy, mlx, and cpu with
+        kernels.set_batch_invariant). Each weight is read once for the B rows; the KV rows,
+        compressor frontier, indexer and attention are each session's own."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         positions = [int(p) for p in positions]
         states = list(states)
@@ -155,13 +156,13 @@ class Model:
             iproj = self._indexer_proj(lw, segs, h, qr)
 
         # each segment's KV rows, compressed rows, indexer picks and attention on its own state
+        # (one segment takes the arrays themselves: forward's pass is the one it always was)
         o = []
         for j, g in enumerate(segs):
-            one = len(segs) == 1
-            part = (lambda a: a) if one else (lambda a, g=g: None if a is None else a[g.r0:g.r1])
-            o.append(self._attend(lw, g.state.layers[il], part(q), part(kv),
-                                  None if comp is None else tuple(map(part, comp)),
-                                  None if icomp is None else tuple(map(part, icomp)),
+            rows = (lambda a: a) if len(segs) == 1 else (lambda a, g=g: a[g.r0:g.r1])
+            o.append(self._attend(lw, g.state.layers[il], rows(q), rows(kv),
+                                  None if comp is None else tuple(map(rows, comp)),
+                                  None if icomp is None else tuple(map(rows, icomp)),
                                   None if iproj is None else iproj[j], g.pos0))
         o = o[0] if len(o) == 1 else xp.concatenate(o, axis=0)
         o = ops.rope(o, th_h, inverse=True, inplace=True).reshape(N, c.n_head * c.head_dim)
