@@ -10,6 +10,7 @@ The worker (worker.py) decides which slot runs which job; `estimate` is what it 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -374,11 +375,15 @@ class Slot:
                     and self.w.cache.should_store_continued(s.pos, self.last_continued):
                 self._store_live("continued")
 
-        out = generate(s, stream, sampling=THINKING_SAMPLING if thinking else job.sampling,
-                       rng=Rng(job.seed or None), limit=limit, eos_id=tok.eos_id,
-                       token_bytes=tok.token_bytes, forced=forced, should_stop=job.cancel.is_set,
-                       before_token=checkpoint,
-                       on_events=lambda evs: self._forward(job, evs, ids, lambda: self._new_id(kind, taken)))
+        # registered as generating: with the engine's batcher on, a decode step of the other
+        # slots waits (a few ms at most) for this one's, and they run as one forward pass
+        registered = getattr(s, "generating", None)
+        with registered() if registered is not None else contextlib.nullcontext():
+            out = generate(s, stream, sampling=THINKING_SAMPLING if thinking else job.sampling,
+                           rng=Rng(job.seed or None), limit=limit, eos_id=tok.eos_id,
+                           token_bytes=tok.token_bytes, forced=forced, should_stop=job.cancel.is_set,
+                           before_token=checkpoint,
+                           on_events=lambda evs: self._forward(job, evs, ids, lambda: self._new_id(kind, taken)))
         n = out.n_tokens
         self.w.count(generated=n)
         job.trace.update(gen_tokens=n, gen_s=round(out.elapsed, 3), output=stream.text)

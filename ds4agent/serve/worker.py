@@ -91,6 +91,7 @@ class Worker:
         self._recent = self.slots[0]           # the slot given the latest job
         self._forced: list[str] = []
         self._started = False
+        self._batching = False                 # this worker turned the engine's batcher on
         self.closing = False
         self._submit_lock = threading.Lock()
         self._job_s = 1.0                      # a job's run time, smoothed: the Retry-After estimate
@@ -118,6 +119,11 @@ class Worker:
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self):
         self._started = True
+        if len(self.slots) > 1 and hasattr(self.engine, "start_batching"):
+            # the slots' decode steps share forward passes (each weight read once per step), and
+            # a prefill runs in chunks between them (engine/runtime/batcher.py)
+            self.engine.start_batching()
+            self._batching = True
         for s in self.slots:
             s.thread = threading.Thread(target=self._loop, args=(s,), name=f"ds4-slot-{s.index}", daemon=True)
             s.thread.start()
@@ -170,6 +176,9 @@ class Worker:
         for s in self.slots:
             if s.thread is None or not s.stopped.wait(timeout):
                 s._store_live("shutdown")
+        if self._batching:
+            self.engine.stop_batching()
+            self._batching = False
 
     def force(self, *texts: str):
         """Test hook: the next generations emit these texts instead of sampling (one per job);
