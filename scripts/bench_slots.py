@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -145,26 +146,63 @@ def streams(eng: Engine, ps: list[list[int]], steps: int, ctx: int):
 
 
 def by_batch(eng: Engine, n: int, prompt_len: int, ctx: int, reps: int = 3):
-    """Model.forward_batch's step time at B = 1..n, median of `reps` steps, no threads."""
+    """Model.forward_batch's step time at B = 1..n (median of `reps` steps, no threads), and
+    where it goes: {B: (seconds, {part: seconds})}, parts timed by wrapping the ops object's
+    methods (head: the output matmul; experts: ops.moe, routed + shared; attention: ops.attention;
+    dense: every other matmul; rest: norms, RoPE, HC, the KV glue, Python)."""
     m, ops = eng.model, eng.model.ops
-    ps = prompts(n, prompt_len, eng.config.n_vocab, seed=7)
-    states = [ops.new_state(eng.config, ctx, 64) for _ in ps]
-    for p, st in zip(ps, states):
-        ops.logits_to_host(m.forward(np.array(p), 0, st))
-    pos = [prompt_len] * n
-    out = {}
-    for b in range(1, n + 1):
-        ts = []
-        for _ in range(reps):
+    parts: dict = {}
+
+    def timed(name, f):
+        def g(*args, **kw):
             t0 = time.perf_counter()
-            if b == 1:
-                ops.logits_to_host(m.forward(np.array([11]), pos[0], states[0]))
-            else:
-                ops.logits_to_host(m.forward_batch([11] * b, pos[:b], states[:b]))
-            ts.append(time.perf_counter() - t0)
-            pos = [p + 1 if i < b else p for i, p in enumerate(pos)]
-        out[b] = statistics.median(ts)
-    return out
+            try:
+                return f(*args, **kw)
+            finally:
+                key = "head" if name == "linear" and args and args[0] is m.w.output else \
+                    {"moe": "experts", "attention": "attention"}.get(name, "dense")
+                parts[key] = parts.get(key, 0.0) + time.perf_counter() - t0
+        return g
+
+    names = ("linear", "linears", "grouped_linear", "moe", "attention")
+    for name in names:
+        setattr(ops, name, timed(name, getattr(ops, name)))
+    try:
+        ps = prompts(n, prompt_len, eng.config.n_vocab, seed=7)
+        states = [ops.new_state(eng.config, ctx, 64) for _ in ps]
+        for p, st in zip(ps, states):
+            ops.logits_to_host(m.forward(np.array(p), 0, st))
+        pos = [prompt_len] * n
+        out = {}
+        for b in range(1, n + 1):
+            runs = []
+            for _ in range(reps):
+                parts.clear()
+                c0 = resource.getrusage(resource.RUSAGE_SELF)
+                t0 = time.perf_counter()
+                if b == 1:
+                    ops.logits_to_host(m.forward(np.array([11]), pos[0], states[0]))
+                else:
+                    ops.logits_to_host(m.forward_batch([11 + i for i in range(b)], pos[:b], states[:b]))
+                dt = time.perf_counter() - t0
+                c1 = resource.getrusage(resource.RUSAGE_SELF)
+                cpu = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+                runs.append((dt, dict(parts, rest=dt - sum(parts.values())), cpu))
+                pos = [p + 1 if i < b else p for i, p in enumerate(pos)]
+            out[b] = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+        return out
+    finally:
+        for name in names:
+            delattr(ops, name)
+
+
+def report(rows):
+    ratio = [agg / one for _, one, _, agg in rows]
+    slow = [one / min(each) for _, one, each, _ in rows]
+    cost = [direct / one for direct, one, _, _ in rows]
+    print(f"median of {len(rows)}: aggregate/alone {statistics.median(ratio):.2f}x (range {min(ratio):.2f}-{max(ratio):.2f}; "
+          f"bar >= 3), alone/slowest stream {statistics.median(slow):.2f}x (range {min(slow):.2f}-{max(slow):.2f}; "
+          f"bar <= 1.5), direct/batcher alone {statistics.median(cost):.3f}x")
 
 
 def main(argv=None) -> int:
@@ -182,8 +220,8 @@ def main(argv=None) -> int:
                     help="before each round wait at most this long (s) for others to leave the CPUs")
     ap.add_argument("--by-batch", action="store_true", help="also time forward_batch at B = 1..streams")
     a = ap.parse_args(argv)
-    if a.streams < 1 or a.steps < 1 or a.prompt < 1 or a.rounds < 1:
-        ap.error("--streams, --steps, --prompt and --rounds must be >= 1")
+    if a.streams < 1 or a.steps < 1 or a.prompt < 1 or a.rounds < 0 or (a.rounds == 0 and not a.by_batch):
+        ap.error("--streams, --steps and --prompt must be >= 1, --rounds >= 1 (or 0 with --by-batch)")
     if a.prompt + a.steps + 1 >= a.ctx:
         ap.error(f"--ctx {a.ctx} is too small for --prompt {a.prompt} + --steps {a.steps}")
     path = ensure_file(a.model) if a.model == DEFAULT_FILE else a.model
@@ -219,16 +257,17 @@ def main(argv=None) -> int:
               f"batches: {st['decode_steps']} steps, {st['decode_rows']} rows, largest {st['max_batch']}; "
               f"stream 1 tokens as alone: {same}", flush=True)
     eng.stop_batching()
-    ratio = [agg / one for _, one, _, agg in rows]
-    slow = [one / min(each) for _, one, each, _ in rows]
-    cost = [direct / one for direct, one, _, _ in rows]
-    print(f"median of {a.rounds}: aggregate/alone {statistics.median(ratio):.2f}x (range {min(ratio):.2f}-{max(ratio):.2f}; "
-          f"bar >= 3), alone/slowest stream {statistics.median(slow):.2f}x (range {min(slow):.2f}-{max(slow):.2f}; "
-          f"bar <= 1.5), direct/batcher alone {statistics.median(cost):.3f}x")
+    if rows:
+        report(rows)
     if a.by_batch:
         bb = by_batch(eng, a.streams, a.prompt, a.ctx)
-        print("forward_batch step: " + ", ".join(f"B={b} {t * 1000:.0f} ms ({b / t:.2f} t/s, {t / bb[1]:.2f}x B=1)"
-                                                 for b, t in bb.items()))
+        t1, cpu1 = bb[1][0], bb[1][2]
+        for b, (t, parts, cpu) in bb.items():
+            # CPU time: this process's, all threads (with one kernel thread it is the step's work
+            # even where others share the cores and the wall time is theirs as much as ours)
+            print(f"forward_batch B={b}: {t * 1000:.0f} ms a step ({b / t:.2f} t/s, {t / t1:.2f}x B=1; "
+                  f"CPU {cpu * 1000:.0f} ms, {cpu / cpu1:.2f}x B=1): " +
+                  ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in sorted(parts.items())), flush=True)
     eng.close()
     return 0
 

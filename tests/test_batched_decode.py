@@ -376,3 +376,17 @@ def test_mlx_sessions_on_threads_batched(batch_model):
         eng.stop_batching()
     assert got == alone
     assert b.stats["max_batch"] == 4
+
+
+def test_bench_slots_runs_and_prints_both_ratios(batch_model, capsys):
+    """scripts/bench_slots.py end to end on the small model (what it prints, not how fast)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("bench_slots", Path(__file__).parents[1] / "scripts" / "bench_slots.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["-m", str(batch_model), "--steps", "2", "--prompt", "8", "--ctx", "64", "--rounds", "1",
+                     "--quiet-wait", "0", "--threads", "1", "--by-batch"]) == 0
+    out = capsys.readouterr().out
+    assert "aggregate/alone" in out and "alone/slowest stream" in out and "forward_batch B=4" in out
+    assert "stream 1 tokens as alone: True" in out
