@@ -457,3 +457,34 @@ def test_a_non_ascii_api_key_can_match(engine):
         assert c.post("/v1/chat/completions", json=body,
                       headers={"authorization": b"Bearer " + key}).status_code == 200
         assert c.post("/v1/chat/completions", json=body, headers={"x-api-key": "cle"}).status_code == 401
+
+
+@pytest.mark.parametrize("path, body, kind", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a long story."}]}, None),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Tell me a long story."}]}, "overloaded_error"),
+])
+def test_a_stop_cuts_a_non_streamed_answer_with_a_503(engine, path, body, kind):
+    """Two stop signals (as Ctrl-C twice) while a non-streamed answer is generated: a 503 in the
+    API's shape at once, not a body that looks finished, and the job stops."""
+    server = _server(engine)
+    got = {}
+    with server as url:
+        def post():
+            got["r"] = httpx.post(url + path, timeout=60, json=dict(body, max_tokens=LONG, **NO_THINK))
+        t = threading.Thread(target=post)
+        t.start()
+        t0 = time.monotonic()
+        while not server.shim.worker.busy:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.01)
+        time.sleep(0.3)
+        server.server.handle_exit(signal.SIGINT, None)
+        server.server.handle_exit(signal.SIGINT, None)
+        t.join(30)
+        assert server.shim.worker.stats["generated"] < LONG
+    r = got["r"]
+    assert r.status_code == 503, r.text
+    d = r.json()
+    assert "shutting down" in (d["error"]["message"])
+    if kind:
+        assert d["error"]["type"] == kind

@@ -18,6 +18,7 @@ import gc
 import hmac
 import logging
 import time
+import weakref
 
 import anyio
 from starlette.applications import Starlette
@@ -76,7 +77,9 @@ class _Handlers:
     def __init__(self, shim: Shim):
         self.shim = shim
         self.cfg = shim.cfg
-        self.open: dict[asyncio.Queue, object] = {}    # event queue -> job of each open request
+        # event queue -> job of each open request; weak, so a stream whose body never started
+        # (its client left first: no `done`) does not keep its job and prompt
+        self.open: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def interrupt(self) -> None:
         """The server is stopping and its grace period is over (or a second signal skipped it):
