@@ -88,6 +88,7 @@ class Worker:
         self.slots = [Slot(self, i) for i in range(max(1, cfg.slots))]
         self._cv = threading.Condition()       # guards _pending and every slot's job
         self._pending: list[Job] = []          # arrival order, not yet given to a slot
+        self._changed = False                  # a job came or a slot freed since the last choice
         self._recent = self.slots[0]           # the slot given the latest job
         self._forced: list[str] = []
         self._started = False
@@ -128,7 +129,8 @@ class Worker:
             s.thread = threading.Thread(target=self._loop, args=(s,), name=f"ds4-slot-{s.index}", daemon=True)
             s.thread.start()
         with self._cv:
-            self._dispatch()
+            self._changed = True
+            self._cv.notify_all()
 
     def submit(self, job: Job):
         """Queue a job, or raise QueueFull when --max-queue live jobs already wait."""
@@ -139,8 +141,10 @@ class Worker:
             self.check_room()
             with self._cv:
                 self._pending.append(job)
-                if self._started:
-                    self._dispatch()
+                # the choice itself runs on an idle slot's thread, never on the app's event
+                # loop (it compares the prompt with every slot's timeline: O(context) each)
+                self._changed = True
+                self._cv.notify_all()
 
     def check_room(self):
         """Raise QueueFull when --max-queue live jobs already wait. The app asks once before it
@@ -188,7 +192,9 @@ class Worker:
 
     # -- scheduling ----------------------------------------------------------------------------
     def _dispatch(self):
-        """Give queued jobs to idle slots, oldest first (the caller holds _cv)."""
+        """Give queued jobs to idle slots, oldest first (the caller, an idle slot's thread,
+        holds _cv)."""
+        self._changed = False
         idle = [s for s in self.slots if s.job is None]
         for job in list(self._pending):
             if job.cancel.is_set():
@@ -238,7 +244,10 @@ class Worker:
         while True:
             with self._cv:
                 while slot.job is None and not (self.closing and not self._pending):
-                    self._cv.wait()
+                    if self._changed and self._pending:
+                        self._dispatch()
+                    else:
+                        self._cv.wait()
                 job = slot.job
             if job is None:
                 break
@@ -251,7 +260,8 @@ class Worker:
                     slot.job = None
                     slot.last_used = time.monotonic()
                     self._job_s = 0.7 * self._job_s + 0.3 * (time.monotonic() - t0)
-                    self._dispatch()
+                    self._changed = True
+                    self._cv.notify_all()
         try:
             slot._store_live("shutdown")
         finally:
