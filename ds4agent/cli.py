@@ -18,6 +18,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from .home import agent_home
+
 GUIDANCE = """no model found (looked for {tried}).
 
 ds4-agent runs DeepSeek V4 Flash from one of ds4's GGUF files:
@@ -30,11 +32,6 @@ machine and records the path), or pass --model PATH, set $DS4_MODEL, put the fil
 ./ds4flash.gguf, or set `model = "/path/to/file.gguf"` in {config}.
 To try the agent without the real weights: `ds4-gguf synth tiny.gguf && ds4-agent --model tiny.gguf`
 (random weights: it answers gibberish, but every part of the agent runs)."""
-
-
-def agent_home() -> Path:
-    h = os.environ.get("DS4_AGENT_HOME")
-    return Path(h) if h else Path.home() / ".ds4-agent"
 
 
 def load_config() -> dict:
@@ -157,37 +154,40 @@ def check_ctx(ctx: int, model_file, think: str, project: Path) -> str | None:
     return None
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+class _Fail(Exception):
+    """One line for the user, exit 1: `error: ...`, or the line as is when `plain`."""
+
+    def __init__(self, line: str, plain: bool = False):
+        super().__init__(line)
+        self.line = line if plain else f"error: {line}"
+
+
+def _subcommand(argv: list) -> int | None:
+    """`download` and `sessions` need no model: run them, or None for the agent itself."""
     if argv[:1] == ["download"]:
         from .download import main as download_main
         return download_main(argv[1:])
-    if argv[:1] == ["sessions"]:          # saved sessions, no model needed
+    if argv[:1] == ["sessions"]:
         from .sessions_cli import main as sessions_main
         return sessions_main(argv[1:])
-    a = _parser().parse_args(argv)
-    from engine.options import EngineOptions
+    return None
+
+
+def _limits(a, cfg: dict) -> tuple[int, int | None]:
+    # checked before anything loads: --ctx 0 and -5 were taken as the default or reached the UI
     try:
-        options = EngineOptions.from_args(a)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    cfg = load_config()
-    try:   # checked before anything loads: --ctx 0 and -5 were taken as the default or reached the UI
         ctx = _whole("--ctx", a.ctx) or _whole("ctx in the config", cfg.get("ctx", DEFAULT_CTX))
         max_tokens = _whole("--max-tokens", a.max_tokens) or _whole("max_tokens in the config", cfg.get("max_tokens"))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    model, tried = find_model(a.model, cfg)
-    if model is None:
-        print("error: " + GUIDANCE.format(tried=", ".join(tried) or "nothing",
-                                         config=agent_home() / "config.toml"), file=sys.stderr)
-        return 1
-    from engine import BackendError, Engine, ModelFile, ModelFileError, SamplingParams
-    think = a.think or cfg.get("think", "high")
-    project = Path.cwd()
-    try:   # validate up front (O(metadata)): a bad file or backend is one line and exit 1, before any UI
+        raise _Fail(str(e)) from None
+    return ctx, max_tokens
+
+
+def _check_model(a, model: str, ctx: int, think: str, options, project: Path):
+    """Validate up front (O(metadata)): a bad file, backend or context is one line and exit 1,
+    before any UI."""
+    from engine import BackendError, ModelFile, ModelFileError
+    try:
         mf = ModelFile.open(model)
         try:
             problem = None if a.serve else check_ctx(ctx, mf, think, project)
@@ -195,11 +195,53 @@ def main(argv=None) -> int:
             mf.close()
         options.check()
     except (ModelFileError, BackendError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        raise _Fail(str(e)) from None
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
+        raise _Fail(problem)
+
+
+def _resume_choice(store, resume):
+    """True: the last session; a name, an id or "pick": resolved here, before the model loads."""
+    if not isinstance(resume, str):
+        return resume
+    from sessions import SessionStoreError
+
+    from .sessions_cli import NoChoice, choose_resume
+    try:
+        return choose_resume(store, resume)
+    except SessionStoreError as e:
+        raise _Fail(str(e)) from None
+    except NoChoice:
+        raise _Fail("no session chosen", plain=True) from None
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    sub = _subcommand(argv)
+    if sub is not None:
+        return sub
+    try:
+        return _main(_parser().parse_args(argv))
+    except _Fail as e:
+        print(e.line, file=sys.stderr)
         return 1
+
+
+def _main(a) -> int:
+    from engine.options import EngineOptions
+    try:
+        options = EngineOptions.from_args(a)
+    except ValueError as e:
+        raise _Fail(str(e)) from None
+    cfg = load_config()
+    ctx, max_tokens = _limits(a, cfg)
+    model, tried = find_model(a.model, cfg)
+    if model is None:
+        raise _Fail(GUIDANCE.format(tried=", ".join(tried) or "nothing", config=agent_home() / "config.toml"))
+    from engine import Engine, ModelFileError, SamplingParams
+    think = a.think or cfg.get("think", "high")
+    project = Path.cwd()
+    _check_model(a, model, ctx, think, options, project)
     if a.serve:
         from .serve.cli import serve_main
         return serve_main(a, model, ctx, options)
@@ -213,19 +255,8 @@ def main(argv=None) -> int:
     try:
         store = SessionStore(project_dir=project)
     except SessionStoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    resume = a.resume                   # True: the last one; a name, an id or "pick": chosen here
-    if isinstance(resume, str):
-        from .sessions_cli import NoChoice, choose_resume
-        try:
-            resume = choose_resume(store, resume)
-        except SessionStoreError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        except NoChoice:
-            print("no session chosen", file=sys.stderr)
-            return 1
+        raise _Fail(str(e)) from None
+    resume = _resume_choice(store, a.resume)
 
     def make_agent(emit):
         eng = Engine.open(model, options)

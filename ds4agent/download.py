@@ -269,7 +269,7 @@ def download(recipe: str, folder: Path, config: Path, *, out=None, retries: int 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli import agent_home
+    from .home import agent_home
     p = argparse.ArgumentParser(prog="ds4-agent download", formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description=f"download one of ds4's published GGUF files from {REPO} "
                                             "(resumable) and record its path for ds4-agent",
@@ -281,7 +281,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .cli import agent_home
+    from .home import agent_home
     a = _parser().parse_args(argv)
     if a.recipe not in RECIPES:
         print(f"error: unknown recipe {a.recipe!r}: choose one of {', '.join(RECIPES)}", file=sys.stderr)

@@ -97,13 +97,17 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
     worker.stop(timeout=None)
     end_live()
     end_thinking()
+    return _summary(worker.agent, state, calls, out, err)
+
+
+def _summary(agent, state: dict, calls: list[str], out, err) -> int:
+    """The closing lines (tool calls, how the turn finished) and the exit status."""
     fin = state["finished"]
     out.write("\n")
     err.write(f"\n{len(calls)} tool call(s)" + ("".join(f"\n  {c}" for c in calls)) + "\n")
     if fin is None:
         return 1
     err.write(f"finished: {fin.finish_reason}\n")
-    agent = worker.agent
     # the turn's save and the exit's both failed (said once above, as "save failed: ..."); any
     # error said on the way (the exit's save alone failing is one) fails the run as well
     unsaved = agent is not None and agent.store is not None and agent.cfg.autosave and agent.modified
