@@ -259,3 +259,29 @@ def test_cli_prints_the_slots_and_refuses_bad_counts(agent_model):
     finally:
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
+
+
+def test_max_queue_zero_refuses_only_when_every_slot_is_busy(engine):
+    from ds4agent.serve.worker import QueueFull
+    shim = Shim(engine, ServeConfig(ctx=4096, slots=2, max_queue=0))
+    release = threading.Event()
+
+    def holder(ev):                                  # each event blocks: the slot stays busy
+        release.wait(30)
+
+    def job(i, emit):
+        body = {"messages": [{"role": "user", "content": f"hold {i}"}], "max_tokens": 1, **NO_THINK}
+        return shim.prepare("openai_chat", json.dumps(body).encode(), emit)
+    shim.start()
+    try:
+        shim.worker.submit(job(0, holder))
+        shim.worker.submit(job(1, holder))          # a second slot is free: not refused
+        deadline = time.monotonic() + 30
+        while sum(s.busy for s in shim.worker.slots) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(QueueFull):
+            shim.worker.submit(job(2, lambda ev: None))
+    finally:
+        release.set()
+        shim.stop()

@@ -149,23 +149,27 @@ class Worker:
     def check_room(self):
         """Raise QueueFull when --max-queue live jobs already wait. The app asks once before it
         reads and tokenizes a body (a refusal then costs nothing), and submit asks again."""
-        waiting = self.waiting()
-        if waiting >= self.cfg.max_queue and not self._idle_slot_for_any():
-            raise QueueFull(waiting, self.retry_after())
+        live, free = self._load()
+        # a new job waits when the free slots are all claimed by live jobs ahead of it
+        if live >= free and live - free >= self.cfg.max_queue:
+            raise QueueFull(live - free, self.retry_after())
 
-    def _idle_slot_for_any(self) -> bool:
-        """Whether a job submitted now would start at once (an idle slot and nobody waiting)."""
+    def _load(self) -> tuple[int, int]:
+        """(live queued jobs, idle slots about to take them; none before start)."""
         with self._cv:
-            return not self._pending and any(s.job is None for s in self.slots)
+            live = sum(1 for j in self._pending if not j.cancel.is_set())
+            free = sum(1 for s in self.slots if s.job is None) if self._started else 0
+            return live, free
 
     def queued(self) -> int:
         with self._cv:
             return len(self._pending)
 
     def waiting(self) -> int:
-        """Jobs queued whose client is still there (a job cancelled while queued is skipped)."""
-        with self._cv:
-            return sum(1 for j in self._pending if not j.cancel.is_set())
+        """Jobs queued whose client is still there (a job cancelled while queued is skipped),
+        beyond those the idle slots are about to take."""
+        live, free = self._load()
+        return max(0, live - free)
 
     def retry_after(self) -> int:
         """Seconds until a queue place is likely free: about one job's run time (1-60)."""
