@@ -42,14 +42,15 @@ def row(r: SessionInfo, current: str | None = None, number: int | None = None) -
             ("" if r.ok else f"  DAMAGED: {one_line(r.error, 160)}  ({r.path})"))
 
 
-def list_text(store: SessionStore, scope: str = "project", current: str | None = None) -> str:
+def list_text(store: SessionStore, scope: str = "project", current: str | None = None,
+              all_hint: str = "/list all") -> str:
     """What /list shows: newest first, `*` on the session you are in; damaged sessions of an
     unknown project are counted in the project view (their record cannot say where they belong)."""
     rows = store.list(scope)
     stray = [] if scope == "all" else [r for r in store.list("all") if not r.ok and r.project_dir is None]
-    note = f"\n  ({len(stray)} damaged session(s) of unknown project: /list all shows them)" if stray else ""
+    note = f"\n  ({len(stray)} damaged session(s) of unknown project: {all_hint} shows them)" if stray else ""
     if not rows:
-        return "no saved sessions" + ("" if scope == "all" else " in this project (/list all shows every project)") + note
+        return "no saved sessions" + ("" if scope == "all" else f" in this project ({all_hint} shows every project)") + note
     return "\n".join(row(r, current) for r in rows) + note
 
 

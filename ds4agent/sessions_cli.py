@@ -42,7 +42,8 @@ def main(argv: list[str], *, out=None) -> int:
         if a.cmd in (None, "list"):
             rows = [r for r in store.list("project") if r.ok]
             newest = rows[0].sha if rows else None
-            text = list_text(store, "all" if getattr(a, "all", False) else "project", current=newest)
+            text = list_text(store, "all" if getattr(a, "all", False) else "project", current=newest,
+                             all_hint="`ds4-agent sessions list --all`")
             out.write(text + "\n")
             if newest is not None:
                 out.write("(* is the one `ds4-agent --resume` continues; `--resume NAME|ID` or "
