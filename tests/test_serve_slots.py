@@ -285,3 +285,25 @@ def test_max_queue_zero_refuses_only_when_every_slot_is_busy(engine):
     finally:
         release.set()
         shim.stop()
+
+
+def test_another_conversation_on_the_same_prefix_takes_its_own_slot(engine, tmp_path):
+    """A sub-agent's request shares the system prompt with the main conversation but not its
+    turns: cutting the main slot back to the shared prefix would cost it its tail (and again at
+    each turn of either), so it takes a free slot; the main conversation then continues."""
+    srv = _server(engine, tmp_path, slots=3)
+    system = {"role": "system", "content": _system("shared", 30)}
+    main = [system]
+    with srv as url:
+        for t in range(3):
+            main.append({"role": "user", "content": f"main question {t}"})
+            a = _chat(url, main)
+            main.append({"role": "assistant", "content": a["choices"][0]["message"]["content"]})
+        _chat(url, [system, {"role": "user", "content": "sub-agent task"}])
+        main.append({"role": "user", "content": "main question 3"})
+        last = _chat(url, main)
+    recs = [r for r in _traces(tmp_path / "trace.jsonl") if r.get("status") == 200]
+    assert [r["slot"] for r in recs] == [0, 0, 0, 1, 0]
+    assert recs[3]["slot_choice"] == "new" and recs[3]["cached"] == 0
+    cached, n = _cached(last)
+    assert cached >= 0.9 * n, (cached, n)

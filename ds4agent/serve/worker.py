@@ -5,8 +5,8 @@ serialized, or batched into one decode step where the engine batches).
 
 Which slot (the rule docs/serve.md "Slots" states):
 1. own slot: an idle slot whose whole timeline the prompt continues (token or text prefix, a live
-   binding), else one whose timeline it keeps at least half of (a branch of that conversation,
-   cut back in place); the most reused tokens win.
+   binding), else one whose timeline it keeps at least BRANCH_KEEP of (a branch of that
+   conversation, cut back in place); the most reused tokens win.
 2. a busy slot would be better by WAIT_TOKENS or more (the request shares that much more with the
    prompt the slot is running): the request waits for that slot instead; later requests in the
    queue may pass it.
@@ -31,6 +31,12 @@ from .slot import Slot
 
 log = logging.getLogger("ds4agent.serve")
 
+# A request is a branch of a slot's conversation (a regenerated or edited last turn, cut back in
+# place there) when it keeps at least this share of the slot's timeline. Less, and it is more
+# likely another conversation on the same long prefix (a sub-agent under the same system prompt
+# and tools): cutting would cost that conversation its tail, again at each of their turns, so it
+# takes its own slot and prefills the shared prefix once.
+BRANCH_KEEP = 0.8
 # A request waits for a busy slot when that slot would reuse at least this many more of its
 # tokens than the best idle one: about what a prefill of that length costs against an unknown
 # wait (at the cpu backend's real-width prefill, 1024 tokens are seconds to tens of seconds).
@@ -220,7 +226,7 @@ class Worker:
         own, own_r, why = None, 0, ""
         for s in idle:
             r, lost = s.estimate(job)
-            if r and r >= lost and (r > own_r or (r == own_r and s.last_used > own.last_used)):
+            if r and r >= BRANCH_KEEP * (r + lost) and (r > own_r or (r == own_r and s.last_used > own.last_used)):
                 own, own_r, why = s, r, "continues" if not lost else "branch"
         busy_r, busy_s = 0, None
         for s in self.slots:
