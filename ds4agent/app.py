@@ -211,6 +211,7 @@ class AgentApp(App):
         self.approval: ApprovalBar | None = None
         self._await_reply: str | None = None   # a command ended: its reply Notice comes next
         self._leaving = False
+        self._gone = False             # exit() called: nothing more is drawn
         self._think: Thinking | None = None
         self._answer: Answer | None = None
         self._tools: dict[int, ToolView] = {}
@@ -260,11 +261,17 @@ class AgentApp(App):
         with self._lock:
             evs, self._inbox = self._inbox, []
             self._wake_pending = False
+        if self._gone:         # the worker's last events (the stopped turn's end) outlive the screen
+            return
         with self.batch_update():
             for ev in coalesce(evs):
+                if self._gone:
+                    return
                 try:
                     await self._apply(ev)
                 except Exception as e:   # a display bug must not take the UI down
+                    if self._gone:
+                        return
                     self.log.error(f"could not show {type(ev).__name__}: {e!r}")
                     await self._add(NoticeLine(f"ui error showing {type(ev).__name__}: {e}", "error"))
 
@@ -571,11 +578,10 @@ class AgentApp(App):
         self._leaving = True
         self._set_status(Text("saving and leaving…", style="bold"))
         worker = self.worker
-        if worker is None:
-            self.exit()
-            return
-        # stop() joins the engine thread (which saves first): never on the UI loop
-        await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        if worker is not None:
+            # stop() joins the engine thread (which saves first): never on the UI loop
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        self._gone = True
         self.exit()
 
     def action_toggle_thinking(self):

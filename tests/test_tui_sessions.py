@@ -91,8 +91,10 @@ async def test_quit_during_a_long_turn_stops_it_saves_and_says_how_to_resume(env
             await send(pilot, "/quit")
             await until(pilot, lambda: not app.worker._thread.is_alive(), "the worker to stop", timeout=20)
             assert time.monotonic() - t0 < 15                 # not the ~4000 tokens the turn had left
+            await pilot.pause(0.3)                            # the stopped turn's last events arrive
     finally:
         shutdown(app)
+    assert not app.return_code, "the app ended with an error (events drawn after exit?)"
     assert agent.last_finish.interrupted             # (the screen had gone before it could show it)
     assert not agent.modified and agent.exit_save is not None and agent.exit_save.sha == agent.current_sha
     note = agent.farewell()
