@@ -220,7 +220,8 @@ class Session:
         self.ctx = ctx
         self.chunk = max(1, int(chunk))
         self.rewind_cap = min(ctx, DEFAULT_CHUNK) if rewind_cap is None else rewind_cap
-        self.state = engine.model.ops.new_state(engine.config, ctx, self.rewind_cap)
+        with engine.lock:       # (a device backend evaluates the new state: not inside another's pass)
+            self.state = engine.model.ops.new_state(engine.config, ctx, self.rewind_cap)
         self._tokens: list[int] = []
         self._logits: np.ndarray | None = None
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
