@@ -4,6 +4,10 @@ Callers speak token ids; the session owns the KV state and the logits for the ne
 `sync(tokens)` makes the timeline equal to `tokens`: it keeps the common prefix, cuts back in place
 when the state still holds what the shorter timeline needs (else rebuilds), and prefills the rest
 in chunks, reporting progress after each chunk and stopping between chunks when asked to.
+
+Threads: the Sessions of one Engine may each run on their own thread (one thread at a time per
+Session). Every forward pass holds `Engine.lock`; with `Engine.start_batching()` the decode steps
+that several threads ask for at once run as one batched pass (engine/runtime/batcher.py).
 """
 from __future__ import annotations
 
