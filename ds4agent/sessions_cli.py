@@ -62,8 +62,15 @@ def main(argv: list[str], *, out=None) -> int:
 def choose_resume(store: SessionStore, ref: str, *, ask: Callable[[str], str] | None = None, out=None) -> str:
     """The sha of the session `--resume REF` continues: REF is a name or the start of an id, or
     `pick` to choose from this directory's sessions by number on the terminal (plain input(),
-    before any UI). SessionStoreError says why none can be; NoChoice when the user quits."""
-    out, ask = out or sys.stdout, ask or input
+    before any UI; the list and the question go to stderr, so `-p`'s answer alone is on stdout).
+    SessionStoreError says why none can be; NoChoice when the user quits."""
+    out = out or sys.stderr
+
+    def ask_terminal(prompt: str) -> str:
+        out.write(prompt)
+        out.flush()
+        return input()
+    ask = ask or ask_terminal
     if ref != PICK:
         info = store.resolve(ref)
         if not info.ok:

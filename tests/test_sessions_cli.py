@@ -116,7 +116,7 @@ def test_resume_by_name_id_or_pick(saved):
 
 def test_a_resume_that_cannot_be_is_one_line_before_the_model_loads(saved, agent_model, capsys, monkeypatch):
     store, *_ = saved
-    monkeypatch.setattr("builtins.input", lambda prompt: "q")
+    monkeypatch.setattr("builtins.input", lambda prompt="": "q")
     for ref, msg in (("nope", "error: no session 'nope'"), ("pick", "no session chosen")):
         assert cli.main(["--model", str(agent_model), "--ctx", "16384", "--resume", ref]) == 1
         err = capsys.readouterr().err.strip().splitlines()
