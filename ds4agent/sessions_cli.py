@@ -87,6 +87,7 @@ def choose_resume(store: SessionStore, ref: str, *, ask: Callable[[str], str] | 
         try:
             answer = ask(f"continue which one? [1-{len(rows)}, Enter: 1, q: quit] ").strip().lower()
         except (EOFError, KeyboardInterrupt):
+            out.write("\n")                # the terminal's line ends here, not after a typed answer
             raise NoChoice() from None
         if answer in ("q", "quit"):
             raise NoChoice()
