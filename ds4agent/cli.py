@@ -61,7 +61,9 @@ def find_model(arg: str | None, cfg: dict) -> tuple[str | None, list[str]]:
 
 EPILOG = """other commands:
   ds4-agent download q2|q4|q2-imatrix|q4-imatrix [--dir DIR]
-                        download ds4's published GGUF (resumable) and record its path"""
+                        download ds4's published GGUF (resumable) and record its path
+  ds4-agent sessions [list [--all] | show ID|NAME | delete ID|NAME]
+                        the saved sessions, without loading a model"""
 DEFAULT_CTX = 65536
 
 
