@@ -119,6 +119,7 @@ class Slot:
         the slot). Logs the request's one line when it ends, however it ends."""
         t0 = time.perf_counter()
         finish = "error"
+        job.trace["slot"] = self.index
         try:
             finish = self._run(job)
         except Cancelled:
@@ -157,7 +158,7 @@ class Slot:
             job.emit(E.Failure(str(e), 409))
             return "error (live state lost)"
         prompt_n = self.session.pos
-        job.trace.update(source=source, cached=cached, prompt_tokens=prompt_n, slot=self.index,
+        job.trace.update(source=source, cached=cached, prompt_tokens=prompt_n,
                          prefill_s=round(time.perf_counter() - t0, 3))
         self.w.count(prefilled=prompt_n - cached, reused=cached)
         job.emit(E.Begin(E.Usage(prompt_n, cached), source))
