@@ -394,3 +394,50 @@ def test_bench_slots_runs_and_prints_both_ratios(batch_model, capsys):
     out = capsys.readouterr().out
     assert "aggregate/alone" in out and "alone/slowest stream" in out and "forward_batch B=4" in out
     assert "stream 1 tokens as alone: True" in out
+
+
+class _Interrupt(BaseException):
+    """Stands for a KeyboardInterrupt in the thread that runs a batch."""
+
+
+def test_an_interrupted_executor_hands_the_others_steps_on(cpu_eng, invariant, monkeypatch):
+    """The thread running a batch is interrupted mid-pass: it gets the interrupt, and the other
+    sessions' steps go back to the queue and run (again) on another thread, to the same results."""
+    alone = [_greedy(Session(cpu_eng, 128), p, 5) for p in PROMPTS[:3]]
+    real = cpu_eng.model.forward_batch
+    fired = []
+
+    def once(*args, **kw):
+        if not fired:
+            fired.append(threading.get_ident())
+            real(*args, **kw)                   # (the pass has written every session's rows)
+            raise _Interrupt()
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cpu_eng.model, "forward_batch", once)
+    b = cpu_eng.start_batching(window_ms=5000.0)
+    go = threading.Barrier(3)
+
+    def run(i):
+        s = Session(cpu_eng, 128)
+        s.sync(PROMPTS[i])
+        out, rows = [], []
+        with s.generating():
+            go.wait()
+            for _ in range(5):
+                t = int(np.argmax(s.logits))
+                try:
+                    rows.append(s.eval(t).copy())
+                except _Interrupt:
+                    rows.append(s.eval(t).copy())    # asked again: the step runs again
+                out.append(t)
+        return out, np.array(rows), threading.get_ident()
+
+    try:
+        got = _threads([lambda i=i: run(i) for i in range(3)])
+    finally:
+        cpu_eng.stop_batching()
+    assert len(fired) == 1 and fired[0] in [g[2] for g in got]
+    for (ta, la), (tg, lg, _) in zip(alone, got):
+        assert ta == tg and np.array_equal(la, lg)
+    assert b.stats["max_batch"] == 3
