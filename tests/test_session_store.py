@@ -1,5 +1,5 @@
 """The agent's named-session store: save/list/load/rename/delete, lineage pruning, damaged files,
-sysprompt.kv. One small prefill per module; every other timeline is a restored snapshot plus a
+the system-prefix cache. One small prefill per module; every other timeline is a restored snapshot plus a
 few decode steps."""
 from __future__ import annotations
 
@@ -287,7 +287,7 @@ def test_damaged_files_are_listed_and_fail_to_load_cleanly(eng, base, tmp_path):
     assert set(shas(store)) == {badpayload.sha, foreign.sha}
 
 
-# -- sysprompt.kv --------------------------------------------------------------------------------
+# -- the system-prefix cache ----------------------------------------------------------------------
 def test_sysprompt_used_only_on_exact_text(eng, base, tmp_path):
     store = SessionStore(tmp_path / "s", project_dir=tmp_path)
     s = session_from(eng, base[0])
