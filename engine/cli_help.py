@@ -32,3 +32,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
                 or not action.option_strings or action.nargs == 0):
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+    def _fill_text(self, text, width, indent):
+        # the epilog lists commands a line each, as written: the default reflow ran them together
+        return "\n".join(indent + line for line in text.splitlines())
