@@ -93,6 +93,9 @@ def main() -> int:
             each = [n / (last - first) for n, first, last in many]
             agg = sum(n for n, _, _ in many) / (max(x[2] for x in many) - min(x[1] for x in many))
             rows.append((alone, agg, each))
+            st = getattr(getattr(engine, "batcher", None), "stats", None)
+            if st:       # how many decode rows each batched step carried, so far in the run
+                print(f"  batcher: {st}", flush=True)
             print(f"round {r + 1}: alone {alone:.2f} t/s; {a.clients} at once: aggregate {agg:.2f} t/s, "
                   f"each {', '.join(f'{e:.2f}' for e in each)}; aggregate/alone {agg / alone:.2f}x, "
                   f"alone/slowest {alone / min(each):.2f}x", flush=True)
