@@ -295,8 +295,8 @@ def test_another_conversation_on_the_same_prefix_takes_its_own_slot(engine, tmp_
     system = {"role": "system", "content": _system("shared", 30)}
     main = [system]
     with srv as url:
-        for t in range(3):
-            main.append({"role": "user", "content": f"main question {t}"})
+        for t in range(3):           # a tail of 300+ tokens after the shared system prompt
+            main.append({"role": "user", "content": f"main question {t}: " + _system(f"q{t}", 60)})
             a = _chat(url, main)
             main.append({"role": "assistant", "content": a["choices"][0]["message"]["content"]})
         _chat(url, [system, {"role": "user", "content": "sub-agent task"}])

@@ -5,7 +5,8 @@ serialized, or batched into one decode step where the engine batches).
 
 Which slot (the rule docs/serve.md "Slots" states):
 1. own slot: an idle slot whose whole timeline the prompt continues (token or text prefix, a live
-   binding), else one whose timeline it keeps at least BRANCH_KEEP of (a branch of that
+   binding), else one whose timeline it keeps at least BRANCH_KEEP of, or loses at most
+   BRANCH_SMALL tokens of while reusing BRANCH_PROMPT of the prompt (a branch of that
    conversation, cut back in place); the most reused tokens win.
 2. a busy slot would be better by WAIT_TOKENS or more (the request shares that much more with the
    prompt the slot is running): the request waits for that slot instead; later requests in the
@@ -37,6 +38,12 @@ log = logging.getLogger("ds4agent.serve")
 # and tools): cutting would cost that conversation its tail, again at each of their turns, so it
 # takes its own slot and prefills the shared prefix once.
 BRANCH_KEEP = 0.8
+# ... or when the cut loses at most BRANCH_SMALL tokens and what it keeps is at least
+# BRANCH_PROMPT of the prompt: a short tail (a regenerated reply, a capped answer re-rendered
+# differently, an edited short turn) costs little to prefill again; the prompt share keeps a
+# conversation that shares only the template's first tokens from counting as a branch
+BRANCH_SMALL = 256
+BRANCH_PROMPT = 0.3
 # A request waits for a busy slot when that slot would reuse at least this many more of its
 # tokens than the best idle one: about what a prefill of that length costs against an unknown
 # wait (at the cpu backend's real-width prefill, 1024 tokens are seconds to tens of seconds).
@@ -146,6 +153,9 @@ class Worker:
         with self._submit_lock:
             self.check_room()
             with self._cv:
+                if self.closing:        # stop() came meanwhile: its slots may have ended
+                    job.emit(E.Failure("server shutting down", 503))
+                    return
                 self._pending.append(job)
                 # the choice itself runs on an idle slot's thread, never on the app's event
                 # loop (it compares the prompt with every slot's timeline: O(context) each)
@@ -226,7 +236,9 @@ class Worker:
         own, own_r, why = None, 0, ""
         for s in idle:
             r, lost = s.estimate(job)
-            if r and r >= BRANCH_KEEP * (r + lost) and (r > own_r or (r == own_r and s.last_used > own.last_used)):
+            branch = r >= BRANCH_KEEP * (r + lost) or (
+                lost <= BRANCH_SMALL and r >= BRANCH_PROMPT * len(job.tokens))
+            if r and branch and (r > own_r or (r == own_r and s.last_used > own.last_used)):
                 own, own_r, why = s, r, "continues" if not lost else "branch"
         busy_r, busy_s = 0, None
         for s in self.slots:
