@@ -324,15 +324,17 @@ def hc_pre_mix(pre: np.ndarray, X: np.ndarray):
 
 
 def attention(q: np.ndarray, segments, sinks: np.ndarray, scale: float):
-    """FastOps.attention (q [T, H, D]; segments: (keys [K, D] or [T, K, D], mask [T, K] bool);
-    the sink logit in the denominator only; K = V) in C: per query and 4 heads, the attended keys'
-    scores and weighted sum in float32 register tiles, units over the threads. None where this
-    build has no attention kernel (the portable one)."""
+    """NumpyOps.attention (q [T, H, D]; segments: (keys [K, D] or [T, K, D], mask [T, K] bool);
+    the sink logit in the denominator only; K = V) in C: per query and 4 heads, the scores
+    (q . key) * scale, the softmax and the weighted sum of the attended keys in float64 (register
+    tiles), the output rounded to float32 once, as the reference, so the two agree to the last bit
+    but for a value whose float64 sums straddle a float32 rounding boundary (~2^-29 a value);
+    units over the threads. None where this build has no attention kernel (the portable one)."""
     if _K is None or not _K.has_attention():
         return None
     q = np.asarray(q, dtype=np.float32)
     T, H, D = q.shape
-    qs = np.ascontiguousarray(q * np.float32(scale)).reshape(T * H, D)
+    qs = np.ascontiguousarray(q).reshape(T * H, D)
     segs = []
     for keys, mask in segments:
         mask = np.ascontiguousarray(mask, dtype=bool)
@@ -342,7 +344,7 @@ def attention(q: np.ndarray, segments, sinks: np.ndarray, scale: float):
         per_query = keys.ndim == 3
         segs.append((keys.reshape(-1, D), mask.view(np.uint8), per_query))
     out = np.empty((T * H, D), np.float32)
-    _K.attention(qs, np.ascontiguousarray(sinks, dtype=np.float32).reshape(1, H), out, segs)
+    _K.attention(qs, np.ascontiguousarray(sinks, dtype=np.float32).reshape(1, H), out, segs, float(scale))
     return out.reshape(T, H, D)
 
 

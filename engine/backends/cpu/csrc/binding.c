@@ -582,11 +582,13 @@ static int get_segment(PyObject *it, int64_t T, int64_t D, Py_buffer *kb, Py_buf
     return 0;
 }
 
-/* attention(q, sinks, out, segments[, threads]): ops_attention; a segment is (keys, mask, per_query) */
+/* attention(q, sinks, out, segments, scale[, threads]): ops_attention; a segment is (keys, mask,
+ * per_query); q not scaled (the scores are (q . key) * scale in float64) */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     PyObject *qo, *so, *oo, *sl;
+    double scale;
     int threads = 0;
-    if (!PyArg_ParseTuple(args, "OOOO|i", &qo, &so, &oo, &sl, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOd|i", &qo, &so, &oo, &sl, &scale, &threads)) return NULL;
     const kern_isa *K = &g_isa[g_cur];
     if (!K->attn) {
         PyErr_SetString(PyExc_ValueError, "attention: no kernel in this build");
@@ -633,8 +635,8 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     {
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = ops_attention(K, (const float *)qb.buf, (const float *)sb.buf, T, H, D, segs, nseg, nmax, (float *)ob.buf,
-                           threads);
+        rc = ops_attention(K, (const float *)qb.buf, (const float *)sb.buf, scale, T, H, D, segs, nseg, nmax,
+                           (float *)ob.buf, threads);
         Py_END_ALLOW_THREADS
         if (rc < 0) {
             PyErr_NoMemory();
@@ -798,7 +800,7 @@ static PyMethodDef methods[] = {
      "(types: one type id, or one per product)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(block, x) -> (codes, scales, sums) as bytes"},
     {"round_q8", py_round_q8, METH_VARARGS, "round_q8(block, x, out[, threads]): out = Q8_0/Q8_K-rounded x"},
-    {"attention", py_attention, METH_VARARGS, "attention(q, sinks, out, segments[, threads]): per-query softmax attention"},
+    {"attention", py_attention, METH_VARARGS, "attention(q, sinks, out, segments, scale[, threads]): per-query softmax attention, float64 inside"},
     {"store_kv", py_store_kv, METH_VARARGS, "store_kv(rows, n_nope, out[, threads]): FP8 + F16 rounding of KV rows"},
     {"hc_post", py_hc_post, METH_VARARGS, "hc_post(y, X, post, C, out[, threads]): hyper-connection post mix"},
     {"hc_pre_mix", py_hc_pre_mix, METH_VARARGS, "hc_pre_mix(pre, X, out[, threads]): hyper-connection pre mix"},

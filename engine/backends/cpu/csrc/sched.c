@@ -122,34 +122,41 @@ int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, 
     }
     /* Column blocks: a panel of rows sweeps all of x (T x n_in floats), and the panel holds
      * 256 KiB / n_in rows, so a wide x (8192 values x 512 tokens = 16 MiB) was re-read from memory
-     * for every 8 rows. Blocks of KERN_KC values keep 64-row panels and a block of x that caches
-     * well; the partial sums are added into y (a different summation order: not in batch-invariant
-     * mode, where a token's sums must not depend on T). */
+     * for every 8 rows. Blocks of KERN_KC values keep larger panels and a block of x that caches
+     * well; the float64 partial sums wait in yacc and are rounded once after the last block (not
+     * in batch-invariant mode, where a token's sums must be in the order of the other paths). */
     const int64_t be = kern_block_elems(type);
     int64_t kc = n_in;
     if (!g_invariant && n_in >= 2 * KERN_KC && T * n_in * (int64_t)sizeof(float) > (1 << 20) && KERN_KC % be == 0)
         kc = KERN_KC;
+    double *yacc = NULL;
+    if (kc < n_in) {
+        yacc = (double *)malloc((size_t)(T * n_rows) * sizeof(double));
+        if (!yacc) return -1;
+    }
     const int unit = K->panel_rows;
-    const size_t need = (size_t)(kern_panel_rows(unit, kc) * kern_ldw(kc));
+    const size_t need = 2 * (size_t)kern_panel_scratch_d(unit, kc); /* floats */
     const int nt = thread_count((n_rows + unit - 1) / unit, n_rows * n_in * T, 1 << 20, max_threads);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         int64_t a, b;
         split_rows(n_rows, unit, OMP_TID(), OMP_NTH(), &a, &b);
         if (a < b) {
-            float *wbuf = scratch(need);
+            double *wbuf = (double *)scratch(need);
             if (!wbuf) {
 #pragma omp atomic write
                 failed = 1;
             } else {
                 for (int64_t k0 = 0; k0 < n_in; k0 += kc) {
                     const int64_t len = n_in - k0 < kc ? n_in - k0 : kc;
+                    const int mode = kc == n_in ? 0 : k0 == 0 ? 1 : k0 + len < n_in ? 2 : 3;
                     K->panel(K->dq[type], W + k0 / be * kern_block_bytes(type), stride, len, a, b, x + k0, n_in, T,
-                             y, n_rows, wbuf, k0 > 0);
+                             y, n_rows, wbuf, yacc, mode);
                 }
             }
         }
     }
+    free(yacc);
     return failed ? -1 : 0;
 }
 
