@@ -17,11 +17,17 @@ Paths (``method``):
   - larger T ("panel"): a panel of rows is decoded (exact dequantizer) into a float buffer that
     stays in L2, and register tiles of 4 rows x 4 tokens run over it.
   Each weight is read from memory once per call whatever T.  Rows are split statically over
-  OpenMP threads (set_threads; default: the CPUs this process may run on).  Float32 accumulation:
-  results differ from quants.matvec(..., accumulate=np.float64) by rounding only; with
-  set_batch_invariant(True) a token's result does not depend on T, path or threads.
+  OpenMP threads (set_threads; default: the CPUs this process may run on).  Float64 accumulation
+  of the exact float32 products, rounded to float32 once, as quants.matvec(...,
+  accumulate=np.float64): the results are the reference's bit for bit (but for a sum within
+  ~2^-29 ulp of a float32 rounding boundary), on every path for F32 / F16 / BF16 and on the
+  "regs" and "panel" paths for every format. The exception: the factored T = 1 kernels of the
+  quant formats (F64_T1_TYPES lists the types without it) sum in float32, as the exact-weight
+  float64 form is 1.6-3.4x slower from cache there (docs/cpu-kernels.md, "Float kernels").
+  With set_batch_invariant(True) a token's result does not depend on T, path or threads.
 * "blas": the C dequantizer decodes a chunk of rows (one call, one thread: OpenMP and OpenBLAS
-  threads fighting over the same cores is much slower), then np.matmul multiplies it in float32.
+  threads fighting over the same cores is much slower), then np.matmul multiplies it in float64
+  (the reference's arithmetic: the same float32 results as the fused paths).
   On the development machine (2-core Zen 4) the fused kernels beat it at every T measured (1 to
   512; scripts/bench_kernels.py), so "auto" uses it only from BLAS_MIN_T tokens (None: never).
 * "regs" / "panel" force one fused sub-path (tests, benchmarks).
@@ -51,7 +57,7 @@ except ImportError:  # pragma: no cover - depends on the install
     _K = None
 
 __all__ = ["available", "isa", "set_threads", "get_threads", "set_batch_invariant", "matmul", "matmul_q8",
-           "matmul_q8_batch", "matmul_q8_mixed", "round_q8", "has_q8", "q8_gemm_min_t", "q8_beats_float", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T"]
+           "matmul_q8_batch", "matmul_q8_mixed", "round_q8", "has_q8", "q8_gemm_min_t", "q8_beats_float", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T", "F64_T1_TYPES"]
 
 #: the token count from which method="auto" uses dequantize + BLAS instead of the fused kernels;
 #: None: never (scripts/bench_kernels.py measures both and prints the crossover, if any)
@@ -70,6 +76,11 @@ Q8_MAX_T = 8
 _BLAS_CHUNK_ELEMS = 1 << 20
 
 _TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
+
+#: the weight types whose T = 1 kernel sums in float64 too (the reference's bits at every T); the
+#: quant formats' T = 1 kernels apply block scales to float32 partial sums (set_batch_invariant(True)
+#: takes them through the float64 in-register path instead)
+F64_T1_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 
 
 def build_is_current() -> bool | None:
@@ -205,12 +216,12 @@ def _matmul_blas(type_id: int, w: np.ndarray, x: np.ndarray, n_in: int) -> np.nd
         return np.zeros((T, n_rows), dtype=np.float32)
     chunk = max(1, min(n_rows, _BLAS_CHUNK_ELEMS // n_in))
     buf = np.empty((chunk, n_in), dtype=np.float32)
-    xT = x.T
+    xT = x.T.astype(np.float64)                # float64 products and sums, one rounding (as quants.matvec)
     for r0 in range(0, n_rows, chunk):
         r1 = min(n_rows, r0 + chunk)
         b = buf[:r1 - r0]
         _dequantize_into(type_id, w[r0:r1], b, 1)
-        np.matmul(b, xT, out=yT[r0:r1])
+        yT[r0:r1] = np.matmul(b.astype(np.float64), xT)
     return np.ascontiguousarray(yT.T)
 
 
