@@ -77,7 +77,7 @@ def test_matmul_is_the_references_float64_sum(t, isa_guard):
             ref = Q.matvec(t, w, x.T, accumulate=np.float64).T
             for isa in C.isas():
                 C.set_isa(isa)
-                for method in ("auto", "regs", "panel", "blas"):
+                for method in ("auto", "regs", "panel", "f64", "blas"):
                     if T == 1 and method in ("auto", "regs") and t not in K.F64_T1_TYPES:
                         continue               # the factored T = 1 kernels (float32; module docstring of kernels)
                     _same((NAMES[t], isa, method, n_in, T), K.matmul(t, w, x, method=method), ref, seen)

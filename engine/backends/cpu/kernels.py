@@ -25,6 +25,9 @@ Paths (``method``):
   quant formats (F64_T1_TYPES lists the types without it) sum in float32, as the exact-weight
   float64 form is 1.6-3.4x slower from cache there (docs/cpu-kernels.md, "Float kernels").
   With set_batch_invariant(True) a token's result does not depend on T, path or threads.
+* "f64": "fused", but T = 1 of a quant format takes the float64 in-register path: every result
+  is the reference's (CpuOps uses it in ds4 numerics, where issue 22 asks for the reference's
+  decisions).
 * "blas": the C dequantizer decodes a chunk of rows (one call, one thread: OpenMP and OpenBLAS
   threads fighting over the same cores is much slower), then np.matmul multiplies it in float64
   (the reference's arithmetic: the same float32 results as the fused paths).
@@ -63,7 +66,7 @@ __all__ = ["available", "isa", "set_threads", "get_threads", "set_batch_invarian
 #: None: never (scripts/bench_kernels.py measures both and prints the crossover, if any)
 BLAS_MIN_T: int | None = None
 
-_PATHS = {"fused": 0, "regs": 1, "panel": 2}
+_PATHS = {"fused": 0, "regs": 1, "panel": 2, "f64": 3}
 
 #: integer-activation kernels (ds4 numerics): the weight types that have one, with the activation
 #: block they quantize x to (Q8_0: 32 values, Q8_K: 256), and the largest T they are used for
@@ -78,8 +81,8 @@ _BLAS_CHUNK_ELEMS = 1 << 20
 _TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
 
 #: the weight types whose T = 1 kernel sums in float64 too (the reference's bits at every T); the
-#: quant formats' T = 1 kernels apply block scales to float32 partial sums (set_batch_invariant(True)
-#: takes them through the float64 in-register path instead)
+#: quant formats' T = 1 kernels apply block scales to float32 partial sums (method="f64" and
+#: set_batch_invariant(True) take them through the float64 in-register path instead)
 F64_T1_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 
 
@@ -439,13 +442,15 @@ def matmul_q8_into(types, ws, xs, ys) -> None:
 def matmul(type_id: int, w: np.ndarray, x: np.ndarray, *, method: str = "auto") -> np.ndarray:
     """y = x @ W.T: w uint8 [n_rows, row_bytes] (packed rows of ``type_id``), x float32 [T, n_in]
     C-contiguous -> float32 [T, n_rows] (C-contiguous).
-    method: "auto" (default), "fused", "regs", "panel" or "blas" (module docstring)."""
+    method: "auto" (default), "fused", "regs", "panel", "f64" or "blas" (module docstring)."""
     f = _format(type_id)
     w, n_in = _check_w(f, w)
     x = _check_x(x, n_in)
     T = x.shape[0]
     if method == "auto":
         method = "fused" if _K is not None and (BLAS_MIN_T is None or T < BLAS_MIN_T) else "blas"
+    elif method == "f64" and _K is None:
+        method = "blas"                          # (float64 as well)
     if method in _PATHS:
         if _K is None:
             raise RuntimeError("engine.backends.cpu._kernels is not built (no C compiler at install time?)")
@@ -454,4 +459,4 @@ def matmul(type_id: int, w: np.ndarray, x: np.ndarray, *, method: str = "auto") 
         return y
     if method == "blas":
         return _matmul_blas(f.type_id, w, x, n_in)
-    raise ValueError(f"method must be 'auto', 'fused', 'regs', 'panel' or 'blas', got {method!r}")
+    raise ValueError(f"method must be 'auto', 'fused', 'regs', 'panel', 'f64' or 'blas', got {method!r}")

@@ -4,7 +4,8 @@
  *   matmul(type_id, w, x, y[, threads[, path]])  y[T, n_rows] = x[T, n_in] @ W.T; w: 2-D uint8
  *                                 buffer of packed rows (any row stride, contiguous rows), x / y
  *                                 float32 C-contiguous; threads: thread count of this call (0:
- *                                 set_threads); path: 0 by T, 1 in registers, 2 decoded panel
+ *                                 set_threads); path: 0 by T, 1 in registers, 2 decoded panel,
+ *                                 3 by T with float64 sums at T = 1 for every format
  *   matmul_q8_batch(types, ws, xs, ys[, threads])  ys[i] = the same product with xs[i] quantized
  *                                 per token to Q8_0 / Q8_K blocks first (ds4 numerics; integer dot
  *                                 products), every i in one parallel region
@@ -100,8 +101,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     int type, threads = 0, path = 0;
     PyObject *wo, *xo, *yo;
     if (!PyArg_ParseTuple(args, "iOOO|ii", &type, &wo, &xo, &yo, &threads, &path)) return NULL;
-    if (path < 0 || path > 2) {
-        PyErr_SetString(PyExc_ValueError, "path must be 0 (auto), 1 (registers) or 2 (panel)");
+    if (path < 0 || path > 3) {
+        PyErr_SetString(PyExc_ValueError, "path must be 0 (auto), 1 (registers), 2 (panel) or 3 (auto, float64 sums at T = 1 too)");
         return NULL;
     }
     if (check_type(type) < 0) return NULL;

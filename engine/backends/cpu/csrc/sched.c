@@ -77,8 +77,13 @@ static void split_rows(int64_t n_rows, int64_t unit, int tid, int nth, int64_t *
     *b = u1 * unit < n_rows ? u1 * unit : n_rows;
 }
 
+/* the T = 1 kernels that sum in float64 (the plain formats); the quant formats' factored ones apply
+ * block scales to float32 partial sums */
+static int mv1_is_f64(int type) { return type == KT_F32 || type == KT_F16 || type == KT_BF16; }
+
 /* path: 0 = by T (mv1 for T = 1, mvt for T <= mvt_max, else panel), 1 = in registers (mv1 / mvt),
- * 2 = panel */
+ * 2 = panel, 3 = as 0 but every result the float64 sum rounded once (T = 1 of a quant format takes
+ * mvt instead of its float32 mv1) */
 int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, int64_t n_rows,
                int64_t n_in, const float *x, int64_t T, float *y, int max_threads, int path) {
     if (n_in == 0) {
@@ -87,7 +92,8 @@ int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, 
     }
     const int64_t rb = n_in / kern_block_elems(type) * kern_block_bytes(type);
     int failed = 0;
-    if (T == 1 && K->mv1[type] && path != 2 && !g_invariant) {
+    const int mv1_ok = K->mv1[type] && path != 2 && !g_invariant && (path != 3 || mv1_is_f64(type));
+    if (T == 1 && mv1_ok) {
         const int64_t na = kern_aux_len(type, n_in);
         float *aux = NULL;
         if (na) {
@@ -109,7 +115,7 @@ int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, 
         free(aux);
         return 0;
     }
-    if ((T > 1 || g_invariant) && K->mvt[type] && (path == 1 || (path == 0 && T <= K->mvt_max[type]))) {
+    if ((T > 1 || !mv1_ok) && K->mvt[type] && (path == 1 || ((path == 0 || path == 3) && T <= K->mvt_max[type]))) {
         const kern_mvt_fn f = K->mvt[type];
         const int nt = thread_count((n_rows + 15) / 16, n_rows * rb * T, 64 * 1024, max_threads);
 #pragma omp parallel num_threads(nt) if (nt > 1)
