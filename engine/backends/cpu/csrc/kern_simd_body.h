@@ -107,7 +107,8 @@ KI VD8 vd_hi(V16 v) { return vdmk(_mm256_cvtps_pd(_mm256_castps256_ps128(v.b)), 
 #define KERN_DEF_MV1_PLAIN(fmt, ES, LOAD16, SCALAR, PF)                                              \
     static void KSUF(mv1_##fmt)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, \
                                 const float *x, const float *aux, float *y) {                        \
-        (void)aux;                                                                                   \
+        const double *xd = (const double *)aux; /* x as doubles (run_matmul) */                      \
+        (void)x;                                                                                     \
         for (int64_t r = r0; r < r1; r++) {                                                          \
             const uint8_t *w = W + r * stride;                                                       \
             VD8 a0 = vdzero(), a1 = vdzero(), a2 = vdzero(), a3 = vdzero();                          \
@@ -115,19 +116,18 @@ KI VD8 vd_hi(V16 v) { return vdmk(_mm256_cvtps_pd(_mm256_castps256_ps128(v.b)), 
             for (; k + 32 <= n; k += 32) {                                                           \
                 PF(w + (ES) * k);                                                                    \
                 const V16 w0 = LOAD16(w + (ES) * k), w1 = LOAD16(w + (ES) * (k + 16));               \
-                const V16 x0 = vloadu(x + k), x1 = vloadu(x + k + 16);                               \
-                a0 = vdfma(vd_lo(w0), vd_lo(x0), a0);                                                \
-                a1 = vdfma(vd_hi(w0), vd_hi(x0), a1);                                                \
-                a2 = vdfma(vd_lo(w1), vd_lo(x1), a2);                                                \
-                a3 = vdfma(vd_hi(w1), vd_hi(x1), a3);                                                \
+                a0 = vdfma(vd_lo(w0), vdload(xd + k), a0);                                           \
+                a1 = vdfma(vd_hi(w0), vdload(xd + k + 8), a1);                                       \
+                a2 = vdfma(vd_lo(w1), vdload(xd + k + 16), a2);                                      \
+                a3 = vdfma(vd_hi(w1), vdload(xd + k + 24), a3);                                      \
             }                                                                                        \
             for (; k + 16 <= n; k += 16) {                                                           \
-                const V16 w0 = LOAD16(w + (ES) * k), x0 = vloadu(x + k);                             \
-                a0 = vdfma(vd_lo(w0), vd_lo(x0), a0);                                                \
-                a1 = vdfma(vd_hi(w0), vd_hi(x0), a1);                                                \
+                const V16 w0 = LOAD16(w + (ES) * k);                                                 \
+                a0 = vdfma(vd_lo(w0), vdload(xd + k), a0);                                           \
+                a1 = vdfma(vd_hi(w0), vdload(xd + k + 8), a1);                                       \
             }                                                                                        \
             double s = vdhsum(vdadd(vdadd(a0, a2), vdadd(a1, a3)));                                  \
-            for (; k < n; k++) s += (double)SCALAR(w + (ES) * k) * x[k];                             \
+            for (; k < n; k++) s += (double)SCALAR(w + (ES) * k) * xd[k];                            \
             y[r] = (float)s;                                                                         \
         }                                                                                            \
     }

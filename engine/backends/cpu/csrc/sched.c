@@ -96,7 +96,13 @@ int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, 
     if (T == 1 && mv1_ok) {
         const int64_t na = kern_aux_len(type, n_in);
         float *aux = NULL;
-        if (na) {
+        if (mv1_is_f64(type)) {
+            /* the plain formats' float64 kernels read x widened to doubles once (as aux) */
+            double *xd = (double *)malloc((size_t)n_in * sizeof(double) + 8);
+            if (!xd) return -1;
+            for (int64_t i = 0; i < n_in; i++) xd[i] = x[i];
+            aux = (float *)xd;
+        } else if (na) {
             aux = (float *)malloc((size_t)na * sizeof(float));
             if (!aux) return -1;
             kern_aux_fill(type, x, n_in, aux);
