@@ -7,8 +7,9 @@ experts' Q2_K / IQ2_XXS weights: Q8_K blocks) go to the integer kernels, which q
 exactly as engine/model/numerics.py does and take exact integer dot products (ds4's own arithmetic):
 row kernels for a few tokens, the GEMM form for many (AVX-512 VNNI, AVX2); where neither beats the float
 kernels (other builds, 9+ tokens) the reference rounding runs first and the float kernels follow.
-The kernels accumulate in float32 where the reference accumulates in float64, so results differ
-from the reference by rounding only (tests/test_ops_cpu.py measures it on whole forward passes).
+The float kernels and attention sum in float64 and round once, as the reference, so they give its
+float32 results bit for bit (tests/test_cpu_f64.py); the integer kernels take ds4's arithmetic,
+which differs from the reference's by rounding (tests/test_ops_cpu.py measures whole passes).
 """
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ class CpuOps(FastOps, NumpyOps):
             return Q.matvec(w.type_id, data, np.asarray(x, np.float32).T, accumulate=np.float64).T
         x = np.ascontiguousarray(x, dtype=np.float32)
         squeeze = x.ndim == 1
-        y = K.matmul(w.type_id, data, x[None] if squeeze else x)
+        # every path sums in float64 and rounds once, as the reference; ds4 numerics also keeps a
+        # quant format's T = 1 product off its faster float32 kernel ("f64": issue 22 asks for the
+        # reference's decisions, and a one-ulp difference before a Q8 quantizer turns some)
+        y = K.matmul(w.type_id, data, x[None] if squeeze else x, method="f64" if self._ds4 else "auto")
         return y[0] if squeeze else y
 
     def _int_path(self, type_id: int, T: int) -> bool:
