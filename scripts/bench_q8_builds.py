@@ -9,7 +9,12 @@ ds4 shapes (Q8_0 4096 x 4096, the experts' IQ2_XXS 2048 x 4096 and Q2_K 4096 x 2
 with the row kernels forced and, where the build has it, the GEMM form forced; best of --reps.
 The ratio printed per case is the median over rounds of new best / old best, with the spread.
 
-    .venv/bin/python scripts/bench_q8_builds.py OLD_ROOT NEW_ROOT [--rounds 3] [--threads 2]
+--clock cpu (one kernel thread) times the calling thread's CPU time (time.thread_time) instead of
+wall time: on a machine shared with other jobs, wall times carry every preemption (tens of ms on
+a loaded 2-core VM), while the thread's CPU time counts the kernel's own work only (cache and
+memory contention from the others still show).
+
+    .venv/bin/python scripts/bench_q8_builds.py OLD_ROOT NEW_ROOT [--rounds 3] [--threads 2] [--clock cpu]
 """
 from __future__ import annotations
 
@@ -23,14 +28,18 @@ import time
 
 SHAPES = {"Q8_0": (4096, 4096), "IQ2_XXS": (2048, 4096), "Q2_K": (4096, 2048)}
 TS = (1, 8, 16, 64, 512)
+# decode from DRAM: one token through a pool of matrices larger than the L3 cache, cycled (Q8_0: an
+# output-head-sized 32768 x 4096; the experts' shapes above)
+COLD = {"Q8_0": (32768, 4096, 3), "IQ2_XXS": (2048, 4096, 130), "Q2_K": (4096, 2048, 100)}
 
 
-def worker(reps: int, threads: int) -> None:
+def worker(reps: int, threads: int, clock: str, only: str) -> None:
     import numpy as np
     from engine.backends.cpu import kernels as K
     from engine.gguf import quants as Q
     C = K._K
-    C.set_threads(threads)
+    C.set_threads(1 if clock == "cpu" else threads)
+    now = time.thread_time if clock == "cpu" else time.perf_counter
     out = {"isa": K.isa()}
     for name, (rows, n_in) in SHAPES.items():
         t = getattr(Q, name)
@@ -42,15 +51,33 @@ def worker(reps: int, threads: int) -> None:
             for T in TS:
                 if form == "row" and T > 16:
                     continue                          # (the row kernels serve prefill only without a GEMM form)
+                if only not in f"{name} {form} T={T}":
+                    continue
                 x = rng.standard_normal((T, n_in)).astype(np.float32)
                 K.matmul_q8(t, w, x)
                 best = float("inf")
                 for _ in range(reps):
-                    t0 = time.perf_counter()
+                    t0 = now()
                     K.matmul_q8(t, w, x)
-                    best = min(best, time.perf_counter() - t0)
+                    best = min(best, now() - t0)
                 out[f"{name} {form} T={T}"] = best
         C.q8_gemm_min_t(t, 0)
+    for name, (rows, n_in, k) in COLD.items():
+        if only not in f"{name} cold T=1":
+            continue
+        t = getattr(Q, name)
+        rng = np.random.default_rng(2)
+        pool = [Q.random_blocks(t, rng, rows * n_in // Q.FORMATS[t].block_elems, 0.05).reshape(rows, -1)
+                for _ in range(k)]
+        x = rng.standard_normal((1, n_in)).astype(np.float32)
+        best = float("inf")
+        for _ in range(max(2, reps // 2)):
+            t0 = now()
+            for w in pool:
+                K.matmul_q8(t, w, x)
+            best = min(best, (now() - t0) / k)
+        out[f"{name} cold T=1"] = best
+        del pool
     print(json.dumps(out))
 
 
@@ -61,10 +88,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the calling thread's CPU time, one kernel thread (a shared machine)")
+    ap.add_argument("--only", default="", help="only the cases whose name contains this (e.g. 'gemm T=512')")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        worker(a.reps, a.threads)
+        worker(a.reps, a.threads, a.clock, a.only)
         return 0
     runs = {"old": [], "new": []}
     for r in range(a.rounds):
@@ -72,7 +102,7 @@ def main() -> int:
             root = os.path.abspath(getattr(a, which))
             env = dict(os.environ, PYTHONPATH=root, OPENBLAS_NUM_THREADS="1")
             p = subprocess.run([sys.executable, os.path.abspath(__file__), root, root, "--worker",
-                                "--reps", str(a.reps), "--threads", str(a.threads)],
+                                "--reps", str(a.reps), "--threads", str(a.threads), "--clock", a.clock, "--only", a.only],
                                cwd=root, env=env, capture_output=True, text=True, check=True)
             runs[which].append(json.loads(p.stdout))
             print(f"round {r + 1} {which} done ({runs[which][-1]['isa']}, load {os.getloadavg()[0]:.1f})", file=sys.stderr)

@@ -27,8 +27,9 @@
 /* a half panel of 8 rows; kp = n rounded up to 32 */
 typedef struct {
     uint8_t *wq;  /* [kp/4][8][4] */
-    double *sc;   /* per group (32 codes; Q2_K: 256) and row: [groups][8] (float64: exact) */
+    double *sc;   /* per group (32 codes; Q2_K, IQ2_XXS: 256) and row: [groups][8] (float64: exact) */
     int32_t *nc;  /* IQ2_XXS: -128 * sum of the group's codes, [n/32][8] */
+    int32_t *gs;  /* IQ2_XXS: the integer group scales 2 s + 1, [n/32][8] */
     int32_t *mz;  /* Q2_K: minimums of sub-blocks 2j, 2j+1 as int16 pairs, [n/256][8][8] */
     double *dm;   /* Q2_K: dmin, [n/256][8] */
 } g2panel;
@@ -39,7 +40,7 @@ static inline uint8_t *g2_align(uint8_t *p) { return (uint8_t *)(((uintptr_t)p +
 /* bytes of scratch a thread needs for n inputs: two half panels and the row-major decode buffer */
 static int64_t KSUF(gemm_scratch)(int64_t n) {
     const int64_t kp = g2_kp(n);
-    const int64_t half = 8 * kp + 64 * (kp / 32) + 32 * (kp / 32) + 32 * 8 * (kp / 256 + 1) + 64 * (kp / 256 + 1) + 5 * 64;
+    const int64_t half = 8 * kp + 64 * (kp / 32) + 2 * 32 * (kp / 32) + 32 * 8 * (kp / 256 + 1) + 64 * (kp / 256 + 1) + 6 * 64;
     return 2 * half + 8 * kp + 128;
 }
 
@@ -52,6 +53,8 @@ static void KSUF(gemm_panels)(uint8_t *scratch, int64_t n, g2panel *pa, uint8_t 
         pa[h].sc = (double *)p;
         p = g2_align(p + 64 * (kp / 32));
         pa[h].nc = (int32_t *)p;
+        p = g2_align(p + 32 * (kp / 32));
+        pa[h].gs = (int32_t *)p;
         p = g2_align(p + 32 * (kp / 32));
         pa[h].mz = (int32_t *)p;
         p = g2_align(p + 32 * 8 * (kp / 256 + 1));
@@ -80,8 +83,9 @@ static void KSUF(g2_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, g2p
             __m256i sv; /* the group's grid bytes and sign rows, as the row kernel (kern_q8_body.h) */
             const __m256i gv = KSUF(iq2_group)(q, aux, &sv);
             _mm256_storeu_si256((__m256i *)(rm + 256 * b + 32 * g), _mm256_sign_epi8(gv, sv));
-            P->sc[8 * (8 * b + g) + r] = d * (0.5f + (float)(aux >> 28)) * 0.25f;
+            P->gs[8 * (8 * b + g) + r] = (int32_t)(2 * (aux >> 28) + 1); /* d (0.5 + s) / 4 = (d / 8)(2 s + 1) */
         }
+        P->sc[8 * b + r] = 0.125 * (double)d; /* (integer group scales, one float64 block scale: as AVX-512) */
     }
 }
 
@@ -143,7 +147,7 @@ static void KSUF(g2_pack)(g2_row_fn dec, int is_signed, const uint8_t *W, ptrdif
     }
     if (rows < 8) { /* scales of the missing rows: zero (their outputs are not stored) */
         for (int64_t g = 0; g < ng; g++)
-            for (int r = rows; r < 8; r++) P->sc[8 * g + r] = 0.0;
+            for (int r = rows; r < 8; r++) P->sc[8 * g + r] = 0.0, P->gs[8 * g + r] = 0;
         for (int64_t b = 0; b < n / 256; b++)
             for (int r = rows; r < 8; r++) {
                 P->dm[8 * b + r] = 0.0;
@@ -234,6 +238,46 @@ KI void g2_tile_signed(const g2panel *P, const int nh, const int nt, const int o
         for (int t = 0; t < nt; t++) g2_store(y + t * ldy + 8 * h, f[h][t], rows[h]);
 }
 
+/* IQ2_XXS: signed codes against x = activation codes + 128, from the packed correction; a group's
+ * exact sum times its integer scale 2 s + 1 adds up in int32 over the block, then one float64
+ * multiply-add per block applies d / 8 times the activation scale (as the AVX-512 form) */
+KI void g2_tile_iq2(const g2panel *P, const int nh, const int nt, int64_t n, const uint8_t *x, const float *xd,
+                    float *y, int64_t ldy, const int *rows) {
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    __m256d f[2][G2_TT][2];
+    __m256i acc[2][G2_TT], bs[2][G2_TT];
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm256_setzero_pd();
+    for (int64_t b = 0; b < n / 256; b++) {
+        for (int h = 0; h < nh; h++)
+            for (int t = 0; t < nt; t++) bs[h][t] = _mm256_setzero_si256();
+        for (int64_t g = 8 * b; g < 8 * b + 8; g++) {
+            for (int h = 0; h < nh; h++) {
+                const __m256i nc = _mm256_load_si256((const __m256i *)(P[h].nc + 8 * g));
+                for (int t = 0; t < nt; t++) acc[h][t] = nc;
+            }
+            for (int q = 0; q < 8; q++) {
+                __m256i w[2];
+                for (int h = 0; h < nh; h++) w[h] = _mm256_load_si256((const __m256i *)(P[h].wq + 32 * (8 * g + q)));
+                for (int t = 0; t < nt; t++) {
+                    const __m256i xb = g2_bcast(x + t * n + 32 * g + 4 * q);
+                    for (int h = 0; h < nh; h++) acc[h][t] = G2_DOT(acc[h][t], xb, w[h]);
+                }
+            }
+            for (int h = 0; h < nh; h++) {
+                const __m256i gs = _mm256_load_si256((const __m256i *)(P[h].gs + 8 * g));
+                for (int t = 0; t < nt; t++) bs[h][t] = _mm256_add_epi32(bs[h][t], _mm256_mullo_epi32(acc[h][t], gs));
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m256d dx = _mm256_set1_pd(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++) g2_fma8(f[h][t], bs[h][t], P[h].sc + 8 * b, dx);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) g2_store(y + t * ldy + 8 * h, f[h][t], rows[h]);
+}
+
 /* Q2_K: codes times sub-block scale (unsigned) x signed activation codes xq; minimums from the
  * int16 sums of 16 codes xs (token t: xs + t * (n / 16)) */
 KI void g2_tile_q2_k(const g2panel *P, const int nh, const int nt, int64_t n, const int8_t *xq, const float *xd,
@@ -315,7 +359,7 @@ KI void g2_tile_q2_k(const g2panel *P, const int nh, const int nt, int64_t n, co
     }
 
 #define G2_TILE_Q8_0(nh, nt) g2_tile_signed(P, nh, nt, 0, n, (const uint8_t *)xq + t0 * n, xd + t0 * (n / 32), n / 32, 0, yt, ldy, rows)
-#define G2_TILE_IQ2(nh, nt) g2_tile_signed(P, nh, nt, 1, n, xu + t0 * n, xd + t0 * (n / 256), n / 256, 3, yt, ldy, rows)
+#define G2_TILE_IQ2(nh, nt) g2_tile_iq2(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 256), yt, ldy, rows)
 #define G2_TILE_Q2K(nh, nt) g2_tile_q2_k(P, nh, nt, n, xq + t0 * n, xd + t0 * (n / 256), xs + t0 * (n / 16), yt, ldy, rows)
 G2_KERNEL(q8_0, g2_row_q8_0, 0, G2_TILE_Q8_0)
 G2_KERNEL(iq2_xxs, g2_row_iq2_xxs, 1, G2_TILE_IQ2)
