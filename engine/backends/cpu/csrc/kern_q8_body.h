@@ -20,9 +20,12 @@
 #endif
 
 /* float64 accumulators of the integer kernels: q8a_fma(p, s, acc) adds the 8 int32 lanes of p
- * (exact integer sums) times s; q8a_sum the total.  AVX-512: one zmm of 8 doubles; AVX2: the lanes
- * are paired in int32 first (exact: |lane| < 2^30 in every kernel) into a ymm of 4 doubles. */
-#ifdef Q8_HAVE_512
+ * (exact integer sums) times s; q8a_sum the total.  The lanes are paired in int32 first (exact:
+ * |lane| < 2^30 in every kernel) into a ymm of 4 doubles, in the AVX-512 build too: converting and
+ * accumulating all 8 lanes as one zmm of doubles (define Q8_ACC_ZMM) measured slower on Sapphire
+ * Rapids (Q8_0 rows at 8-16 tokens 1.73-1.79x the float32 kernels' CPU time, against 1.31-1.36x
+ * with the ymm form; scripts/bench_q8_builds.py --clock cpu). */
+#ifdef Q8_ACC_ZMM
 typedef __m512d q8acc;
 KI q8acc q8a_zero(void) { return _mm512_setzero_pd(); }
 KI q8acc q8a_fma(__m256i p, double s, q8acc acc) { return _mm512_fmadd_pd(_mm512_cvtepi32_pd(p), _mm512_set1_pd(s), acc); }
