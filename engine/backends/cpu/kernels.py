@@ -36,7 +36,8 @@ Paths (``method``):
 * "regs" / "panel" force one fused sub-path (tests, benchmarks).
 
 matmul_q8 / matmul_q8_batch (ds4 numerics) quantize x to Q8_0 / Q8_K blocks and take exact
-integer dot products: row kernels for a few tokens (a weight block decoded in registers, up to 8
+integer dot products, summed per block in float64 and rounded to float32 once (the NumPy
+reference's function, bit for bit but for ~2^-29 of values): row kernels for a few tokens (a weight block decoded in registers, up to 8
 tokens per pass), and on the AVX-512 VNNI and AVX2 builds a GEMM form from q8_gemm_min_t(type)
 tokens (16-row panels decoded once, repacked with rows in the lanes: one vpdpbusd per 64 products,
 or maddubs + madd per 32 on AVX2).
@@ -382,8 +383,10 @@ def matmul_q8(type_id: int, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """y = q8(x) @ W.T, ds4's quantized dot product: each token of x is quantized to Q8_0 blocks
     (Q8_0 weights) or Q8_K blocks (Q2_K, IQ2_XXS weights) exactly as numerics.q8_0_quantize /
     q8_k_quantize do, and the integer codes are multiplied with the weight codes (exact int32
-    sums, one float multiply-add per block).  Equal to matmul(type_id, w, numerics.q8_*_round(x))
-    up to float32 rounding.  Without a kernel for the type (or the extension), that is what runs."""
+    sums, one float64 multiply-add per block, rounded to float32 once).  Equal to
+    quants.matvec(type_id, w, numerics.q8_*_exact(x).T, accumulate=np.float64).T, the exact sum
+    rounded (but for ~2^-29 of values).  Without a kernel for the type (or the extension),
+    matmul(type_id, w, numerics.q8_*_round(x)) runs: the same up to float32 rounding."""
     f = _format(type_id)
     if f.type_id not in Q8_ACT_BLOCK:
         raise ValueError(f"{f.name} weights have no quantized-activation product (Q8_0, Q2_K, IQ2_XXS do)")
