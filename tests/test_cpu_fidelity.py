@@ -14,14 +14,13 @@ the routed experts of the top-k layers and the compressed rows the indexer picks
   Both compute the exact sum of exact products rounded once to float32 (the reference in float64
   over the exact activations code * scale, the kernels as float64 sums of exact integer dots).
 * End to end, the issue's bar: the cpu pass's own decisions equal the reference's at >= 99.5 % of
-  the pairs and its logits' p90 max-abs is <= 0.25. Not met yet (strict xfail, the numbers are
-  printed): both passes are deterministic, but a one-ulp difference anywhere before a Q8
-  quantizer flips an activation code now and then (1/127 of a block's maximum), and from there
-  the two passes drift apart by ~1e-2 relative within a layer or two, enough to turn near-ties in
-  the routing and the FP4-quantized indexer scores. Meeting it takes every op before a
-  quantizer bit-identical to the reference; what remains after the Q8 matmuls are the float
-  kernels (F16 matmuls: router, compressors, indexer, HC; attention and the indexer scores in
-  float32), docs/cpu-kernels.md ("Fidelity").
+  the pairs and its logits' p90 max-abs is <= 0.25. Every op before a quantizer now computes the
+  reference's function (each reduction as if exact, rounded to float32 once: the integer kernels'
+  float64 block sums, the float kernels' and attention's float64 sums, the reference's own
+  indexer einsums), so the two passes are bit-identical in practice: on AVX-512 all three seeds give
+  100 % of the decisions and logits equal to the last bit (the test asks for the bar). A single ulp anywhere would flip a Q8 code now
+  and then and the passes would drift apart (~1e-2 within a layer or two, turning near-ties in
+  routing and the FP4-quantized indexer scores: 97-98 % / 63-70 % / p90 0.24-0.29 before).
 """
 from __future__ import annotations
 
@@ -177,9 +176,6 @@ def test_cpu_q8_matmuls_leave_a_reference_pass_bit_identical(runs):
     assert r == 1.0 and p == 1.0 and same == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: one-ulp differences before Q8 quantizers grow into different "
-                   "decisions; the Q8 matmuls are bit-identical now, the float32 F16 matmuls, attention and "
-                   "indexer scores (against the reference's float64) are not; see the docstring")
 def test_cpu_pass_takes_the_references_decisions_and_logits(runs):
     worst = []
     for seed, (ref, path) in runs.items():
@@ -191,4 +187,7 @@ def test_cpu_pass_takes_the_references_decisions_and_logits(runs):
         print(f"seed {seed}: cpu pass vs reference: routing {100 * r:.2f} %, indexer {100 * p:.2f} %, "
               f"logits max-abs median {np.median(err):.3f} p90 {p90:.3f} max {err.max():.3f}")
         worst.append((min(r, p), p90))
-    assert min(w[0] for w in worst) >= 0.995 and max(w[1] for w in worst) <= 0.25
+    # the issue's bar. What the float64 sums gave on AVX-512 (2026-12-02) is identity: 100 %, 0.000;
+    # a float64 rounding that survives the float32 one (rare, build-dependent) would start a drift,
+    # so the assertion is the bar, not the identity
+    assert min(w[0] for w in worst) >= 0.995 and max(w[1] for w in worst) <= 0.25, worst

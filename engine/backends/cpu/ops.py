@@ -72,9 +72,11 @@ class CpuOps(FastOps, NumpyOps):
     def attention(q, segments, sinks, scale):
         # in C (per query and 4 heads, register tiles, units over the threads): a decode step's
         # attention beats FastOps' (one query: 64-head BLAS calls on one thread); a prefill block about
-        # as fast as FastOps' threaded queries. A query's result depends on its keys alone.
+        # as fast as FastOps' threaded queries. A query's result depends on its keys alone. Where the
+        # build has no attention kernel (the portable one), the reference's own float64 form: FastOps'
+        # float32 sums would differ from it by an ulp now and then, and the passes would drift
         got = K.attention(q, segments, sinks, scale)
-        return got if got is not None else FastOps.attention(q, segments, sinks, scale)
+        return got if got is not None else NumpyOps.attention(q, segments, sinks, scale)
 
     def store_kv(self, rows, n_nope):
         # in C, bit-identical to numerics' FP8 + F16 emulation (~15 NumPy calls a cached row,
