@@ -9,14 +9,18 @@ the routed experts of the top-k layers and the compressed rows the indexer picks
   decision (the same hidden state, cache and weights), pick what the reference picks. This is
   what the cpu backend computes differently in the decision's inputs (router logits from float32
   kernels, float32 indexer scores), and it must never turn a decision.
+* The Q8 matmuls: a reference pass whose Q8_0 linears and routed-expert products run on the cpu
+  backend's integer kernels is bit-identical to the reference pass (logits and every decision).
+  Both compute the exact sum of exact products rounded once to float32 (the reference in float64
+  over the exact activations code * scale, the kernels as float64 sums of exact integer dots).
 * End to end, the issue's bar: the cpu pass's own decisions equal the reference's at >= 99.5 % of
-  the pairs and its logits' p90 max-abs is <= 0.25. Not met today (strict xfail, the numbers are
-  printed): both passes are deterministic, but a one-ulp difference anywhere before a Q8
-  quantizer flips an activation code now and then (1/127 of a block's maximum), and from there
-  the two passes drift apart by ~1e-2 relative within a layer or two, enough to turn near-ties in
-  the routing and the FP4-quantized indexer scores. Meeting it takes every op before a
-  quantizer bit-identical to the reference; docs/cpu-kernels.md ("Fidelity") lists which are
-  and which are not, and why the Q8 matmuls cannot be against today's reference.
+  the pairs and its logits' p90 max-abs is <= 0.25. Every op before a quantizer now computes the
+  reference's function (each reduction as if exact, rounded to float32 once: the integer kernels'
+  float64 block sums, the float kernels' and attention's float64 sums, the reference's own
+  indexer einsums), so the two passes are bit-identical in practice: on AVX-512 all three seeds give
+  100 % of the decisions and logits equal to the last bit (the test asks for the bar). A single ulp anywhere would flip a Q8 code now
+  and then and the passes would drift apart (~1e-2 within a layer or two, turning near-ties in
+  routing and the FP4-quantized indexer scores: 97-98 % / 63-70 % / p90 0.24-0.29 before).
 """
 from __future__ import annotations
 
@@ -33,10 +37,11 @@ CHUNK = 64
 CONFIG = dict(n_layer=3, ratios=[4, 128, 4], n_hash_layer=1, vocab=465)
 
 
-def _record(path, backend: str, twin=None) -> dict:
+def _record(path, backend: str, twin=None, patch=None) -> dict:
     """One ds4-numerics prefill of POSITIONS tokens: logits [T, vocab] and the decisions per
     (position, layer). With `twin` (an ops object), every decision is also taken by twin's ops on
-    this pass's own inputs at that moment ("twin_routes", "twin_picks")."""
+    this pass's own inputs at that moment ("twin_routes", "twin_picks"). `patch(ops)` may replace
+    some of the backend's ops first."""
     from engine import Engine, Session
     from engine.model.model import Model
 
@@ -63,6 +68,8 @@ def _record(path, backend: str, twin=None) -> dict:
 
     with Engine.open(path, backend=backend, numerics="ds4", paging="none") as eng:
         ops, c = eng.model.ops, eng.config
+        if patch is not None:
+            patch(ops)
         moe = ops.moe
 
         def routed_moe(lw, u, sel, wsel, limit):
@@ -132,9 +139,43 @@ def test_cpu_decisions_on_the_references_inputs_equal_the_references(runs):
         assert r >= 0.995 and p >= 0.995, seed
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: one-ulp differences before Q8 quantizers (float32 "
-                   "matmuls and attention against the reference's float64, Q8 activations as integer "
-                   "codes against the reference's float32 q * d) grow into different decisions; see the docstring")
+def _cpu_q8_matmuls(ops):
+    """ops' Q8 matmuls (Q8_0 linears, the routed experts' Q8_K / Q8_0 products) replaced by the
+    cpu backend's integer kernels; every other op stays ops' own (linears, grouped_linear and
+    routed reach these through the instance)."""
+    from engine.backends.cpu.ops import CpuOps
+    from engine.gguf import quants as Q
+    cpu = CpuOps("ds4")
+    linear, act, elin = ops.linear, ops.expert_act, ops.expert_linear
+
+    def linear_q8(w, x, rows=None):
+        return cpu.linear(w, x, rows) if w.type_id == Q.Q8_0 else linear(w, x, rows)
+
+    def expert_act_q8(w, x):
+        return cpu.expert_act(w, x) if w.type_id in K.Q8_ACT_BLOCK else act(w, x)
+
+    def expert_linear_q8(w, x):
+        return cpu.expert_linear(w, x) if w.type_id in K.Q8_ACT_BLOCK else elin(w, x)
+
+    ops.linear, ops.expert_act, ops.expert_linear = linear_q8, expert_act_q8, expert_linear_q8
+
+
+def test_cpu_q8_matmuls_leave_a_reference_pass_bit_identical(runs):
+    """The integer kernels compute the reference's function (float64 sums of exact products,
+    rounded once; tests/test_kernels_q8_exact.py): a reference pass whose every Q8 matmul runs on
+    them is the reference pass, logits bit for bit and every decision, over 704 positions. (Before,
+    these matmuls alone moved the indexer's decisions to ~71 %: docs/cpu-kernels.md, "Fidelity".)"""
+    seed = SEEDS[0]
+    ref, path = runs[seed]
+    got = _record(path, "numpy", patch=_cpu_q8_matmuls)
+    r, _ = _agreement(ref["routes"], got["routes"])
+    p, _ = _agreement(ref["picks"], got["picks"])
+    same = np.mean(np.all(got["logits"] == ref["logits"], axis=1))
+    print(f"seed {seed}: reference pass with the cpu Q8 matmuls: routing {100 * r:.2f} %, indexer {100 * p:.2f} %, "
+          f"positions with bit-identical logits {100 * same:.2f} %")
+    assert r == 1.0 and p == 1.0 and same == 1.0
+
+
 def test_cpu_pass_takes_the_references_decisions_and_logits(runs):
     worst = []
     for seed, (ref, path) in runs.items():
@@ -146,4 +187,7 @@ def test_cpu_pass_takes_the_references_decisions_and_logits(runs):
         print(f"seed {seed}: cpu pass vs reference: routing {100 * r:.2f} %, indexer {100 * p:.2f} %, "
               f"logits max-abs median {np.median(err):.3f} p90 {p90:.3f} max {err.max():.3f}")
         worst.append((min(r, p), p90))
-    assert min(w[0] for w in worst) >= 0.995 and max(w[1] for w in worst) <= 0.25
+    # the issue's bar. What the float64 sums gave on AVX-512 (2026-12-02) is identity: 100 %, 0.000;
+    # a float64 rounding that survives the float32 one (rare, build-dependent) would start a drift,
+    # so the assertion is the bar, not the identity
+    assert min(w[0] for w in worst) >= 0.995 and max(w[1] for w in worst) <= 0.25, worst

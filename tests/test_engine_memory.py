@@ -29,9 +29,9 @@ def test_decode_touches_only_selected_expert_slabs(small_model, monkeypatch):
         touched = []
         real = quants.dequantize
 
-        def spy(type_id, raw):
+        def spy(type_id, raw, *dtype):      # (dtype: float64 decodes for the exact Q8 matmuls)
             touched.append((raw.__array_interface__["data"][0], raw.size))
-            return real(type_id, raw)
+            return real(type_id, raw, *dtype)
         monkeypatch.setattr(quants, "dequantize", spy)
         s.eval(123)
     per_expert_tensor = {}

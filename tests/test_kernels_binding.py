@@ -58,11 +58,11 @@ def test_attention_refuses_a_bad_segment_and_releases_the_good_ones():
     mask = np.ones((T, Kn), np.uint8)
     refs = [sys.getrefcount(a) for a in (q, sinks, out, keys, mask)]
     with pytest.raises(ValueError, match="a mask must be uint8"):
-        C.attention(q, sinks, out, [(keys, mask, False), (keys, np.ones((T + 1, Kn), np.uint8), False)])
+        C.attention(q, sinks, out, [(keys, mask, False), (keys, np.ones((T + 1, Kn), np.uint8), False)], 0.125)
     with pytest.raises(ValueError, match="a mask must be uint8"):
-        C.attention(q, sinks, out, [(keys, mask, True)])        # per-query keys need T * K rows
+        C.attention(q, sinks, out, [(keys, mask, True)], 0.125)        # per-query keys need T * K rows
     with pytest.raises(TypeError):
-        C.attention(q, sinks, out, [(keys, mask)])
+        C.attention(q, sinks, out, [(keys, mask)], 0.125)
     assert [sys.getrefcount(a) for a in (q, sinks, out, keys, mask)] == refs
-    C.attention(q, sinks, out, [(keys, mask, False)])
+    C.attention(q, sinks, out, [(keys, mask, False)], 0.125)
     assert np.isfinite(out).all()

@@ -430,7 +430,8 @@ def test_indexer_scores(T, C):
     H, D = 64, 128
     qi, keys, wts = f32(rng, T, H, D), f32(rng, C, D), np.abs(f32(rng, T, H))
     got, ref = FAST.indexer_scores(qi, keys, wts), REF.indexer_scores(qi, keys, wts)
-    check(f"indexer_scores T={T} C={C}", got, ref.astype(np.float32))
+    # the reference's float64 scores, bit for bit: they go to a top-k whose exact ties are common
+    assert got.dtype == np.float64 and np.array_equal(got, ref)
     # the reference's query blocks (16M products each: 2 blocks at T=60, C=5000) change nothing
     full = np.einsum("th,thc->tc", wts.astype(np.float64),
                      np.maximum(np.einsum("thd,cd->thc", qi.astype(np.float64), keys.astype(np.float64)), 0.0))

@@ -174,9 +174,9 @@ MXFP4_KVALUES.flags.writeable = False
 _SH_4BIT = np.array([0, 4], dtype=np.uint8)
 
 
-def _f16(col: np.ndarray) -> np.ndarray:
-    """(n, 2) uint8 column slice -> (n, 1) float32 (exact)."""
-    return col.view(np.float16).astype(np.float32)
+def _f16(col: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """(n, 2) uint8 column slice -> (n, 1) float32 (or `dtype`; exact)."""
+    return col.view(np.float16).astype(dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -203,10 +203,11 @@ def _dec_q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
 
 def _dec_q2_k(blocks: np.ndarray, out: np.ndarray) -> None:
     # gguf: dl = f32(d) * f32(sc & 15); ml = f32(dmin) * f32(sc >> 4); y = dl * f32(q) - ml
+    # (in out's dtype: float64 makes every step exact, see dequantize)
     n = blocks.shape[0]
     scales = blocks[:, 0:16]
-    d = _f16(blocks[:, 80:82])
-    dmin = _f16(blocks[:, 82:84])
+    d = _f16(blocks[:, 80:82], out.dtype)
+    dmin = _f16(blocks[:, 82:84], out.dtype)
     dl = (d * (scales & np.uint8(15))).reshape(n, 16, 1)
     ml = (dmin * (scales >> np.uint8(4))).reshape(n, 16, 1)
     # element 128h + 32j + l  <-  (qs[32h + l] >> 2j) & 3 ; sub-block of 16 = consecutive 16.
@@ -233,10 +234,10 @@ def _q4_k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _dec_q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
-    # gguf: dl = f32(d) * f32(sc); ml = f32(dmin) * f32(m); y = dl * f32(q) - ml
+    # gguf: dl = f32(d) * f32(sc); ml = f32(dmin) * f32(m); y = dl * f32(q) - ml (in out's dtype)
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    dmin = _f16(blocks[:, 2:4])
+    d = _f16(blocks[:, 0:2], out.dtype)
+    dmin = _f16(blocks[:, 2:4], out.dtype)
     sc, mn = _q4_k_scale_min(blocks[:, 4:16])
     dl = (d * sc).reshape(n, 8, 1)
     ml = (dmin * mn).reshape(n, 8, 1)
@@ -297,6 +298,13 @@ _DECODERS = {
 # output values per decode chunk (float32): 256K values = 1 MiB, stays in L2
 _CHUNK_ELEMS = 1 << 18
 
+# Formats whose float32 decode is exact (every value is a product of at most 24 significant bits:
+# Q8_0 8 x 11, IQ2_XXS 11 x 5 x 6, MXFP4 a power of two x 4): their float64 decode is the float32
+# one, widened. Q2_K and Q4_K subtract a minimum (d * sc * q - dmin * m) from a product with
+# another exponent, which float32 may round; their float64 decode computes every step in float64,
+# which is exact (up to exponent gaps that no real scale pair has).
+_DEC_F64 = frozenset({Q2_K, Q4_K})
+
 
 def _as_bytes(raw: np.ndarray) -> np.ndarray:
     raw = np.asarray(raw)
@@ -307,17 +315,24 @@ def _as_bytes(raw: np.ndarray) -> np.ndarray:
     return raw
 
 
-def dequantize(type_id: int, raw: np.ndarray) -> np.ndarray:
+def dequantize(type_id: int, raw: np.ndarray, dtype=np.float32) -> np.ndarray:
     """Decode packed blocks: uint8 (..., k*block_bytes) -> float32 (..., k*block_elems).
 
     ``raw`` may be a (non-contiguous) view into an np.memmap; it is decoded in
     chunks, making only the chunk being decoded contiguous.  The result is a new
     C-contiguous float32 array.  I32 raises ValueError (view it as int32 instead).
+    dtype=np.float64 gives the exact values of the blocks (gguf-py's float32 roundings are
+    skipped: they only ever round Q2_K / Q4_K's minimum subtraction; see _DEC_F64).
     """
     type_id = int(type_id)
     f = _format(type_id)
     if type_id == I32:
         raise ValueError("I32 is not a float format; view the bytes as int32 instead")
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise ValueError(f"dequantize: dtype must be float32 or float64, got {dtype}")
+    if dtype == np.float64 and type_id not in _DEC_F64:
+        return dequantize(type_id, raw).astype(np.float64)
     raw = _as_bytes(raw)
     if raw.ndim == 0:
         raise ValueError("dequantize needs at least a 1-D byte array")
@@ -327,7 +342,7 @@ def dequantize(type_id: int, raw: np.ndarray) -> np.ndarray:
         raise ValueError(f"{f.name}: last axis of {nb_row} bytes is not a multiple of the block size {bb}")
     bpr = nb_row // bb  # blocks per row
     lead = raw.shape[:-1]
-    out = np.empty(lead + (bpr * be,), dtype=np.float32)
+    out = np.empty(lead + (bpr * be,), dtype=dtype)
     if out.size == 0:
         return out
     rows = raw.reshape(-1, nb_row)  # a view for 1-D/2-D input (and any mergeable leading dims)
@@ -375,8 +390,13 @@ def matvec(type_id: int, data2d: np.ndarray, x: np.ndarray, rows: slice | None =
     x: float32 [n_elems] or [n_elems, T].  Streams ``chunk_rows`` rows at a time
     (dequantize -> matmul); the whole float matrix is never built.
     accumulate=np.float64 does the products and sums in float64 and rounds once: the result
-    then no longer depends on BLAS's summation order (gemv vs gemm, batch size).
-    Returns float32 [n_sel] or [n_sel, T].
+    then no longer depends on BLAS's summation order (gemv vs gemm, batch size).  With it x may
+    be float64 (ds4's exact Q8 activations, numerics.q8_*_exact): then the weights are decoded
+    exactly too (dequantize(..., np.float64)), and the result is the exact sum of the exact
+    products rounded once to float32, but for the float64 rounding inside the sum (it changes the
+    float32 result only near a tie: ~2^-29 of values), whatever the order -- the cpu backend's
+    integer kernels compute the same function.  Otherwise x is converted to float32 and the
+    weights are gguf-py's float32 values.  Returns float32 [n_sel] or [n_sel, T].
     """
     acc = np.dtype(accumulate)
     f = _format(type_id)
@@ -386,7 +406,9 @@ def matvec(type_id: int, data2d: np.ndarray, x: np.ndarray, rows: slice | None =
     if data2d.shape[1] % f.block_bytes:
         raise ValueError(f"{f.name}: row of {data2d.shape[1]} bytes is not a multiple of {f.block_bytes}")
     n_elems = data2d.shape[1] // f.block_bytes * f.block_elems
-    x = np.asarray(x, dtype=np.float32)
+    x = np.asarray(x)
+    exact = acc == np.float64 and x.dtype == np.float64
+    x = x if exact else x.astype(np.float32, copy=False)
     if x.ndim not in (1, 2) or x.shape[0] != n_elems:
         raise ValueError(f"x of shape {x.shape} does not match rows of {n_elems} elements")
     if rows is not None:
@@ -397,14 +419,15 @@ def matvec(type_id: int, data2d: np.ndarray, x: np.ndarray, rows: slice | None =
     n_sel = data2d.shape[0]
     y = np.empty((n_sel,) + x.shape[1:], dtype=np.float32)
     if acc != np.float32:
-        x = x.astype(acc)
+        x = x.astype(acc, copy=False)
     for r0 in range(0, n_sel, chunk_rows):
         r1 = min(n_sel, r0 + chunk_rows)
-        w = dequantize(type_id, data2d[r0:r1])
         if acc == np.float32:
-            np.matmul(w, x, out=y[r0:r1])
+            np.matmul(dequantize(type_id, data2d[r0:r1]), x, out=y[r0:r1])
+        elif exact:
+            y[r0:r1] = np.matmul(dequantize(type_id, data2d[r0:r1], np.float64), x)
         else:
-            y[r0:r1] = np.matmul(w.astype(acc), x)
+            y[r0:r1] = np.matmul(dequantize(type_id, data2d[r0:r1]).astype(acc), x)
     return y
 
 

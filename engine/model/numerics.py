@@ -53,6 +53,8 @@ __all__ = [
     "q8_0_round",
     "q8_k_quantize",
     "q8_k_round",
+    "q8_0_exact",
+    "q8_k_exact",
     "rope_thetas_ds4",
     "rope_thetas_exact",
     "apply_rope",
@@ -331,6 +333,27 @@ def q8_k_round(x) -> np.ndarray:
     x = _f32(x)
     q, d = q8_k_quantize(x)
     return (q.astype(np.float32) * d[..., None]).astype(np.float32).reshape(x.shape)
+
+
+def q8_0_exact(x) -> np.ndarray:
+    """The Q8_0 activation as the integer kernels see it: ``q * d`` of ``q8_0_quantize``, float64.
+
+    Same shape as x.  A code (8 bits) times a float32 scale (24 bits) needs up to 32 bits, so the
+    float32 ``q8_0_round`` rounds it; here it is exact.  ds4's quantized dot product (and the cpu
+    backend's integer kernels) multiply the codes and apply ``d_w * d_x`` per block, which is a
+    sum of these exact values: a matmul in float64 over them computes the same function.
+    """
+    x = _f32(x)
+    q, d = q8_0_quantize(x)
+    v = q.astype(np.float64) * d.astype(np.float64)[..., None]
+    return v.reshape(v.shape[:-2] + (-1,))[..., : x.shape[-1]]
+
+
+def q8_k_exact(x) -> np.ndarray:
+    """The Q8_K activation ``q * d`` of ``q8_k_quantize``, exact in float64 (see ``q8_0_exact``)."""
+    x = _f32(x)
+    q, d = q8_k_quantize(x)
+    return (q.astype(np.float64) * d.astype(np.float64)[..., None]).reshape(x.shape)
 
 
 # ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 `FastOps` is a mixin placed before NumpyOps (class CpuOps(FastOps, NumpyOps)): it overrides the ops
 whose reference form accumulates in float64 or pays NumPy call overhead per tiny array (attention,
-rmsnorm, the hyper-connection mixes and Sinkhorn, RoPE). Each computes the same function as the
+rmsnorm, the hyper-connection mixes and Sinkhorn, RoPE); the indexer's scores stay the reference's. Each computes the same function as the
 NumpyOps method up to float32 rounding (tests/test_ops_fast.py measures it); NumpyOps itself is
 unchanged and stays the referee. Every op computes a token's row from that token's inputs alone, in
 an order that does not depend on T (tested), so chunking does not change these ops' results; what
@@ -180,20 +180,11 @@ class FastOps:
         return s
 
     # -- indexer -------------------------------------------------------------------------------
-    @staticmethod
-    def indexer_scores(qi, keys, wts):
-        # NumpyOps.indexer_scores as float32 GEMMs (the reference's float64 einsums dominate a CSA
-        # layer's decode at long context: 64 heads x 128 dims x 8K rows at 32K), same blocks
-        T, H, _ = qi.shape
-        qi, kT, wts = np.asarray(qi, _F32), np.ascontiguousarray(np.asarray(keys, _F32).T), np.asarray(wts, _F32)
-        out = np.empty((T, kT.shape[1]), dtype=_F32)
-        step = max(1, (1 << 24) // max(1, H * kT.shape[1]))
-        for t0 in range(0, T, step):
-            t1 = min(T, t0 + step)
-            s = np.matmul(qi[t0:t1], kT)                       # [t, H, C]
-            np.maximum(s, 0.0, out=s)
-            out[t0:t1] = np.matmul(wts[t0:t1, None, :], s)[:, 0]
-        return out
+    # none: NumpyOps.indexer_scores, the reference's own float64 einsums. Its scores go straight to
+    # a top-k with ties to the lowest index, and the FP4-quantized queries and keys tie exactly at
+    # the k-th place often (4 % of the decisions on a tiny model): only the same float64 sums in
+    # the same order pick the same rows. Measured against the float32 GEMMs this replaced, it was
+    # no slower at decode or prefill (docs/cpu-kernels.md, "Float kernels").
 
     # -- hyper-connections ---------------------------------------------------------------------
     @staticmethod

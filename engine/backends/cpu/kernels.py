@@ -17,17 +17,27 @@ Paths (``method``):
   - larger T ("panel"): a panel of rows is decoded (exact dequantizer) into a float buffer that
     stays in L2, and register tiles of 4 rows x 4 tokens run over it.
   Each weight is read from memory once per call whatever T.  Rows are split statically over
-  OpenMP threads (set_threads; default: the CPUs this process may run on).  Float32 accumulation:
-  results differ from quants.matvec(..., accumulate=np.float64) by rounding only; with
-  set_batch_invariant(True) a token's result does not depend on T, path or threads.
+  OpenMP threads (set_threads; default: the CPUs this process may run on).  Float64 accumulation
+  of the exact float32 products, rounded to float32 once, as quants.matvec(...,
+  accumulate=np.float64): the results are the reference's bit for bit (but for a sum within
+  ~2^-29 ulp of a float32 rounding boundary), on every path for F32 / F16 / BF16 and on the
+  "regs" and "panel" paths for every format. The exception: the factored T = 1 kernels of the
+  quant formats (F64_T1_TYPES lists the types without it) sum in float32, as the exact-weight
+  float64 form is 1.6-3.4x slower from cache there (docs/cpu-kernels.md, "Float kernels").
+  With set_batch_invariant(True) a token's result does not depend on T, path or threads.
+* "f64": "fused", but T = 1 of a quant format takes the float64 in-register path: every result
+  is the reference's (CpuOps uses it in ds4 numerics, where issue 22 asks for the reference's
+  decisions).
 * "blas": the C dequantizer decodes a chunk of rows (one call, one thread: OpenMP and OpenBLAS
-  threads fighting over the same cores is much slower), then np.matmul multiplies it in float32.
+  threads fighting over the same cores is much slower), then np.matmul multiplies it in float64
+  (the reference's arithmetic: the same float32 results as the fused paths).
   On the development machine (2-core Zen 4) the fused kernels beat it at every T measured (1 to
   512; scripts/bench_kernels.py), so "auto" uses it only from BLAS_MIN_T tokens (None: never).
 * "regs" / "panel" force one fused sub-path (tests, benchmarks).
 
 matmul_q8 / matmul_q8_batch (ds4 numerics) quantize x to Q8_0 / Q8_K blocks and take exact
-integer dot products: row kernels for a few tokens (a weight block decoded in registers, up to 8
+integer dot products, summed per block in float64 and rounded to float32 once (the NumPy
+reference's function, bit for bit but for ~2^-29 of values): row kernels for a few tokens (a weight block decoded in registers, up to 8
 tokens per pass), and on the AVX-512 VNNI and AVX2 builds a GEMM form from q8_gemm_min_t(type)
 tokens (16-row panels decoded once, repacked with rows in the lanes: one vpdpbusd per 64 products,
 or maddubs + madd per 32 on AVX2).
@@ -51,13 +61,13 @@ except ImportError:  # pragma: no cover - depends on the install
     _K = None
 
 __all__ = ["available", "isa", "set_threads", "get_threads", "set_batch_invariant", "matmul", "matmul_q8",
-           "matmul_q8_batch", "matmul_q8_mixed", "round_q8", "has_q8", "q8_gemm_min_t", "q8_beats_float", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T"]
+           "matmul_q8_batch", "matmul_q8_mixed", "round_q8", "has_q8", "q8_gemm_min_t", "q8_beats_float", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T", "F64_T1_TYPES"]
 
 #: the token count from which method="auto" uses dequantize + BLAS instead of the fused kernels;
 #: None: never (scripts/bench_kernels.py measures both and prints the crossover, if any)
 BLAS_MIN_T: int | None = None
 
-_PATHS = {"fused": 0, "regs": 1, "panel": 2}
+_PATHS = {"fused": 0, "regs": 1, "panel": 2, "f64": 3}
 
 #: integer-activation kernels (ds4 numerics): the weight types that have one, with the activation
 #: block they quantize x to (Q8_0: 32 values, Q8_K: 256), and the largest T they are used for
@@ -70,6 +80,11 @@ Q8_MAX_T = 8
 _BLAS_CHUNK_ELEMS = 1 << 20
 
 _TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
+
+#: the weight types whose T = 1 kernel sums in float64 too (the reference's bits at every T); the
+#: quant formats' T = 1 kernels apply block scales to float32 partial sums (method="f64" and
+#: set_batch_invariant(True) take them through the float64 in-register path instead)
+F64_T1_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 
 
 def build_is_current() -> bool | None:
@@ -205,12 +220,12 @@ def _matmul_blas(type_id: int, w: np.ndarray, x: np.ndarray, n_in: int) -> np.nd
         return np.zeros((T, n_rows), dtype=np.float32)
     chunk = max(1, min(n_rows, _BLAS_CHUNK_ELEMS // n_in))
     buf = np.empty((chunk, n_in), dtype=np.float32)
-    xT = x.T
+    xT = x.T.astype(np.float64)                # float64 products and sums, one rounding (as quants.matvec)
     for r0 in range(0, n_rows, chunk):
         r1 = min(n_rows, r0 + chunk)
         b = buf[:r1 - r0]
         _dequantize_into(type_id, w[r0:r1], b, 1)
-        np.matmul(b, xT, out=yT[r0:r1])
+        yT[r0:r1] = np.matmul(b.astype(np.float64), xT)
     return np.ascontiguousarray(yT.T)
 
 
@@ -324,15 +339,17 @@ def hc_pre_mix(pre: np.ndarray, X: np.ndarray):
 
 
 def attention(q: np.ndarray, segments, sinks: np.ndarray, scale: float):
-    """FastOps.attention (q [T, H, D]; segments: (keys [K, D] or [T, K, D], mask [T, K] bool);
-    the sink logit in the denominator only; K = V) in C: per query and 4 heads, the attended keys'
-    scores and weighted sum in float32 register tiles, units over the threads. None where this
-    build has no attention kernel (the portable one)."""
+    """NumpyOps.attention (q [T, H, D]; segments: (keys [K, D] or [T, K, D], mask [T, K] bool);
+    the sink logit in the denominator only; K = V) in C: per query and 4 heads, the scores
+    (q . key) * scale, the softmax and the weighted sum of the attended keys in float64 (register
+    tiles), the output rounded to float32 once, as the reference, so the two agree to the last bit
+    but for a value whose float64 sums straddle a float32 rounding boundary (~2^-29 a value);
+    units over the threads. None where this build has no attention kernel (the portable one)."""
     if _K is None or not _K.has_attention():
         return None
     q = np.asarray(q, dtype=np.float32)
     T, H, D = q.shape
-    qs = np.ascontiguousarray(q * np.float32(scale)).reshape(T * H, D)
+    qs = np.ascontiguousarray(q).reshape(T * H, D)
     segs = []
     for keys, mask in segments:
         mask = np.ascontiguousarray(mask, dtype=bool)
@@ -342,7 +359,7 @@ def attention(q: np.ndarray, segments, sinks: np.ndarray, scale: float):
         per_query = keys.ndim == 3
         segs.append((keys.reshape(-1, D), mask.view(np.uint8), per_query))
     out = np.empty((T * H, D), np.float32)
-    _K.attention(qs, np.ascontiguousarray(sinks, dtype=np.float32).reshape(1, H), out, segs)
+    _K.attention(qs, np.ascontiguousarray(sinks, dtype=np.float32).reshape(1, H), out, segs, float(scale))
     return out.reshape(T, H, D)
 
 
@@ -366,8 +383,10 @@ def matmul_q8(type_id: int, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """y = q8(x) @ W.T, ds4's quantized dot product: each token of x is quantized to Q8_0 blocks
     (Q8_0 weights) or Q8_K blocks (Q2_K, IQ2_XXS weights) exactly as numerics.q8_0_quantize /
     q8_k_quantize do, and the integer codes are multiplied with the weight codes (exact int32
-    sums, one float multiply-add per block).  Equal to matmul(type_id, w, numerics.q8_*_round(x))
-    up to float32 rounding.  Without a kernel for the type (or the extension), that is what runs."""
+    sums, one float64 multiply-add per block, rounded to float32 once).  Equal to
+    quants.matvec(type_id, w, numerics.q8_*_exact(x).T, accumulate=np.float64).T, the exact sum
+    rounded (but for ~2^-29 of values).  Without a kernel for the type (or the extension),
+    matmul(type_id, w, numerics.q8_*_round(x)) runs: the same up to float32 rounding."""
     f = _format(type_id)
     if f.type_id not in Q8_ACT_BLOCK:
         raise ValueError(f"{f.name} weights have no quantized-activation product (Q8_0, Q2_K, IQ2_XXS do)")
@@ -426,13 +445,15 @@ def matmul_q8_into(types, ws, xs, ys) -> None:
 def matmul(type_id: int, w: np.ndarray, x: np.ndarray, *, method: str = "auto") -> np.ndarray:
     """y = x @ W.T: w uint8 [n_rows, row_bytes] (packed rows of ``type_id``), x float32 [T, n_in]
     C-contiguous -> float32 [T, n_rows] (C-contiguous).
-    method: "auto" (default), "fused", "regs", "panel" or "blas" (module docstring)."""
+    method: "auto" (default), "fused", "regs", "panel", "f64" or "blas" (module docstring)."""
     f = _format(type_id)
     w, n_in = _check_w(f, w)
     x = _check_x(x, n_in)
     T = x.shape[0]
     if method == "auto":
         method = "fused" if _K is not None and (BLAS_MIN_T is None or T < BLAS_MIN_T) else "blas"
+    elif method == "f64" and _K is None:
+        method = "blas"                          # (float64 as well)
     if method in _PATHS:
         if _K is None:
             raise RuntimeError("engine.backends.cpu._kernels is not built (no C compiler at install time?)")
@@ -441,4 +462,4 @@ def matmul(type_id: int, w: np.ndarray, x: np.ndarray, *, method: str = "auto") 
         return y
     if method == "blas":
         return _matmul_blas(f.type_id, w, x, n_in)
-    raise ValueError(f"method must be 'auto', 'fused', 'regs', 'panel' or 'blas', got {method!r}")
+    raise ValueError(f"method must be 'auto', 'fused', 'regs', 'panel', 'f64' or 'blas', got {method!r}")

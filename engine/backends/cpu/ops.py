@@ -5,10 +5,11 @@ The matmuls change, and a few float32 ops (FastOps; rmsnorm and the hyper-connec
 post mix in C). In ds4 mode the inputs ds4 quantizes (Q8_0 weights: Q8_0 blocks; the routed
 experts' Q2_K / IQ2_XXS weights: Q8_K blocks) go to the integer kernels, which quantize them
 exactly as engine/model/numerics.py does and take exact integer dot products (ds4's own arithmetic):
-row kernels for a few tokens, the GEMM form for many (AVX-512 VNNI, AVX2); where neither beats the float
-kernels (other builds, 9+ tokens) the reference rounding runs first and the float kernels follow.
-The kernels accumulate in float32 where the reference accumulates in float64, so results differ
-from the reference by rounding only (tests/test_ops_cpu.py measures it on whole forward passes).
+row kernels for a few tokens, the GEMM form for many (AVX-512 VNNI, AVX2; the portable build runs
+its row kernels at every T). They sum the blocks in float64 and round once, which is the reference's
+function (float64 over the exact activations code * scale): bit-identical to it but for ~2^-29 of
+values (tests/test_kernels_q8_exact.py). The float kernels and attention sum in float64 and round
+once too, as the reference does, so they give its float32 results bit for bit (tests/test_cpu_f64.py).
 """
 from __future__ import annotations
 
@@ -25,11 +26,6 @@ _KERNEL_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_X
 
 class CpuOps(FastOps, NumpyOps):
     name = "cpu"
-    # routed experts with at most this many tokens go to the batched integer call: one parallel
-    # region for all of a layer's experts beats one float call per expert up to about here, even
-    # where a single matrix would be faster on the float panel kernels (a prefill's fork/join per
-    # expert costs more than the float kernels gain on experts over Q8_MAX_T tokens)
-    routed_q8_max_t = 32
 
     def _mm(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         data = w.data if rows is None else w.data[rows]
@@ -37,18 +33,23 @@ class CpuOps(FastOps, NumpyOps):
             return Q.matvec(w.type_id, data, np.asarray(x, np.float32).T, accumulate=np.float64).T
         x = np.ascontiguousarray(x, dtype=np.float32)
         squeeze = x.ndim == 1
-        y = K.matmul(w.type_id, data, x[None] if squeeze else x)
+        # every path sums in float64 and rounds once, as the reference; ds4 numerics also keeps a
+        # quant format's T = 1 product off its faster float32 kernel ("f64": issue 22 asks for the
+        # reference's decisions, and a one-ulp difference before a Q8 quantizer turns some)
+        y = K.matmul(w.type_id, data, x[None] if squeeze else x, method="f64" if self._ds4 else "auto")
         return y[0] if squeeze else y
 
     def _int_path(self, type_id: int, T: int) -> bool:
-        """ds4 numerics and an integer kernel for the weight type that beats the float kernels at
-        T tokens (row kernels for a few tokens, the GEMM form for many)."""
-        return self._ds4 and K.q8_beats_float(type_id, T)
+        """ds4 numerics and an integer kernel for the weight type, at every T (row kernels for a
+        few tokens, the GEMM form for many where the build has one): the float kernels over the
+        rounded activations would compute another function (float32 products of fl(q * d) and
+        float32 sums), even where they are faster (builds without a GEMM form, 9+ tokens)."""
+        return self._ds4 and K.has_q8(type_id)
 
     def _mm_act(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
-        """ds4 mode, a weight whose input ds4 quantizes (Q8_0 / Q8_K): few tokens take the
-        integer kernels (x quantized inside, exact integer dots); more tokens take the float
-        kernels over the rounded activations (faster per FLOP). Same function, rounding apart."""
+        """ds4 mode, a weight whose input ds4 quantizes (Q8_0 / Q8_K): the integer kernels (x
+        quantized inside, exact integer dots, float64 block sums); without a kernel for the
+        type (or the extension), the reference rounding and the float kernels."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         squeeze = x.ndim == 1
         x2 = x[None] if squeeze else x
@@ -71,9 +72,11 @@ class CpuOps(FastOps, NumpyOps):
     def attention(q, segments, sinks, scale):
         # in C (per query and 4 heads, register tiles, units over the threads): a decode step's
         # attention beats FastOps' (one query: 64-head BLAS calls on one thread); a prefill block about
-        # as fast as FastOps' threaded queries. A query's result depends on its keys alone.
+        # as fast as FastOps' threaded queries. A query's result depends on its keys alone. Where the
+        # build has no attention kernel (the portable one), the reference's own float64 form: FastOps'
+        # float32 sums would differ from it by an ulp now and then, and the passes would drift
         got = K.attention(q, segments, sinks, scale)
-        return got if got is not None else FastOps.attention(q, segments, sinks, scale)
+        return got if got is not None else NumpyOps.attention(q, segments, sinks, scale)
 
     def store_kv(self, rows, n_nope):
         # in C, bit-identical to numerics' FP8 + F16 emulation (~15 NumPy calls a cached row,
@@ -146,10 +149,10 @@ class CpuOps(FastOps, NumpyOps):
         return self._ds4 and ge.type_id == ue.type_id and K.has_q8(ge.type_id) and K.has_q8(de.type_id)
 
     def routed(self, lw, u, sel, wsel, limit):
-        """ds4 mode with integer kernels for the expert weights: the experts up to
-        routed_q8_max_t tokens picked, and with the integer GEMM form (AVX-512 VNNI, AVX2) every
-        expert, run as two batched calls, gate+up of all of them, then down of all of them, each one
-        parallel region; other experts take the per-expert path (float panel kernels)."""
+        """ds4 mode with integer kernels for the expert weights: every expert, run as two batched
+        calls, gate+up of all of them, then down of all of them, each one parallel region (one
+        fork/join for a layer's experts; the integer kernels compute the reference's function at
+        every token count, the float panel kernels would not)."""
         if not self._batched_experts(lw):
             return super().routed(lw, u, sel, wsel, limit)
         return self._experts(lw, u, sel, wsel, limit, shared=False)
@@ -171,21 +174,17 @@ class CpuOps(FastOps, NumpyOps):
         go first in each call."""
         ge, ue, de = lw.gate_exps, lw.up_exps, lw.down_exps
         u = np.ascontiguousarray(u, dtype=np.float32)
-        if u.shape[0] == 1 and len(set(sel[0].tolist())) == sel.shape[1] and (
-                self.routed_q8_max_t >= 1 or self._int_path(ge.type_id, 1)):
+        if u.shape[0] == 1 and len(set(sel[0].tolist())) == sel.shape[1]:
             got = self._experts_one(lw, u, sel, wsel, limit, shared)
             if got is not None:
                 return got
         out = np.zeros_like(u)
-        small = []
+        picked = []
         for e in np.unique(sel):
             rows, slot = np.nonzero(sel == e)
-            if len(rows) <= self.routed_q8_max_t or self._int_path(ge.type_id, len(rows)):
-                small.append((int(e), rows, slot))
-            else:
-                out[rows] += self.expert_out(lw, e, u[rows], wsel[rows, slot][:, None], limit)
+            picked.append((int(e), rows, slot))
         gate_up = [(w.type_id, w.data, u) for w in (lw.sh_gate, lw.sh_up)] if shared else []
-        for e, rows, _ in small:
+        for e, rows, _ in picked:
             x = u[rows]
             gate_up += [(ge.type_id, ge.expert_data(e), x), (ue.type_id, ue.expert_data(e), x)]
         if not gate_up:
@@ -195,17 +194,17 @@ class CpuOps(FastOps, NumpyOps):
         if shared:
             down.append((lw.sh_down.type_id, lw.sh_down.data, self.swiglu(gv[0], gv[1], limit)))
             gv = gv[2:]
-        if small:
+        if picked:
             # SwiGLU and the routing weight for all batched experts at once (rows stacked)
             m = self.swiglu(np.concatenate(gv[0::2]), np.concatenate(gv[1::2]), limit)
-            m *= np.concatenate([wsel[rows, slot] for _, rows, slot in small])[:, None]
-            cuts = np.cumsum([len(rows) for _, rows, _ in small])[:-1]
+            m *= np.concatenate([wsel[rows, slot] for _, rows, slot in picked])[:, None]
+            cuts = np.cumsum([len(rows) for _, rows, _ in picked])[:-1]
             down += [(de.type_id, de.expert_data(e), np.ascontiguousarray(p))
-                     for (e, _, _), p in zip(small, np.split(m, cuts))]
+                     for (e, _, _), p in zip(picked, np.split(m, cuts))]
         ds = K.matmul_q8_mixed(*zip(*down))
         if shared:
             y_sh, ds = ds[0], ds[1:]
-        for (_, rows, _), d in zip(small, ds):
+        for (_, rows, _), d in zip(picked, ds):
             out[rows] += d
         return out + y_sh if shared else out
 

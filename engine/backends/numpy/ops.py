@@ -14,6 +14,9 @@ Weights are QTensors: bytes in the map, decoded a chunk of rows at a time, never
 accumulate in float64 and round once, so a token's result does not depend on how many tokens share
 the batch: chunked prefill and decode agree to the last bit far more often than float32 sums would,
 which matters in ds4 mode, where a one-ulp change can move an activation across a Q8 rounding step.
+In ds4 mode a Q8 activation enters its matmul as the exact code * scale (float64), and Q2_K / Q4_K
+weights are decoded exactly: each such matmul is the exact sum rounded once to float32, the
+function the cpu backend's integer kernels compute (docs/cpu-kernels.md, "Fidelity").
 """
 from __future__ import annotations
 
@@ -78,10 +81,12 @@ class NumpyOps:
     # -- matmuls -------------------------------------------------------------------------------
     def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         """x [T, in] -> [T, out] with W's rows (output units) `rows`. ds4 rounds the input of a
-        Q8_0 weight to Q8_0 blocks first, as its quantized dot product does."""
-        if self._ds4 and w.type_id == Q.Q8_0:
-            x = N.q8_0_round(x)
-        return Q.matvec(w.type_id, w.data, _f32(x).T, rows, accumulate=np.float64).T
+        Q8_0 weight to Q8_0 blocks first, as its quantized dot product does: the exact values
+        code * scale (float64; their float32 rounding is not what an integer dot product sees),
+        so the float64 matmul is the exact sum rounded once, as the cpu backend's integer kernels
+        compute it."""
+        x = N.q8_0_exact(x) if self._ds4 and w.type_id == Q.Q8_0 else _f32(x)
+        return Q.matvec(w.type_id, w.data, x.T, rows, accumulate=np.float64).T
 
     def linears(self, ws: list, x: np.ndarray) -> list:
         """[linear(w, x) for w in ws]: several weights applied to the same input."""
@@ -95,14 +100,17 @@ class NumpyOps:
                                for g in range(groups)], axis=1)
 
     def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
-        """Activation rounding of a routed-expert matmul input (identity in exact mode)."""
+        """Activation rounding of a routed-expert matmul input (identity in exact mode): in ds4
+        mode the exact Q8 values code * scale, float64 (see linear)."""
         if not self._ds4 or w.type_id in (Q.F32, Q.F16, Q.BF16):
             return x
-        return N.q8_0_round(x) if w.type_id in _EXPERT_ACT_Q8_0 else N.q8_k_round(x)
+        return N.q8_0_exact(x) if w.type_id in _EXPERT_ACT_Q8_0 else N.q8_k_exact(x)
 
     def expert_linear(self, w: QTensor, x_rounded: np.ndarray) -> np.ndarray:
-        """x [T, in] (already rounded by expert_act) -> [T, out] for one expert's matrix."""
-        return Q.matvec(w.type_id, w.data, _f32(x_rounded).T, accumulate=np.float64).T
+        """x [T, in] (already rounded by expert_act; float64 keeps its exact values) -> [T, out]
+        for one expert's matrix."""
+        x = x_rounded if x_rounded.dtype == np.float64 else _f32(x_rounded)
+        return Q.matvec(w.type_id, w.data, x.T, accumulate=np.float64).T
 
     # -- norms and elementwise -----------------------------------------------------------------
     @staticmethod

@@ -4,7 +4,8 @@
  *   matmul(type_id, w, x, y[, threads[, path]])  y[T, n_rows] = x[T, n_in] @ W.T; w: 2-D uint8
  *                                 buffer of packed rows (any row stride, contiguous rows), x / y
  *                                 float32 C-contiguous; threads: thread count of this call (0:
- *                                 set_threads); path: 0 by T, 1 in registers, 2 decoded panel
+ *                                 set_threads); path: 0 by T, 1 in registers, 2 decoded panel,
+ *                                 3 by T with float64 sums at T = 1 for every format
  *   matmul_q8_batch(types, ws, xs, ys[, threads])  ys[i] = the same product with xs[i] quantized
  *                                 per token to Q8_0 / Q8_K blocks first (ds4 numerics; integer dot
  *                                 products), every i in one parallel region
@@ -100,8 +101,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     int type, threads = 0, path = 0;
     PyObject *wo, *xo, *yo;
     if (!PyArg_ParseTuple(args, "iOOO|ii", &type, &wo, &xo, &yo, &threads, &path)) return NULL;
-    if (path < 0 || path > 2) {
-        PyErr_SetString(PyExc_ValueError, "path must be 0 (auto), 1 (registers) or 2 (panel)");
+    if (path < 0 || path > 3) {
+        PyErr_SetString(PyExc_ValueError, "path must be 0 (auto), 1 (registers), 2 (panel) or 3 (auto, float64 sums at T = 1 too)");
         return NULL;
     }
     if (check_type(type) < 0) return NULL;
@@ -582,11 +583,13 @@ static int get_segment(PyObject *it, int64_t T, int64_t D, Py_buffer *kb, Py_buf
     return 0;
 }
 
-/* attention(q, sinks, out, segments[, threads]): ops_attention; a segment is (keys, mask, per_query) */
+/* attention(q, sinks, out, segments, scale[, threads]): ops_attention; a segment is (keys, mask,
+ * per_query); q not scaled (the scores are (q . key) * scale in float64) */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     PyObject *qo, *so, *oo, *sl;
+    double scale;
     int threads = 0;
-    if (!PyArg_ParseTuple(args, "OOOO|i", &qo, &so, &oo, &sl, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOd|i", &qo, &so, &oo, &sl, &scale, &threads)) return NULL;
     const kern_isa *K = &g_isa[g_cur];
     if (!K->attn) {
         PyErr_SetString(PyExc_ValueError, "attention: no kernel in this build");
@@ -633,8 +636,8 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     {
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = ops_attention(K, (const float *)qb.buf, (const float *)sb.buf, T, H, D, segs, nseg, nmax, (float *)ob.buf,
-                           threads);
+        rc = ops_attention(K, (const float *)qb.buf, (const float *)sb.buf, scale, T, H, D, segs, nseg, nmax,
+                           (float *)ob.buf, threads);
         Py_END_ALLOW_THREADS
         if (rc < 0) {
             PyErr_NoMemory();
@@ -798,7 +801,7 @@ static PyMethodDef methods[] = {
      "(types: one type id, or one per product)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(block, x) -> (codes, scales, sums) as bytes"},
     {"round_q8", py_round_q8, METH_VARARGS, "round_q8(block, x, out[, threads]): out = Q8_0/Q8_K-rounded x"},
-    {"attention", py_attention, METH_VARARGS, "attention(q, sinks, out, segments[, threads]): per-query softmax attention"},
+    {"attention", py_attention, METH_VARARGS, "attention(q, sinks, out, segments, scale[, threads]): per-query softmax attention, float64 inside"},
     {"store_kv", py_store_kv, METH_VARARGS, "store_kv(rows, n_nope, out[, threads]): FP8 + F16 rounding of KV rows"},
     {"hc_post", py_hc_post, METH_VARARGS, "hc_post(y, X, post, C, out[, threads]): hyper-connection post mix"},
     {"hc_pre_mix", py_hc_pre_mix, METH_VARARGS, "hc_pre_mix(pre, X, out[, threads]): hyper-connection pre mix"},

@@ -108,12 +108,14 @@ typedef void (*kern_dq_fn)(const uint8_t *src, float *dst, int64_t n_elems);
 typedef void (*kern_mv1_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,
                             const float *x, const float *aux, float *y);
 
-/* y[t*ldy + r] (+)= W[r] . x[t] for rows r0..r1-1 and all T tokens over n_in values (x rows ldx
- * apart: a column block of a wider x when the caller splits n_in), decoding the rows with dq into
- * wbuf (kern_panel_rows() * n_in floats, 64-byte aligned) a panel at a time; accumulate: add to y */
+/* y[t*ldy + r] = W[r] . x[t] for rows r0..r1-1 and all T tokens over n_in values (x rows ldx
+ * apart: a column block of a wider x when the caller splits n_in), decoding the rows with dq a
+ * panel at a time into wbuf (kern_panel_scratch_d(unit, n_in) doubles, 64-byte aligned) and summing
+ * in float64. mode 0: y = the sum rounded to float32; column blocks keep float64 partial sums in
+ * yacc (laid out as y): mode 1 (first block) yacc = sum, 2 yacc += sum, 3 (last) y = yacc + sum */
 typedef void (*kern_panel_fn)(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0,
                               int64_t r1, const float *x, int64_t ldx, int64_t T, float *y, int64_t ldy,
-                              float *wbuf, int accumulate);
+                              double *wbuf, double *yacc, int mode);
 
 /* y[t*ldy + r] = W[r] . x[t] for rows r0..r1-1 and all T tokens, decoding in registers (small T) */
 typedef void (*kern_mvt_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,
@@ -144,10 +146,11 @@ typedef void (*kern_q8g_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
 typedef int64_t (*kern_scratch_fn)(int64_t n);
 
 /* attention of one query over n attended keys (rows of D floats at keys[k]), heads h0..h1-1 (at
- * most 4): q [H, D] pre-scaled, sinks [H] (the sink logit enters the denominator only), out
- * [H, D]; sbuf: 4 * n floats of scratch */
+ * most 4), in float64 with one rounding of the output: q [H, D] (not scaled: the scores are
+ * (q . key) * scale, as the reference's), sinks [H] (the sink logit enters the denominator only),
+ * out [H, D]; sbuf: 4 * (n + D) doubles of scratch */
 typedef void (*kern_attn_fn)(const float *q, int64_t D, int64_t h0, int64_t h1, const float *const *keys, int64_t n,
-                             const float *sinks, float *out, float *sbuf);
+                             const float *sinks, double scale, float *out, double *sbuf);
 
 typedef struct {
     const char *name;
@@ -170,13 +173,19 @@ typedef struct {
 } kern_isa;
 
 /* rows decoded per panel (a multiple of unit): about 256 KiB of floats, so the panel stays in L2
- * while every token tile runs over it; the scratch buffer holds this many rows of ldw floats */
+ * while every token tile runs over it */
 static inline int64_t kern_ldw(int64_t n_in) { return (n_in + 15) & ~(int64_t)15; }
 static inline int64_t kern_panel_rows(int unit, int64_t n_in) {
     int64_t pr = (int64_t)(256 * 1024 / 4) / kern_ldw(n_in > 0 ? n_in : 1);
     if (pr > 64) pr = 64;
     pr -= pr % unit;
     return pr < unit ? unit : pr;
+}
+/* the float64 panel: rows of ldw doubles (256 KiB of them), and its scratch in doubles: the panel
+ * plus one decoded float row */
+static inline int64_t kern_panel_rows_d(int unit, int64_t n_in) { return kern_panel_rows(unit, 2 * n_in); }
+static inline int64_t kern_panel_scratch_d(int unit, int64_t n_in) {
+    return kern_panel_rows_d(unit, n_in) * kern_ldw(n_in) + kern_ldw(n_in) / 2 + 8;
 }
 
 /* kern_q8.c: activation block size of a weight type's integer kernel (Q8_0: 32, Q8_K: 256; 0 =

@@ -18,19 +18,20 @@
  *    kern_q8_body.h: <= 2 * 128 * 127 = 32512);
  *  - Q2_K codes times their 4-bit sub-block scale (0..45) are unsigned against the signed codes
  *    (<= 2 * 45 * 127), and the minimums term sum_s m_s * bsum_s takes one madd per two sub-blocks.
- * Integer sums are exact; per 32-group one float multiply-add applies row scale times activation
- * scale, as the AVX-512 form (results agree with the row kernels to float rounding).  A token's
- * sums do not depend on T or on its place in a tile. */
+ * Integer sums are exact; per 32-group one float64 multiply-add applies row scale times activation
+ * scale and each result is rounded to float32 once, as the AVX-512 form (the exact sum rounded, as
+ * the row kernels compute it).  A token's sums do not depend on T or on its place in a tile. */
 
 #define G2_TT 2 /* tokens per tile, with 2 x 8 rows: 4 int32 + 4 float accumulators of 16 ymm */
 
 /* a half panel of 8 rows; kp = n rounded up to 32 */
 typedef struct {
     uint8_t *wq;  /* [kp/4][8][4] */
-    float *sc;    /* per group (32 codes; Q2_K: 256) and row: [groups][8] */
+    double *sc;   /* per group (32 codes; Q2_K, IQ2_XXS: 256) and row: [groups][8] (float64: exact) */
     int32_t *nc;  /* IQ2_XXS: -128 * sum of the group's codes, [n/32][8] */
+    int32_t *gs;  /* IQ2_XXS: the integer group scales 2 s + 1, [n/32][8] */
     int32_t *mz;  /* Q2_K: minimums of sub-blocks 2j, 2j+1 as int16 pairs, [n/256][8][8] */
-    float *dm;    /* Q2_K: dmin, [n/256][8] */
+    double *dm;   /* Q2_K: dmin, [n/256][8] */
 } g2panel;
 
 static inline int64_t g2_kp(int64_t n) { return (n + 31) & ~(int64_t)31; }
@@ -39,7 +40,7 @@ static inline uint8_t *g2_align(uint8_t *p) { return (uint8_t *)(((uintptr_t)p +
 /* bytes of scratch a thread needs for n inputs: two half panels and the row-major decode buffer */
 static int64_t KSUF(gemm_scratch)(int64_t n) {
     const int64_t kp = g2_kp(n);
-    const int64_t half = 8 * kp + 32 * (kp / 32) * 2 + 32 * 8 * (kp / 256 + 1) + 32 * (kp / 256 + 1) + 5 * 64;
+    const int64_t half = 8 * kp + 64 * (kp / 32) + 2 * 32 * (kp / 32) + 32 * 8 * (kp / 256 + 1) + 64 * (kp / 256 + 1) + 6 * 64;
     return 2 * half + 8 * kp + 128;
 }
 
@@ -49,14 +50,16 @@ static void KSUF(gemm_panels)(uint8_t *scratch, int64_t n, g2panel *pa, uint8_t 
     for (int h = 0; h < 2; h++) {
         pa[h].wq = p;
         p = g2_align(p + 8 * kp);
-        pa[h].sc = (float *)p;
-        p = g2_align(p + 32 * (kp / 32));
+        pa[h].sc = (double *)p;
+        p = g2_align(p + 64 * (kp / 32));
         pa[h].nc = (int32_t *)p;
+        p = g2_align(p + 32 * (kp / 32));
+        pa[h].gs = (int32_t *)p;
         p = g2_align(p + 32 * (kp / 32));
         pa[h].mz = (int32_t *)p;
         p = g2_align(p + 32 * 8 * (kp / 256 + 1));
-        pa[h].dm = (float *)p;
-        p = g2_align(p + 32 * (kp / 256 + 1));
+        pa[h].dm = (double *)p;
+        p = g2_align(p + 64 * (kp / 256 + 1));
     }
     *rm = p;
 }
@@ -80,8 +83,9 @@ static void KSUF(g2_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, g2p
             __m256i sv; /* the group's grid bytes and sign rows, as the row kernel (kern_q8_body.h) */
             const __m256i gv = KSUF(iq2_group)(q, aux, &sv);
             _mm256_storeu_si256((__m256i *)(rm + 256 * b + 32 * g), _mm256_sign_epi8(gv, sv));
-            P->sc[8 * (8 * b + g) + r] = d * (0.5f + (float)(aux >> 28)) * 0.25f;
+            P->gs[8 * (8 * b + g) + r] = (int32_t)(2 * (aux >> 28) + 1); /* d (0.5 + s) / 4 = (d / 8)(2 s + 1) */
         }
+        P->sc[8 * b + r] = 0.125 * (double)d; /* (integer group scales, one float64 block scale: as AVX-512) */
     }
 }
 
@@ -143,10 +147,10 @@ static void KSUF(g2_pack)(g2_row_fn dec, int is_signed, const uint8_t *W, ptrdif
     }
     if (rows < 8) { /* scales of the missing rows: zero (their outputs are not stored) */
         for (int64_t g = 0; g < ng; g++)
-            for (int r = rows; r < 8; r++) P->sc[8 * g + r] = 0.0f;
+            for (int r = rows; r < 8; r++) P->sc[8 * g + r] = 0.0, P->gs[8 * g + r] = 0;
         for (int64_t b = 0; b < n / 256; b++)
             for (int r = rows; r < 8; r++) {
-                P->dm[8 * b + r] = 0.0f;
+                P->dm[8 * b + r] = 0.0;
                 for (int j = 0; j < 8; j++) P->mz[8 * (8 * b + j) + r] = 0;
             }
     }
@@ -175,8 +179,17 @@ KI __m256i g2_bcast(const void *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* the 8 results of a half panel for one token: rows past `rows` are not stored */
-KI void g2_store(float *y, __m256 f, int rows) {
+/* f[0..1] (rows 0-3, 4-7 of a half panel, float64) += the 8 int32 lanes of a times the rows'
+ * scales sc times the token's scale dx (sc * dx: exact) */
+KI void g2_fma8(__m256d *f, __m256i a, const double *sc, __m256d dx) {
+    f[0] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(a)), _mm256_mul_pd(_mm256_load_pd(sc), dx), f[0]);
+    f[1] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(a, 1)), _mm256_mul_pd(_mm256_load_pd(sc + 4), dx), f[1]);
+}
+
+/* the 8 results of a half panel for one token, rounded to float32 once: rows past `rows` are not
+ * stored */
+KI void g2_store(float *y, const __m256d *fd, int rows) {
+    const __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(fd[1]), _mm256_cvtpd_ps(fd[0]));
     if (rows >= 8) {
         _mm256_storeu_ps(y, f);
     } else {
@@ -195,10 +208,10 @@ KI void g2_store(float *y, __m256 f, int rows) {
 KI void g2_tile_signed(const g2panel *P, const int nh, const int nt, const int offset, int64_t n, const uint8_t *x,
                        const float *xd, int64_t ldd, int dsh, float *y, int64_t ldy, const int *rows) {
     const __m256i ones16 = _mm256_set1_epi16(1);
-    __m256 f[2][G2_TT];
+    __m256d f[2][G2_TT][2];
     __m256i acc[2][G2_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t] = _mm256_setzero_ps();
+        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm256_setzero_pd();
     for (int64_t g = 0; g < n / 32; g++) {
         for (int h = 0; h < nh; h++) {
             const __m256i nc = offset ? _mm256_load_si256((const __m256i *)(P[h].nc + 8 * g)) : _mm256_setzero_si256();
@@ -217,10 +230,48 @@ KI void g2_tile_signed(const g2panel *P, const int nh, const int nt, const int o
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m256 dx = _mm256_set1_ps(xd[t * ldd + (g >> dsh)]);
-            for (int h = 0; h < nh; h++)
-                f[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][t]),
-                                          _mm256_mul_ps(_mm256_load_ps(P[h].sc + 8 * g), dx), f[h][t]);
+            const __m256d dx = _mm256_set1_pd(xd[t * ldd + (g >> dsh)]);
+            for (int h = 0; h < nh; h++) g2_fma8(f[h][t], acc[h][t], P[h].sc + 8 * g, dx);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) g2_store(y + t * ldy + 8 * h, f[h][t], rows[h]);
+}
+
+/* IQ2_XXS: signed codes against x = activation codes + 128, from the packed correction; a group's
+ * exact sum times its integer scale 2 s + 1 adds up in int32 over the block, then one float64
+ * multiply-add per block applies d / 8 times the activation scale (as the AVX-512 form) */
+KI void g2_tile_iq2(const g2panel *P, const int nh, const int nt, int64_t n, const uint8_t *x, const float *xd,
+                    float *y, int64_t ldy, const int *rows) {
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    __m256d f[2][G2_TT][2];
+    __m256i acc[2][G2_TT], bs[2][G2_TT];
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm256_setzero_pd();
+    for (int64_t b = 0; b < n / 256; b++) {
+        for (int h = 0; h < nh; h++)
+            for (int t = 0; t < nt; t++) bs[h][t] = _mm256_setzero_si256();
+        for (int64_t g = 8 * b; g < 8 * b + 8; g++) {
+            for (int h = 0; h < nh; h++) {
+                const __m256i nc = _mm256_load_si256((const __m256i *)(P[h].nc + 8 * g));
+                for (int t = 0; t < nt; t++) acc[h][t] = nc;
+            }
+            for (int q = 0; q < 8; q++) {
+                __m256i w[2];
+                for (int h = 0; h < nh; h++) w[h] = _mm256_load_si256((const __m256i *)(P[h].wq + 32 * (8 * g + q)));
+                for (int t = 0; t < nt; t++) {
+                    const __m256i xb = g2_bcast(x + t * n + 32 * g + 4 * q);
+                    for (int h = 0; h < nh; h++) acc[h][t] = G2_DOT(acc[h][t], xb, w[h]);
+                }
+            }
+            for (int h = 0; h < nh; h++) {
+                const __m256i gs = _mm256_load_si256((const __m256i *)(P[h].gs + 8 * g));
+                for (int t = 0; t < nt; t++) bs[h][t] = _mm256_add_epi32(bs[h][t], _mm256_mullo_epi32(acc[h][t], gs));
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m256d dx = _mm256_set1_pd(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++) g2_fma8(f[h][t], bs[h][t], P[h].sc + 8 * b, dx);
         }
     }
     for (int h = 0; h < nh; h++)
@@ -232,10 +283,10 @@ KI void g2_tile_signed(const g2panel *P, const int nh, const int nt, const int o
 KI void g2_tile_q2_k(const g2panel *P, const int nh, const int nt, int64_t n, const int8_t *xq, const float *xd,
                      const int16_t *xs, float *y, int64_t ldy, const int *rows) {
     const __m256i ones16 = _mm256_set1_epi16(1);
-    __m256 f[2][G2_TT];
+    __m256d f[2][G2_TT][2];
     __m256i acc[2][G2_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t] = _mm256_setzero_ps();
+        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm256_setzero_pd();
     for (int64_t b = 0; b < n / 256; b++) {
         for (int h = 0; h < nh; h++)
             for (int t = 0; t < nt; t++) acc[h][t] = _mm256_setzero_si256();
@@ -248,10 +299,9 @@ KI void g2_tile_q2_k(const g2panel *P, const int nh, const int nt, int64_t n, co
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m256 dx = _mm256_set1_ps(xd[t * (n / 256) + b]);
+            const __m256d dx = _mm256_set1_pd(xd[t * (n / 256) + b]);
             for (int h = 0; h < nh; h++) {
-                f[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][t]),
-                                          _mm256_mul_ps(_mm256_load_ps(P[h].sc + 8 * b), dx), f[h][t]);
+                g2_fma8(f[h][t], acc[h][t], P[h].sc + 8 * b, dx);
                 acc[h][t] = _mm256_setzero_si256();
             }
         }
@@ -264,10 +314,8 @@ KI void g2_tile_q2_k(const g2panel *P, const int nh, const int nt, int64_t n, co
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m256 dx = _mm256_set1_ps(xd[t * (n / 256) + b]);
-            for (int h = 0; h < nh; h++)
-                f[h][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(acc[h][t]),
-                                           _mm256_mul_ps(_mm256_load_ps(P[h].dm + 8 * b), dx), f[h][t]);
+            const __m256d ndx = _mm256_set1_pd(-(double)xd[t * (n / 256) + b]); /* the minimums subtract */
+            for (int h = 0; h < nh; h++) g2_fma8(f[h][t], acc[h][t], P[h].dm + 8 * b, ndx);
         }
     }
     for (int h = 0; h < nh; h++)
@@ -311,7 +359,7 @@ KI void g2_tile_q2_k(const g2panel *P, const int nh, const int nt, int64_t n, co
     }
 
 #define G2_TILE_Q8_0(nh, nt) g2_tile_signed(P, nh, nt, 0, n, (const uint8_t *)xq + t0 * n, xd + t0 * (n / 32), n / 32, 0, yt, ldy, rows)
-#define G2_TILE_IQ2(nh, nt) g2_tile_signed(P, nh, nt, 1, n, xu + t0 * n, xd + t0 * (n / 256), n / 256, 3, yt, ldy, rows)
+#define G2_TILE_IQ2(nh, nt) g2_tile_iq2(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 256), yt, ldy, rows)
 #define G2_TILE_Q2K(nh, nt) g2_tile_q2_k(P, nh, nt, n, xq + t0 * n, xd + t0 * (n / 256), xs + t0 * (n / 16), yt, ldy, rows)
 G2_KERNEL(q8_0, g2_row_q8_0, 0, G2_TILE_Q8_0)
 G2_KERNEL(iq2_xxs, g2_row_iq2_xxs, 1, G2_TILE_IQ2)

@@ -14,19 +14,23 @@
  *    is subtracted (precomputed per row at packing, the accumulator's start value);
  *  - Q2_K codes times their 4-bit sub-block scale (0..45) are unsigned: the activation codes stay
  *    signed, and the minimums term sum_s m_s * bsum_s takes one vpdpwssd per two sub-blocks.
- * Integer sums are exact; per 32-group one float multiply-add applies row scale times activation
- * scale (a different association from the row kernels: results agree to float rounding).
- * A token's sums do not depend on T or on its place in a tile. */
+ * Integer sums are exact; per 32-group one float64 multiply-add applies row scale times activation
+ * scale (their product is exact in float64), the groups are summed in float64 and each result is
+ * rounded to float32 once: the exact sum rounded, as the row kernels and the NumPy reference
+ * compute it, whatever the association (they differ only where the float64 rounding inside the sums
+ * crosses a float32 rounding boundary, ~2^-29 of values).  Float64 lanes are half as many: a
+ * 16-row accumulator is two zmm.  A token's sums do not depend on T or on its place in a tile. */
 
 #define G_TT 4 /* tokens per tile (and 2 x 16 rows): 8 int32 + 8 float accumulators */
 
 /* panel of 16 rows; kp = n rounded up to 64 */
 typedef struct {
     uint8_t *wq;   /* [kp/4][16][4] */
-    float *sc;     /* per group (32 codes; Q2_K: 256) and row: [groups][16] */
+    double *sc;    /* per group (32 codes; Q2_K, IQ2_XXS: 256) and row: [groups][16] (float64: exact) */
     int32_t *nc;   /* signed codes: -128 * sum of the group's codes, [n/32][16] */
+    int32_t *gs;   /* IQ2_XXS: the integer group scales 2 s + 1, [n/32][16] */
     int32_t *mz;   /* Q2_K: minimums of sub-blocks 2j, 2j+1 as int16 pairs, [n/256][8][16] */
-    float *dm;     /* Q2_K: dmin, [n/256][16] */
+    double *dm;    /* Q2_K: dmin, [n/256][16] */
 } gpanel;
 
 static inline int64_t g_kp(int64_t n) { return (n + 63) & ~(int64_t)63; }
@@ -34,7 +38,7 @@ static inline int64_t g_kp(int64_t n) { return (n + 63) & ~(int64_t)63; }
 /* bytes of scratch a thread needs for n inputs: two panels and the row-major decode buffer */
 static int64_t KSUF(gemm_scratch)(int64_t n) {
     const int64_t kp = g_kp(n);
-    const int64_t panel = 16 * kp + 64 * (kp / 32) * 2 + 64 * 8 * (kp / 256 + 1) + 64 * (kp / 256 + 1) + 5 * 64;
+    const int64_t panel = 16 * kp + 128 * (kp / 32) + 2 * 64 * (kp / 32) + 64 * 8 * (kp / 256 + 1) + 128 * (kp / 256 + 1) + 6 * 64;
     return 2 * panel + 16 * kp + 128;
 }
 
@@ -46,14 +50,16 @@ static void KSUF(gemm_panels)(uint8_t *scratch, int64_t n, gpanel *pa, uint8_t *
     for (int h = 0; h < 2; h++) {
         pa[h].wq = p;
         p = g_align(p + 16 * kp);
-        pa[h].sc = (float *)p;
-        p = g_align(p + 64 * (kp / 32));
+        pa[h].sc = (double *)p;
+        p = g_align(p + 128 * (kp / 32));
         pa[h].nc = (int32_t *)p;
+        p = g_align(p + 64 * (kp / 32));
+        pa[h].gs = (int32_t *)p;
         p = g_align(p + 64 * (kp / 32));
         pa[h].mz = (int32_t *)p;
         p = g_align(p + 64 * 8 * (kp / 256 + 1));
-        pa[h].dm = (float *)p;
-        p = g_align(p + 64 * (kp / 256 + 1));
+        pa[h].dm = (double *)p;
+        p = g_align(p + 128 * (kp / 256 + 1));
     }
     *rm = p;
 }
@@ -67,10 +73,13 @@ static void KSUF(g_row_q8_0)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel 
     }
 }
 
-/* an IQ2_XXS block's 8 group scales d * (0.5 + s) * 0.25 (as the dequantizer) into column r */
+/* an IQ2_XXS block's scales into column r: the dequantizer's d * (0.5 + s) * 0.25 of group g is
+ * (d / 8) * (2 s + 1), so the 8 group scales go in as integers (2 s + 1, applied to the group's
+ * exact sum in int32) and the block's d / 8 as one float64 multiply-add per block, as the row
+ * kernels do: a third of the float64 work of a scale per group */
 KI void KSUF(g_iq2_scales)(const uint8_t *blk, float d, gpanel *P, int64_t b, int r) {
-    for (int g = 0; g < 8; g++)
-        P->sc[16 * (8 * b + g) + r] = d * (0.5f + (float)(kern_rd32(blk + 2 + 8 * g + 4) >> 28)) * 0.25f;
+    for (int g = 0; g < 8; g++) P->gs[16 * (8 * b + g) + r] = (int32_t)(2 * (kern_rd32(blk + 2 + 8 * g + 4) >> 28) + 1);
+    P->sc[16 * b + r] = 0.125 * (double)d;
 }
 
 static void KSUF(g_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r) {
@@ -158,10 +167,10 @@ static void KSUF(g_pack)(g_row_fn dec, int is_signed, const uint8_t *W, ptrdiff_
     }
     if (rows < 16) { /* scales of the missing rows: zero (their outputs are not stored) */
         for (int64_t g = 0; g < ng; g++)
-            for (int r = rows; r < 16; r++) P->sc[16 * g + r] = 0.0f;
+            for (int r = rows; r < 16; r++) P->sc[16 * g + r] = 0.0, P->gs[16 * g + r] = 0;
         for (int64_t b = 0; b < n / 256; b++)
             for (int r = rows; r < 16; r++) {
-                P->dm[16 * b + r] = 0.0f;
+                P->dm[16 * b + r] = 0.0;
                 for (int j = 0; j < 8; j++) P->mz[16 * (8 * b + j) + r] = 0;
             }
     }
@@ -182,6 +191,19 @@ static void KSUF(g_pack)(g_row_fn dec, int is_signed, const uint8_t *W, ptrdiff_
     }
 }
 
+/* f[0..1] (rows 0-7, 8-15 of a panel, float64) += the 16 int32 lanes of a times the rows' scales
+ * sc times the token's scale dx (sc * dx: exact) */
+KI void g_fma16(__m512d *f, __m512i a, const double *sc, __m512d dx) {
+    f[0] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(a)), _mm512_mul_pd(_mm512_load_pd(sc), dx), f[0]);
+    f[1] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(a, 1)), _mm512_mul_pd(_mm512_load_pd(sc + 8), dx), f[1]);
+}
+
+/* the 16 rows' results rounded to float32 once, rows outside mask m not stored */
+KI void g_store16(float *y, const __m512d *f, __mmask16 m) {
+    _mm256_mask_storeu_ps(y, (__mmask8)m, _mm512_cvtpd_ps(f[0]));
+    _mm256_mask_storeu_ps(y + 8, (__mmask8)(m >> 8), _mm512_cvtpd_ps(f[1]));
+}
+
 KI __m512i g_bcast(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -192,10 +214,10 @@ KI __m512i g_bcast(const void *p) {
  * apart), xd their scales (token t, group g: xd[t * ldd + (g >> dsh)]) */
 KI void g_tile_signed(const gpanel *P, const int nh, const int nt, int64_t n, const uint8_t *xu, const float *xd,
                       int64_t ldd, int dsh, float *y, int64_t ldy, const __mmask16 *mk) {
-    __m512 f[2][G_TT];
+    __m512d f[2][G_TT][2];
     __m512i acc[2][G_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t] = _mm512_setzero_ps();
+        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm512_setzero_pd();
     for (int64_t g = 0; g < n / 32; g++) {
         for (int h = 0; h < nh; h++) {
             const __m512i nc = _mm512_load_si512((const void *)(P[h].nc + 16 * g));
@@ -210,24 +232,62 @@ KI void g_tile_signed(const gpanel *P, const int nh, const int nt, int64_t n, co
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m512 dx = _mm512_set1_ps(xd[t * ldd + (g >> dsh)]);
-            for (int h = 0; h < nh; h++)
-                f[h][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][t]),
-                                          _mm512_mul_ps(_mm512_load_ps(P[h].sc + 16 * g), dx), f[h][t]);
+            const __m512d dx = _mm512_set1_pd(xd[t * ldd + (g >> dsh)]);
+            for (int h = 0; h < nh; h++) g_fma16(f[h][t], acc[h][t], P[h].sc + 16 * g, dx);
         }
     }
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy + 16 * h, mk[h], f[h][t]);
+        for (int t = 0; t < nt; t++) g_store16(y + t * ldy + 16 * h, f[h][t], mk[h]);
+}
+
+/* IQ2_XXS: signed codes against xu = activation codes + 128 (n apart); a group's exact sum times its
+ * integer scale 2 s + 1 adds up in int32 over the block's 8 groups (|sum| <= 8 * 31 * 32 * 43 * 127
+ * < 2^31), then one float64 multiply-add per block applies d / 8 times the activation scale (token
+ * t, block b: xd[t * (n / 256) + b]) */
+KI void g_tile_iq2(const gpanel *P, const int nh, const int nt, int64_t n, const uint8_t *xu, const float *xd,
+                   float *y, int64_t ldy, const __mmask16 *mk) {
+    __m512d f[2][G_TT][2];
+    __m512i acc[2][G_TT], bs[2][G_TT];
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm512_setzero_pd();
+    for (int64_t b = 0; b < n / 256; b++) {
+        for (int h = 0; h < nh; h++)
+            for (int t = 0; t < nt; t++) bs[h][t] = _mm512_setzero_si512();
+        for (int64_t g = 8 * b; g < 8 * b + 8; g++) {
+            for (int h = 0; h < nh; h++) {
+                const __m512i nc = _mm512_load_si512((const void *)(P[h].nc + 16 * g));
+                for (int t = 0; t < nt; t++) acc[h][t] = nc;
+            }
+            for (int q = 0; q < 8; q++) {
+                __m512i w[2];
+                for (int h = 0; h < nh; h++) w[h] = _mm512_load_si512((const void *)(P[h].wq + 64 * (8 * g + q)));
+                for (int t = 0; t < nt; t++) {
+                    const __m512i xb = g_bcast(xu + t * n + 32 * g + 4 * q);
+                    for (int h = 0; h < nh; h++) acc[h][t] = _mm512_dpbusd_epi32(acc[h][t], xb, w[h]);
+                }
+            }
+            for (int h = 0; h < nh; h++) {
+                const __m512i gs = _mm512_load_si512((const void *)(P[h].gs + 16 * g));
+                for (int t = 0; t < nt; t++) bs[h][t] = _mm512_add_epi32(bs[h][t], _mm512_mullo_epi32(acc[h][t], gs));
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m512d dx = _mm512_set1_pd(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++) g_fma16(f[h][t], bs[h][t], P[h].sc + 16 * b, dx);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) g_store16(y + t * ldy + 16 * h, f[h][t], mk[h]);
 }
 
 /* Q2_K: codes times sub-block scale (unsigned) x signed activation codes xq; minimums from the
  * int16 sums of 16 codes xs (token t: xs + t * (n / 16)) */
 KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, const int8_t *xq, const float *xd,
                     const int16_t *xs, float *y, int64_t ldy, const __mmask16 *mk) {
-    __m512 f[2][G_TT];
+    __m512d f[2][G_TT][2];
     __m512i acc[2][G_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t] = _mm512_setzero_ps();
+        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm512_setzero_pd();
     for (int64_t b = 0; b < n / 256; b++) {
         for (int h = 0; h < nh; h++)
             for (int t = 0; t < nt; t++) acc[h][t] = _mm512_setzero_si512();
@@ -240,10 +300,9 @@ KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, cons
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m512 dx = _mm512_set1_ps(xd[t * (n / 256) + b]);
+            const __m512d dx = _mm512_set1_pd(xd[t * (n / 256) + b]);
             for (int h = 0; h < nh; h++) {
-                f[h][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][t]),
-                                          _mm512_mul_ps(_mm512_load_ps(P[h].sc + 16 * b), dx), f[h][t]);
+                g_fma16(f[h][t], acc[h][t], P[h].sc + 16 * b, dx);
                 acc[h][t] = _mm512_setzero_si512();
             }
         }
@@ -256,14 +315,12 @@ KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, cons
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m512 dx = _mm512_set1_ps(xd[t * (n / 256) + b]);
-            for (int h = 0; h < nh; h++)
-                f[h][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(acc[h][t]),
-                                           _mm512_mul_ps(_mm512_load_ps(P[h].dm + 16 * b), dx), f[h][t]);
+            const __m512d ndx = _mm512_set1_pd(-(double)xd[t * (n / 256) + b]); /* the minimums subtract */
+            for (int h = 0; h < nh; h++) g_fma16(f[h][t], acc[h][t], P[h].dm + 16 * b, ndx);
         }
     }
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy + 16 * h, mk[h], f[h][t]);
+        for (int t = 0; t < nt; t++) g_store16(y + t * ldy + 16 * h, f[h][t], mk[h]);
 }
 
 #define G_TILE_CASES(CALL, nh)                                                                                  \
@@ -306,7 +363,7 @@ KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, cons
     }
 
 #define G_TILE_Q8_0(nh, nt) g_tile_signed(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 32), n / 32, 0, yt, ldy, mk)
-#define G_TILE_IQ2(nh, nt) g_tile_signed(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 256), n / 256, 3, yt, ldy, mk)
+#define G_TILE_IQ2(nh, nt) g_tile_iq2(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 256), yt, ldy, mk)
 #define G_TILE_Q2K(nh, nt) g_tile_q2_k(P, nh, nt, n, xq + t0 * n, xd + t0 * (n / 256), xs + t0 * (n / 16), yt, ldy, mk)
 G_KERNEL(q8_0, g_row_q8_0, 1, G_TILE_Q8_0)
 G_KERNEL(iq2_xxs, g_row_iq2_xxs, 1, G_TILE_IQ2)

@@ -11,19 +11,30 @@
 
 #include "kern_dequant_body.h"
 
+/* float64 sums of the exact float32 weights and activations, rounded once (kern_panel_fn) */
 static void panel_generic(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,
-                          const float *x, int64_t ldx, int64_t T, float *y, int64_t ldy, float *wbuf, int accumulate) {
+                          const float *x, int64_t ldx, int64_t T, float *y, int64_t ldy, double *wbuf, double *yacc,
+                          int mode) {
+    float *row = (float *)wbuf;
     for (int64_t r = r0; r < r1; r++) {
-        dq(W + r * stride, wbuf, n_in);
+        dq(W + r * stride, row, n_in);
         for (int64_t t = 0; t < T; t++) {
             const float *xt = x + t * ldx;
-            float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             int64_t k = 0;
             for (; k + 8 <= n_in; k += 8)
-                for (int j = 0; j < 8; j++) s[j] += wbuf[k + j] * xt[k + j];
-            float tot = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-            for (; k < n_in; k++) tot += wbuf[k] * xt[k];
-            y[t * ldy + r] = accumulate ? y[t * ldy + r] + tot : tot;
+                for (int j = 0; j < 8; j++) s[j] += (double)row[k + j] * xt[k + j];
+            double tot = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+            for (; k < n_in; k++) tot += (double)row[k] * xt[k];
+            const int64_t o = t * ldy + r;
+            if (mode == 0)
+                y[o] = (float)tot;
+            else if (mode == 1)
+                yacc[o] = tot;
+            else if (mode == 2)
+                yacc[o] += tot;
+            else
+                y[o] = (float)(yacc[o] + tot);
         }
     }
 }

@@ -17,7 +17,8 @@
  * block, and the activations arranged to match once a job (iq2v_reorder, as kern_isa.q8_arrange);
  * at one token two rows are packed per block (iq2v_rows2).  Both the packed rows and the
  * code-byte order raised the decode read rate from DRAM (scripts/bench_kernels.py measures it).
- * Sums are exact integers up to the per-block float multiply-add, as in the plain kernel. */
+ * Sums are exact integers up to the per-block float64 multiply-add, as in the plain kernel (q8a_fma:
+ * the blocks are summed in float64 and the result rounded to float32 once). */
 
 #define IQ2V_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c")))
 #define IQ2V_I IQ2V_T static inline __attribute__((always_inline))
@@ -139,11 +140,14 @@ IQ2V_I void iq2v_masks(__m512i ks, unsigned long long *neg) {
                                                              _mm512_gf2p8affine_epi64_epi8(unit, ks, 0)));
 }
 
+/* the sum of a vector's two 256-bit halves, int32 lanes (the two dwords of each group) */
+IQ2V_I __m256i iq2v_half8(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+
 /* out[t] = row . x_t for nt tokens; xr = the arranged activation codes (iq2v_reorder), n apart */
 IQ2V_I void iq2v_rows(const uint8_t *W, int64_t nb, int64_t n, const int8_t *xr, const float *xd, float *out,
                       const int nt) {
-    __m512 acc[Q8_NT];
-    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    q8acc acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = q8a_zero();
     const __m512i zero = _mm512_setzero_si512();
     const __m512i *L = (const __m512i *)iq2v_lo, *H = (const __m512i *)iq2v_hi;
     const __m512i S0 = _mm512_loadu_si512((const void *)kern_ksigns), S1 = _mm512_loadu_si512((const void *)(kern_ksigns + 64));
@@ -152,7 +156,7 @@ IQ2V_I void iq2v_rows(const uint8_t *W, int64_t nb, int64_t n, const int8_t *xr,
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = W + 66 * b;
         PF2(blk);
-        const float d = KERN_F16(kern_rd16(blk));
+        const double d = KERN_F16(kern_rd16(blk));
         const __m512i q = _mm512_loadu_si512((const void *)(blk + 2));
         const __mmask64 top = _mm512_movepi8_mask(q);
         const __m512i lc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(L[0], q, L[1]), _mm512_permutex2var_epi8(L[2], q, L[3]));
@@ -173,12 +177,12 @@ IQ2V_I void iq2v_rows(const uint8_t *W, int64_t nb, int64_t n, const int8_t *xr,
                 is[t] = _mm512_dpbusd_epi32(is[t], gv, _mm512_mask_sub_epi8(xv, m, zero, xv));
             }
         }
-        /* |lane| <= 16 * 43 * 127 before the scale (<= 31): exact in int32 and in float */
+        /* |lane| <= 16 * 43 * 127 before the scale (<= 31), so the two lanes of a group (m, m + 8)
+         * add exactly in int32 (iq2v_half8) */
         for (int t = 0; t < nt; t++)
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(is[t], ls)),
-                                     _mm512_set1_ps(d * xd[t * (n / 256) + b]), acc[t]);
+            acc[t] = q8a_fma(iq2v_half8(_mm512_mullo_epi32(is[t], ls)), d * xd[t * (n / 256) + b], acc[t]);
     }
-    for (int t = 0; t < nt; t++) out[t] = 0.125f * _mm512_reduce_add_ps(acc[t]);
+    for (int t = 0; t < nt; t++) out[t] = (float)(0.125 * q8a_sum(acc[t]));
 }
 
 /* Decode (one token), two rows A and B (A + stride): row . x for both, bit for bit as iq2v_rows.
@@ -187,8 +191,8 @@ IQ2V_I void iq2v_rows(const uint8_t *W, int64_t nb, int64_t n, const int8_t *xr,
  * the sign path).  Here the two rows' blocks are packed first -- their 32 + 32 index bytes into one
  * vector, their 8 + 8 aux words into another -- so each table lookup and the sign transpose serve
  * both rows (by count ~27 vector uops a block-row, against ~42 for the one-row set-up of the earlier order).
- * The group scale goes in as float(sum) * float(2 s + 1), equal to float(sum * (2 s + 1)) because
- * that product stays under 2^24 (|sum| <= 16 * 43 * 127, 2 s + 1 <= 31). */
+ * The group scales go in as integers and the block's as one float64 multiply-add, as in iq2v_rows:
+ * the same integers in the same lanes and the same float64 sums. */
 IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int8_t *xr, const float *xd,
                        float *out) {
     const __m512i zero = _mm512_setzero_si512();
@@ -202,12 +206,12 @@ IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int
     /* dword m (group m % 8) <- packed dword m % 8 (row A) or 8 + m % 8 (row B) */
     const __m512i la = _mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i lb = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 15, 14, 13, 12, 11, 10, 9, 8);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    q8acc acc0 = q8a_zero(), acc1 = q8a_zero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *ba = W + 66 * b, *bb = W + stride + 66 * b;
         PF2(ba);
         PF2(bb);
-        const float da = KERN_F16(kern_rd16(ba)) * xd[b], db = KERN_F16(kern_rd16(bb)) * xd[b];
+        const double da = (double)KERN_F16(kern_rd16(ba)) * xd[b], db = (double)KERN_F16(kern_rd16(bb)) * xd[b];
         const __m512i qa = _mm512_loadu_si512((const void *)(ba + 2)), qb = _mm512_loadu_si512((const void *)(bb + 2));
         const __m512i idx = _mm512_permutex2var_epi8(qa, ci, qb);
         const __m512i aux = _mm512_permutex2var_epi8(qa, ca, qb);
@@ -217,8 +221,7 @@ IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int
         const __m512i lha = _mm512_permutex2var_epi8(lc, l2a, hc), lhb = _mm512_permutex2var_epi8(lc, l2b, hc);
         unsigned long long neg[8]; /* row r, vector j: qword 4 r + j */
         iq2v_masks(_mm512_permutex2var_epi8(S0, _mm512_multishift_epi64_epi8(s2, aux), S1), neg);
-        const __m512 ls = _mm512_cvtepi32_ps(
-            _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), _mm512_set1_epi32(1)));
+        const __m512i ls = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), _mm512_set1_epi32(1));
         __m512i ia = zero, ib = zero;
         for (int j = 0; j < 4; j++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(xr + 256 * b + 64 * j));
@@ -227,11 +230,11 @@ IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int
             ia = _mm512_dpbusd_epi32(ia, ga, _mm512_mask_sub_epi8(xv, _cvtu64_mask64(neg[j]), zero, xv));
             ib = _mm512_dpbusd_epi32(ib, gb, _mm512_mask_sub_epi8(xv, _cvtu64_mask64(neg[4 + j]), zero, xv));
         }
-        acc0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ia), _mm512_permutexvar_ps(la, ls)), _mm512_set1_ps(da), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ib), _mm512_permutexvar_ps(lb, ls)), _mm512_set1_ps(db), acc1);
+        acc0 = q8a_fma(iq2v_half8(_mm512_mullo_epi32(ia, _mm512_permutexvar_epi32(la, ls))), da, acc0);
+        acc1 = q8a_fma(iq2v_half8(_mm512_mullo_epi32(ib, _mm512_permutexvar_epi32(lb, ls))), db, acc1);
     }
-    out[0] = 0.125f * _mm512_reduce_add_ps(acc0);
-    out[1] = 0.125f * _mm512_reduce_add_ps(acc1);
+    out[0] = (float)(0.125 * q8a_sum(acc0));
+    out[1] = (float)(0.125 * q8a_sum(acc1));
 }
 
 /* activation codes in the row kernels' order: block b's vector j, byte p <- value 32 g + 8 l + c of

@@ -4,7 +4,12 @@
  * scale) and the routed experts' input to Q8_K blocks (256 int8 + a float scale), as ds4's quantized
  * dot products do.  Instead of forming those rounded floats and running a float kernel, these
  * kernels keep the activations as integers: per weight block the dot product of the weight codes
- * with the activation codes is exact in int32, and one float multiply-add applies the two scales.
+ * with the activation codes is exact in int32, and one float64 multiply-add applies the two scales
+ * (their product is exact in float64: 11 + 24 bits).  Every build sums the blocks in float64 and
+ * rounds to float32 once, so each result is the exact sum rounded, whatever the order: the NumPy
+ * reference (float64 over the exact values code * scale) computes the same function, and the two
+ * differ only where the float64 rounding inside the sums lands on the other side of a float32
+ * rounding boundary (~2^-29 of values).
  * The quantizers reproduce engine/model/numerics.py's q8_0_quantize / q8_k_quantize bit for bit (this
  * file is compiled with -ffp-contract=off; rounding is half to even, as np.rint). */
 #include <math.h>
@@ -123,14 +128,14 @@ static void q8_q8_0_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = W + r * stride;
         for (int64_t t = 0; t < T; t++) {
-            float acc = 0.0f;
+            double acc = 0.0;
             for (int64_t b = 0; b < nb; b++) {
                 const int8_t *w = (const int8_t *)(row + 34 * b + 2), *xb = xq + t * n + 32 * b;
                 int32_t s = 0;
                 for (int i = 0; i < 32; i++) s += (int32_t)w[i] * xb[i];
-                acc += (float)s * (kern_f16_soft(kern_rd16(row + 34 * b)) * xd[t * nb + b]);
+                acc += (double)s * ((double)kern_f16_soft(kern_rd16(row + 34 * b)) * (double)xd[t * nb + b]);
             }
-            y[t * ldy + r] = acc;
+            y[t * ldy + r] = (float)acc;
         }
     }
 }
@@ -143,7 +148,7 @@ static void q8_iq2_xxs_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, in
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = W + r * stride;
         for (int64_t t = 0; t < T; t++) {
-            float acc = 0.0f;
+            double acc = 0.0;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = row + 66 * b;
                 const int8_t *xb = xq + t * n + 256 * b;
@@ -161,9 +166,9 @@ static void q8_iq2_xxs_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, in
                     }
                     isum += (int32_t)(2 * (a1 >> 28) + 1) * s;
                 }
-                acc += (float)isum * (kern_f16_soft(kern_rd16(blk)) * xd[t * nb + b]);
+                acc += (double)isum * ((double)kern_f16_soft(kern_rd16(blk)) * (double)xd[t * nb + b]);
             }
-            y[t * ldy + r] = 0.125f * acc;
+            y[t * ldy + r] = (float)(0.125 * acc);
         }
     }
 }
@@ -174,7 +179,7 @@ static void q8_q2_k_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = W + r * stride;
         for (int64_t t = 0; t < T; t++) {
-            float acc = 0.0f;
+            double acc = 0.0;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = row + 84 * b, *qs = blk + 16;
                 const int8_t *xb = xq + t * n + 256 * b;
@@ -186,11 +191,11 @@ static void q8_q2_k_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
                     const int q = (qs[32 * h + l] >> (2 * j)) & 3;
                     isum += (int32_t)(blk[e >> 4] & 15) * q * xb[e];
                 }
-                const float dx = xd[t * nb + b];
-                acc += (float)isum * (kern_f16_soft(kern_rd16(blk + 80)) * dx) -
-                       (float)msum * (kern_f16_soft(kern_rd16(blk + 82)) * dx);
+                const double dx = xd[t * nb + b];
+                acc += (double)isum * ((double)kern_f16_soft(kern_rd16(blk + 80)) * dx);
+                acc -= (double)msum * ((double)kern_f16_soft(kern_rd16(blk + 82)) * dx);
             }
-            y[t * ldy + r] = acc;
+            y[t * ldy + r] = (float)acc;
         }
     }
 }

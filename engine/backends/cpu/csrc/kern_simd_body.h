@@ -42,71 +42,104 @@
 #endif
 
 /* ------------------------------------------------------------------------------------------ */
+/* Float64 accumulation (the reference's: quants.matvec(..., accumulate=np.float64), NumpyOps.attention).
+ * A product of a float32 weight and a float32 activation is exact in double (24 + 24 bits < 53), so
+ * a double sum differs from the exact one by far less than a float32 ulp and its one rounding to
+ * float32 equals the reference's except when the exact sum lies within ~2^-29 ulp of a rounding
+ * boundary: whatever order either side sums in, the float32 results agree. VD8 is 8 doubles: one
+ * __m512d, or a pair of __m256d on AVX2. vd_lo / vd_hi: lanes 0-7 / 8-15 of a V16 as doubles. */
+#if defined(__AVX512F__)
+typedef __m512d VD8;
+KI VD8 vdzero(void) { return _mm512_setzero_pd(); }
+KI VD8 vdset1(double d) { return _mm512_set1_pd(d); }
+KI VD8 vdload(const double *p) { return _mm512_loadu_pd(p); }
+KI VD8 vdloadf(const float *p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+KI void vdstore(double *p, VD8 v) { _mm512_storeu_pd(p, v); }
+KI VD8 vdfma(VD8 a, VD8 b, VD8 c) { return _mm512_fmadd_pd(a, b, c); }
+KI VD8 vdadd(VD8 a, VD8 b) { return _mm512_add_pd(a, b); }
+KI VD8 vdmul(VD8 a, VD8 b) { return _mm512_mul_pd(a, b); }
+KI double vdhsum(VD8 v) {
+    const __m256d h = _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
+    const __m128d q = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)));
+}
+KI VD8 vd_lo(V16 v) { return _mm512_cvtps_pd(_mm512_castps512_ps256(v)); }
+KI VD8 vd_hi(V16 v) { return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))); }
+/* the double panel's register tile: 4 rows x up to 3 tokens x 2 accumulators = 24 zmm */
+#define DPR 4
+#define DPT 3
+#else
+typedef struct {
+    __m256d a, b;
+} VD8;
+KI VD8 vdmk(__m256d a, __m256d b) {
+    VD8 v = {a, b};
+    return v;
+}
+KI VD8 vdzero(void) { return vdmk(_mm256_setzero_pd(), _mm256_setzero_pd()); }
+KI VD8 vdset1(double d) { return vdmk(_mm256_set1_pd(d), _mm256_set1_pd(d)); }
+KI VD8 vdload(const double *p) { return vdmk(_mm256_loadu_pd(p), _mm256_loadu_pd(p + 4)); }
+KI VD8 vdloadf(const float *p) { return vdmk(_mm256_cvtps_pd(_mm_loadu_ps(p)), _mm256_cvtps_pd(_mm_loadu_ps(p + 4))); }
+KI void vdstore(double *p, VD8 v) {
+    _mm256_storeu_pd(p, v.a);
+    _mm256_storeu_pd(p + 4, v.b);
+}
+KI VD8 vdfma(VD8 x, VD8 y, VD8 z) { return vdmk(_mm256_fmadd_pd(x.a, y.a, z.a), _mm256_fmadd_pd(x.b, y.b, z.b)); }
+KI VD8 vdadd(VD8 x, VD8 y) { return vdmk(_mm256_add_pd(x.a, y.a), _mm256_add_pd(x.b, y.b)); }
+KI VD8 vdmul(VD8 x, VD8 y) { return vdmk(_mm256_mul_pd(x.a, y.a), _mm256_mul_pd(x.b, y.b)); }
+KI double vdhsum(VD8 v) {
+    const __m256d h = _mm256_add_pd(v.a, v.b);
+    const __m128d q = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)));
+}
+KI VD8 vd_lo(V16 v) { return vdmk(_mm256_cvtps_pd(_mm256_castps256_ps128(v.a)), _mm256_cvtps_pd(_mm256_extractf128_ps(v.a, 1))); }
+KI VD8 vd_hi(V16 v) { return vdmk(_mm256_cvtps_pd(_mm256_castps256_ps128(v.b)), _mm256_cvtps_pd(_mm256_extractf128_ps(v.b, 1))); }
+/* 2 rows x up to 2 tokens x 2 accumulators x 2 halves = 16 ymm */
+#define DPR 2
+#define DPT 2
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
 /* T = 1 kernels */
 
-static void KSUF(mv1_f32)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,
-                          const float *x, const float *aux, float *y) {
-    (void)aux;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *w = W + r * stride;
-        V16 a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-        int64_t k = 0;
-        for (; k + 64 <= n; k += 64) {
-            PFP2(w + 4 * k);
-            PFP2(w + 4 * k + 128);
-            a0 = vfma(vloadu(w + 4 * k), vloadu(x + k), a0);
-            a1 = vfma(vloadu(w + 4 * k + 64), vloadu(x + k + 16), a1);
-            a2 = vfma(vloadu(w + 4 * k + 128), vloadu(x + k + 32), a2);
-            a3 = vfma(vloadu(w + 4 * k + 192), vloadu(x + k + 48), a3);
-        }
-        for (; k + 16 <= n; k += 16) a0 = vfma(vloadu(w + 4 * k), vloadu(x + k), a0);
-        float s = vhsum(vadd(vadd(a0, a1), vadd(a2, a3)));
-        for (; k < n; k++) s += kern_bits_f32(kern_rd32(w + 4 * k)) * x[k];
-        y[r] = s;
+/* plain formats (F32 / F16 / BF16), float64 sums: 16 values at a time, lanes 0-7 and 8-15 into
+ * their own accumulators (four chains: two 16-value steps per pass) */
+#define KERN_DEF_MV1_PLAIN(fmt, ES, LOAD16, SCALAR, PF)                                              \
+    static void KSUF(mv1_##fmt)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, \
+                                const float *x, const float *aux, float *y) {                        \
+        const double *xd = (const double *)aux; /* x as doubles (run_matmul) */                      \
+        (void)x;                                                                                     \
+        for (int64_t r = r0; r < r1; r++) {                                                          \
+            const uint8_t *w = W + r * stride;                                                       \
+            VD8 a0 = vdzero(), a1 = vdzero(), a2 = vdzero(), a3 = vdzero();                          \
+            int64_t k = 0;                                                                           \
+            for (; k + 32 <= n; k += 32) {                                                           \
+                PF(w + (ES) * k);                                                                    \
+                const V16 w0 = LOAD16(w + (ES) * k), w1 = LOAD16(w + (ES) * (k + 16));               \
+                a0 = vdfma(vd_lo(w0), vdload(xd + k), a0);                                           \
+                a1 = vdfma(vd_hi(w0), vdload(xd + k + 8), a1);                                       \
+                a2 = vdfma(vd_lo(w1), vdload(xd + k + 16), a2);                                      \
+                a3 = vdfma(vd_hi(w1), vdload(xd + k + 24), a3);                                      \
+            }                                                                                        \
+            for (; k + 16 <= n; k += 16) {                                                           \
+                const V16 w0 = LOAD16(w + (ES) * k);                                                 \
+                a0 = vdfma(vd_lo(w0), vdload(xd + k), a0);                                           \
+                a1 = vdfma(vd_hi(w0), vdload(xd + k + 8), a1);                                       \
+            }                                                                                        \
+            double s = vdhsum(vdadd(vdadd(a0, a2), vdadd(a1, a3)));                                  \
+            for (; k < n; k++) s += (double)SCALAR(w + (ES) * k) * xd[k];                            \
+            y[r] = (float)s;                                                                         \
+        }                                                                                            \
     }
-}
 
-static void KSUF(mv1_f16)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,
-                          const float *x, const float *aux, float *y) {
-    (void)aux;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *w = W + r * stride;
-        V16 a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-        int64_t k = 0;
-        for (; k + 64 <= n; k += 64) {
-            PFP2(w + 2 * k);
-            a0 = vfma(v_f16(w + 2 * k), vloadu(x + k), a0);
-            a1 = vfma(v_f16(w + 2 * k + 32), vloadu(x + k + 16), a1);
-            a2 = vfma(v_f16(w + 2 * k + 64), vloadu(x + k + 32), a2);
-            a3 = vfma(v_f16(w + 2 * k + 96), vloadu(x + k + 48), a3);
-        }
-        for (; k + 16 <= n; k += 16) a0 = vfma(v_f16(w + 2 * k), vloadu(x + k), a0);
-        float s = vhsum(vadd(vadd(a0, a1), vadd(a2, a3)));
-        for (; k < n; k++) s += KERN_F16(kern_rd16(w + 2 * k)) * x[k];
-        y[r] = s;
-    }
-}
-
-static void KSUF(mv1_bf16)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,
-                           const float *x, const float *aux, float *y) {
-    (void)aux;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *w = W + r * stride;
-        V16 a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-        int64_t k = 0;
-        for (; k + 64 <= n; k += 64) {
-            PFP2(w + 2 * k);
-            a0 = vfma(v_bf16(w + 2 * k), vloadu(x + k), a0);
-            a1 = vfma(v_bf16(w + 2 * k + 32), vloadu(x + k + 16), a1);
-            a2 = vfma(v_bf16(w + 2 * k + 64), vloadu(x + k + 32), a2);
-            a3 = vfma(v_bf16(w + 2 * k + 96), vloadu(x + k + 48), a3);
-        }
-        for (; k + 16 <= n; k += 16) a0 = vfma(v_bf16(w + 2 * k), vloadu(x + k), a0);
-        float s = vhsum(vadd(vadd(a0, a1), vadd(a2, a3)));
-        for (; k < n; k++) s += kern_bits_f32((uint32_t)kern_rd16(w + 2 * k) << 16) * x[k];
-        y[r] = s;
-    }
-}
+#define KERN_F32_AT(p) kern_bits_f32(kern_rd32(p))
+#define KERN_F16_AT(p) KERN_F16(kern_rd16(p))
+#define KERN_BF16_AT(p) kern_bits_f32((uint32_t)kern_rd16(p) << 16)
+#define KERN_PF_F32(p) PFP2(p)
+#define KERN_PF_HALF(p) PFP1(p)
+KERN_DEF_MV1_PLAIN(f32, 4, vloadu, KERN_F32_AT, KERN_PF_F32)
+KERN_DEF_MV1_PLAIN(f16, 2, v_f16, KERN_F16_AT, KERN_PF_HALF)
+KERN_DEF_MV1_PLAIN(bf16, 2, v_bf16, KERN_BF16_AT, KERN_PF_HALF)
 
 /* y = sum_b d_b * (q_b . x_b) */
 static void KSUF(mv1_q8_0)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,
@@ -494,27 +527,32 @@ static void KSUF(dqs_mxfp4)(const uint8_t *src, float *dst, int64_t n) {
 
 #define AI static inline __attribute__((always_inline))
 
-/* acc[t] += w0 * x_t[k..k+15], then w1 * x_t[k+16..k+31], for the NT tokens: one accumulator per
- * token, k ascending 16 at a time, then vhsum -- the order of the panel's register tiles, so that
- * both paths give every (row, token) the same float32 result (batch invariance) */
+/* acc[t] += w0 * x_t[k..k+15], then w1 * x_t[k+16..k+31], for the NT tokens in float64: per
+ * token two accumulators (lanes 0-7 and 8-15 of every 16 values), k ascending 16 at a time, then
+ * vdhsum of their sum -- the order of the panel's register tiles, so that both paths give every
+ * (row, token) the same float32 result (batch invariance) */
 #define MVT_FMA32(k)                                                                              \
     do {                                                                                          \
+        const VD8 w0l_ = vd_lo(w0), w0h_ = vd_hi(w0), w1l_ = vd_lo(w1), w1h_ = vd_hi(w1);         \
         _Pragma("GCC unroll 4") for (int t_ = 0; t_ < NT; t_++) {                                 \
-            acc[t_] = vfma(w0, vloadu(x + t_ * ldx + (k)), acc[t_]);                              \
-            acc[t_] = vfma(w1, vloadu(x + t_ * ldx + (k) + 16), acc[t_]);                         \
+            const float *xk_ = x + t_ * ldx + (k);                                                \
+            acc[t_][0] = vdfma(w0l_, vdloadf(xk_), acc[t_][0]);                                   \
+            acc[t_][1] = vdfma(w0h_, vdloadf(xk_ + 8), acc[t_][1]);                               \
+            acc[t_][0] = vdfma(w1l_, vdloadf(xk_ + 16), acc[t_][0]);                              \
+            acc[t_][1] = vdfma(w1h_, vdloadf(xk_ + 24), acc[t_][1]);                              \
         }                                                                                         \
     } while (0)
 
 #define MVT_BEGIN                                                                                 \
-    V16 acc[4];                                                                                   \
-    _Pragma("GCC unroll 4") for (int t_ = 0; t_ < NT; t_++) acc[t_] = vzero();
+    VD8 acc[4][2];                                                                                \
+    _Pragma("GCC unroll 4") for (int t_ = 0; t_ < NT; t_++) acc[t_][0] = acc[t_][1] = vdzero();
 
 #define MVT_END                                                                                   \
-    _Pragma("GCC unroll 4") for (int t_ = 0; t_ < NT; t_++) res[t_] = vhsum(acc[t_]);
+    _Pragma("GCC unroll 4") for (int t_ = 0; t_ < NT; t_++) res[t_] = vdhsum(vdadd(acc[t_][0], acc[t_][1]));
 
 /* plain formats: LOAD16(p) decodes 16 values at byte p; ES = bytes per value; SCALAR(p) one value */
 #define KERN_DEF_MVT_PLAIN(fmt, ES, LOAD16, SCALAR)                                               \
-    AI void KSUF(mvt_row_##fmt)(const uint8_t *w, int64_t n, const float *x, int64_t ldx, float *res, const int NT) { \
+    AI void KSUF(mvt_row_##fmt)(const uint8_t *w, int64_t n, const float *x, int64_t ldx, double *res, const int NT) { \
         MVT_BEGIN                                                                                 \
         int64_t k = 0;                                                                            \
         for (; k + 32 <= n; k += 32) {                                                            \
@@ -525,23 +563,24 @@ static void KSUF(dqs_mxfp4)(const uint8_t *src, float *dst, int64_t n) {
         }                                                                                         \
         for (; k + 16 <= n; k += 16) {                                                            \
             const V16 w0 = LOAD16(w + (ES) * k);                                                  \
-            _Pragma("GCC unroll 4") for (int t_ = 0; t_ < NT; t_++) acc[t_] = vfma(w0, vloadu(x + t_ * ldx + k), acc[t_]); \
+            const VD8 wl_ = vd_lo(w0), wh_ = vd_hi(w0);                                           \
+            _Pragma("GCC unroll 4") for (int t_ = 0; t_ < NT; t_++) {                             \
+                acc[t_][0] = vdfma(wl_, vdloadf(x + t_ * ldx + k), acc[t_][0]);                   \
+                acc[t_][1] = vdfma(wh_, vdloadf(x + t_ * ldx + k + 8), acc[t_][1]);               \
+            }                                                                                     \
         }                                                                                         \
         MVT_END                                                                                   \
         for (; k < n; k++) {                                                                      \
-            const float wk = SCALAR(w + (ES) * k);                                                \
+            const double wk = SCALAR(w + (ES) * k);                                               \
             for (int t_ = 0; t_ < NT; t_++) res[t_] += wk * x[t_ * ldx + k];                      \
         }                                                                                         \
     }
 
-#define KERN_F32_AT(p) kern_bits_f32(kern_rd32(p))
-#define KERN_F16_AT(p) KERN_F16(kern_rd16(p))
-#define KERN_BF16_AT(p) kern_bits_f32((uint32_t)kern_rd16(p) << 16)
 KERN_DEF_MVT_PLAIN(f32, 4, vloadu, KERN_F32_AT)
 KERN_DEF_MVT_PLAIN(f16, 2, v_f16, KERN_F16_AT)
 KERN_DEF_MVT_PLAIN(bf16, 2, v_bf16, KERN_BF16_AT)
 
-AI void KSUF(mvt_row_q8_0)(const uint8_t *row, int64_t n, const float *x, int64_t ldx, float *res, const int NT) {
+AI void KSUF(mvt_row_q8_0)(const uint8_t *row, int64_t n, const float *x, int64_t ldx, double *res, const int NT) {
     MVT_BEGIN
     for (int64_t b = 0; b < n / 32; b++) {
         const uint8_t *q = row + 34 * b;
@@ -554,7 +593,7 @@ AI void KSUF(mvt_row_q8_0)(const uint8_t *row, int64_t n, const float *x, int64_
     MVT_END
 }
 
-AI void KSUF(mvt_row_mxfp4)(const uint8_t *row, int64_t n, const float *x, int64_t ldx, float *res, const int NT) {
+AI void KSUF(mvt_row_mxfp4)(const uint8_t *row, int64_t n, const float *x, int64_t ldx, double *res, const int NT) {
     const __m128i kv = _mm_loadu_si128((const __m128i *)kern_mxfp4_kvalues);
     const __m128i m4 = _mm_set1_epi8(15);
     MVT_BEGIN
@@ -570,7 +609,7 @@ AI void KSUF(mvt_row_mxfp4)(const uint8_t *row, int64_t n, const float *x, int64
     MVT_END
 }
 
-AI void KSUF(mvt_row_q4_k)(const uint8_t *row, int64_t n, const float *x, int64_t ldx, float *res, const int NT) {
+AI void KSUF(mvt_row_q4_k)(const uint8_t *row, int64_t n, const float *x, int64_t ldx, double *res, const int NT) {
     float dl[8] __attribute__((aligned(32))), ml[8] __attribute__((aligned(32)));
     MVT_BEGIN
     for (int64_t b = 0; b < n / 256; b++) {
@@ -604,7 +643,7 @@ AI void KSUF(mvt_row_q4_k)(const uint8_t *row, int64_t n, const float *x, int64_
     MVT_END
 }
 
-AI void KSUF(mvt_row_q2_k)(const uint8_t *row, int64_t n, const float *x, int64_t ldx, float *res, const int NT) {
+AI void KSUF(mvt_row_q2_k)(const uint8_t *row, int64_t n, const float *x, int64_t ldx, double *res, const int NT) {
     float dl[16] __attribute__((aligned(64))), ml[16] __attribute__((aligned(64)));
     const __m128i m4 = _mm_set1_epi8(15);
     MVT_BEGIN
@@ -629,7 +668,7 @@ AI void KSUF(mvt_row_q2_k)(const uint8_t *row, int64_t n, const float *x, int64_
     MVT_END
 }
 
-AI void KSUF(mvt_row_iq2_xxs)(const uint8_t *row, int64_t n, const float *x, int64_t ldx, float *res, const int NT) {
+AI void KSUF(mvt_row_iq2_xxs)(const uint8_t *row, int64_t n, const float *x, int64_t ldx, double *res, const int NT) {
     const double *G = (const double *)kern_iq2xxs_gridf;
     uint32_t goff[2][32] __attribute__((aligned(32)));
     uint8_t signs[2][32] __attribute__((aligned(32)));
@@ -664,7 +703,7 @@ AI void KSUF(mvt_row_iq2_xxs)(const uint8_t *row, int64_t n, const float *x, int
         for (int64_t r = r0; r < r1; r++) {                                                       \
             const uint8_t *row = W + r * stride;                                                  \
             for (int64_t t = 0; t < T; t += MVT_NT) {                                             \
-                float res[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                          \
+                double res[4] = {0.0, 0.0, 0.0, 0.0};                                             \
                 const int nt = T - t < MVT_NT ? (int)(T - t) : MVT_NT;                            \
                 const float *xt = x + t * n;                                                      \
                 switch (nt) {                                                                     \
@@ -672,7 +711,7 @@ AI void KSUF(mvt_row_iq2_xxs)(const uint8_t *row, int64_t n, const float *x, int
                 case 2: KSUF(mvt_row_##fmt)(row, n, xt, n, res, 2); break;                        \
                 MVT_CASES34(fmt)                                                                  \
                 }                                                                                 \
-                for (int tt = 0; tt < nt; tt++) y[(t + tt) * ldy + r] = res[tt];                  \
+                for (int tt = 0; tt < nt; tt++) y[(t + tt) * ldy + r] = (float)res[tt];           \
             }                                                                                     \
         }                                                                                         \
     }
@@ -689,56 +728,97 @@ KERN_DEF_MVT(iq2_xxs)
 /* ------------------------------------------------------------------------------------------ */
 /* T >= 2: decoded panel x register tiles */
 
-/* res[i*NT + t] = w_i . x_t over the first n16 values (a multiple of 16) */
-#define KERN_DEF_TILE(NR, NT)                                                                       \
-    static inline __attribute__((always_inline)) void KSUF(tile_##NR##_##NT)(                        \
-        const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t n16, float *res) {         \
-        V16 acc[NR][NT];                                                                            \
+/* res[i*NT + t] = w_i . x_t over the first n16 values (a multiple of 16), in float64: the panel's
+ * rows as doubles (ldw apart), x as floats; per (row, token) two accumulators (lanes 0-7 and 8-15
+ * of every 16 values), k ascending, as MVT_FMA32 (batch invariance) */
+#define KERN_DEF_DTILE(name, NR, NT)                                                                \
+    static inline __attribute__((always_inline)) void KSUF(dtile_##name)(                            \
+        const double *w, int64_t ldw, const float *x, int64_t ldx, int64_t n16, double *res) {       \
+        VD8 acc[NR][NT][2];                                                                         \
         _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++)                                        \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[i][t] = vzero();               \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[i][t][0] = acc[i][t][1] = vdzero(); \
         for (int64_t k = 0; k < n16; k += 16) {                                                     \
-            V16 wv[NR];                                                                             \
-            _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++) wv[i] = vloadu(w + i * ldw + k);   \
+            VD8 xl[NT], xh[NT];                                                                     \
             _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                  \
-                const V16 xv = vloadu(x + t * ldx + k);                                             \
-                _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++) acc[i][t] = vfma(wv[i], xv, acc[i][t]); \
+                xl[t] = vdloadf(x + t * ldx + k);                                                   \
+                xh[t] = vdloadf(x + t * ldx + k + 8);                                               \
+            }                                                                                       \
+            _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++) {                                  \
+                const VD8 wl = vdload(w + i * ldw + k), wh = vdload(w + i * ldw + k + 8);           \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
+                    acc[i][t][0] = vdfma(wl, xl[t], acc[i][t][0]);                                  \
+                    acc[i][t][1] = vdfma(wh, xh[t], acc[i][t][1]);                                  \
+                }                                                                                   \
             }                                                                                       \
         }                                                                                           \
         _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++)                                        \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) res[i * NT + t] = vhsum(acc[i][t]); \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                    \
+                res[i * NT + t] = vdhsum(vdadd(acc[i][t][0], acc[i][t][1]));                        \
     }
 
-KERN_TILES_DEFINE
+KERN_DEF_DTILE(full1, DPR, 1)
+KERN_DEF_DTILE(full2, DPR, 2)
+KERN_DEF_DTILE(one1, 1, 1)
+KERN_DEF_DTILE(one2, 1, 2)
+#if DPT > 2
+KERN_DEF_DTILE(full3, DPR, 3)
+KERN_DEF_DTILE(one3, 1, 3)
+#define KERN_DTILE3(kind, w, ldw, x, ldx, n16, res) case 3: KSUF(dtile_##kind##3)(w, ldw, x, ldx, n16, res); break;
+#else
+#define KERN_DTILE3(kind, w, ldw, x, ldx, n16, res)
+#endif
+#define KERN_DTILE_CALL(kind, nt, w, ldw, x, ldx, n16, res)                                         \
+    switch (nt) {                                                                                   \
+    case 1: KSUF(dtile_##kind##1)(w, ldw, x, ldx, n16, res); break;                                 \
+    KERN_DTILE3(kind, w, ldw, x, ldx, n16, res)                                                     \
+    default: KSUF(dtile_##kind##2)(w, ldw, x, ldx, n16, res); break;                                \
+    }
 
+/* the panel path (kern_panel_fn): rows decoded exactly (float32, dq) and widened to doubles once a
+ * panel, every token's sums in float64; one rounding to float32 at the end of the row (or, for
+ * column blocks, partial sums kept in yacc: mode 1 first block, 2 middle, 3 last) */
 static void KSUF(panel)(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64_t n_in, int64_t r0, int64_t r1,
-                        const float *x, int64_t ldx, int64_t T, float *y, int64_t ldy, float *wbuf, int accumulate) {
+                        const float *x, int64_t ldx, int64_t T, float *y, int64_t ldy, double *wbuf, double *yacc,
+                        int mode) {
     const int64_t ldw = kern_ldw(n_in);
     const int64_t n16 = n_in & ~(int64_t)15;
-    const int64_t pr = kern_panel_rows(PRP, n_in);
+    const int64_t pr = kern_panel_rows_d(DPR, n_in);
+    float *stage = (float *)(wbuf + pr * ldw); /* one decoded row (kern_panel_scratch_d) */
     for (int64_t p0 = r0; p0 < r1; p0 += pr) {
         const int64_t np = p0 + pr < r1 ? pr : r1 - p0;
-        for (int64_t i = 0; i < np; i++) dq(W + (p0 + i) * stride, wbuf + i * ldw, n_in);
-        for (int64_t t = 0; t < T; t += PTT) {
-            const int nt = (int)(T - t < PTT ? T - t : PTT);
+        for (int64_t i = 0; i < np; i++) {
+            dq(W + (p0 + i) * stride, stage, n_in);
+            double *wd = wbuf + i * ldw;
+            for (int64_t k = 0; k < n_in; k++) wd[k] = stage[k];
+        }
+        for (int64_t t = 0; t < T; t += DPT) {
+            const int nt = (int)(T - t < DPT ? T - t : DPT);
             const float *xt = x + t * ldx;
-            for (int64_t i = 0; i < np; i += PRP) {
-                const int nr = (int)(np - i < PRP ? np - i : PRP);
-                const float *wp = wbuf + i * ldw;
-                float res[PRP * PTT];
-                if (nr == PRP) {
-                    KERN_TILE_CALL_FULL(nt, wp, ldw, xt, ldx, n16, res);
+            for (int64_t i = 0; i < np; i += DPR) {
+                const int nr = (int)(np - i < DPR ? np - i : DPR);
+                const double *wp = wbuf + i * ldw;
+                double res[DPR * DPT];
+                if (nr == DPR) {
+                    KERN_DTILE_CALL(full, nt, wp, ldw, xt, ldx, n16, res);
                 } else {
                     for (int ii = 0; ii < nr; ii++)
-                        KERN_TILE_CALL_ONE(nt, wp + ii * ldw, ldw, xt, ldx, n16, res + ii * nt);
+                        KERN_DTILE_CALL(one, nt, wp + ii * ldw, ldw, xt, ldx, n16, res + ii * nt);
                 }
                 for (int ii = 0; ii < nr; ii++) {
                     for (int tt = 0; tt < nt; tt++) {
-                        float s = res[ii * nt + tt];
-                        const float *wr = wp + ii * ldw;
+                        double s = res[ii * nt + tt];
+                        const double *wr = wp + ii * ldw;
                         const float *xr = xt + tt * ldx;
                         for (int64_t k = n16; k < n_in; k++) s += wr[k] * xr[k];
-                        float *yo = y + (t + tt) * ldy + p0 + i + ii;
-                        *yo = accumulate ? *yo + s : s;
+                        const int64_t o = (t + tt) * ldy + p0 + i + ii;
+                        if (mode == 0)
+                            y[o] = (float)s;
+                        else if (mode == 1)
+                            yacc[o] = s;
+                        else if (mode == 2)
+                            yacc[o] += s;
+                        else
+                            y[o] = (float)(yacc[o] + s);
                     }
                 }
             }
@@ -746,95 +826,100 @@ static void KSUF(panel)(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64
     }
 }
 
-/* ---- attention of one query (FastOps.attention's math; float32, the scores and the weighted sum
- * in register tiles of 4 heads x 4 keys / 4 heads x 64 values; expf per score) ---- */
+/* ---- attention of one query (NumpyOps.attention's math: float64 throughout, one rounding of the
+ * output; the scores and the weighted sum in register tiles of 4 heads x 4 keys / 4 heads x 32
+ * values; exp in double per score) ---- */
 static void KSUF(attn_query)(const float *q, int64_t D, int64_t h0, int64_t h1, const float *const *keys, int64_t n,
-                             const float *sinks, float *out, float *sbuf) {
+                             const float *sinks, double scale, float *out, double *sbuf) {
     const int nh = (int)(h1 - h0);
-    const int64_t D16 = D / 16 * 16;
+    const int64_t D8 = D / 8 * 8;
     /* fixed 4 x 4 tiles (register accumulators): missing heads / keys repeat the first one and
-     * their results are dropped */
-    const float *qp[4];
-    for (int h = 0; h < 4; h++) qp[h] = q + (h0 + (h < nh ? h : 0)) * D;
-    /* scores s[h][k] = q_h . key_k */
+     * their results are dropped; the 4 heads' queries widened to doubles once (after the scores) */
+    double *qd = sbuf + 4 * n;
+    for (int h = 0; h < 4; h++) {
+        const float *qh = q + (h0 + (h < nh ? h : 0)) * D;
+        for (int64_t d = 0; d < D; d++) qd[h * D + d] = qh[d];
+    }
+    /* scores s[h][k] = (q_h . key_k) * scale, as the reference's einsum then * scale */
     for (int64_t k0 = 0; k0 < n; k0 += 4) {
         const int nk = n - k0 < 4 ? (int)(n - k0) : 4;
         const float *kp[4];
         for (int j = 0; j < 4; j++) kp[j] = keys[k0 + (j < nk ? j : 0)];
-        V16 acc[4][4];
+        VD8 acc[4][4];
         for (int h = 0; h < 4; h++)
-            for (int j = 0; j < 4; j++) acc[h][j] = vzero();
-        for (int64_t d = 0; d < D16; d += 16) {
-            V16 kv[4];
-            for (int j = 0; j < 4; j++) kv[j] = vloadu(kp[j] + d);
+            for (int j = 0; j < 4; j++) acc[h][j] = vdzero();
+        for (int64_t d = 0; d < D8; d += 8) {
+            VD8 kv[4];
+            for (int j = 0; j < 4; j++) kv[j] = vdloadf(kp[j] + d);
             for (int h = 0; h < 4; h++) {
-                const V16 qv = vloadu(qp[h] + d);
-                for (int j = 0; j < 4; j++) acc[h][j] = vfma(qv, kv[j], acc[h][j]);
+                const VD8 qv = vdload(qd + h * D + d);
+                for (int j = 0; j < 4; j++) acc[h][j] = vdfma(qv, kv[j], acc[h][j]);
             }
         }
         for (int h = 0; h < nh; h++)
             for (int j = 0; j < nk; j++) {
-                float sc = vhsum(acc[h][j]);
-                for (int64_t d = D16; d < D; d++) sc += qp[h][d] * kp[j][d];
-                sbuf[h * n + k0 + j] = sc;
+                double sc = vdhsum(acc[h][j]);
+                for (int64_t d = D8; d < D; d++) sc += qd[h * D + d] * kp[j][d];
+                sbuf[h * n + k0 + j] = sc * scale;
             }
     }
     /* softmax with the sink in the denominator */
-    float den[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+    double den[4] = {1.0, 1.0, 1.0, 1.0};
     for (int h = 0; h < nh; h++) {
-        float *sh = sbuf + h * n;
-        const float sink = sinks[h0 + h];
-        float m = sink;
+        double *sh = sbuf + h * n;
+        const double sink = sinks[h0 + h];
+        double m = sink;
         for (int64_t k = 0; k < n; k++) m = sh[k] > m ? sh[k] : m;
-        float dsum = expf(sink - m);
+        double dsum = exp(sink - m);
         for (int64_t k = 0; k < n; k++) {
-            sh[k] = expf(sh[k] - m);
+            sh[k] = exp(sh[k] - m);
             dsum += sh[k];
         }
         den[h] = dsum;
     }
-    for (int h = nh; h < 4; h++) /* the padding heads' weights: zeros (sbuf holds 4 n floats) */
-        for (int64_t k = 0; k < n; k++) sbuf[h * n + k] = 0.0f;
-    /* out_h = sum_k p[h][k] key_k / den_h: 4 heads x 64 values per pass, then 16 at a time */
+    for (int h = nh; h < 4; h++) /* the padding heads' weights: zeros */
+        for (int64_t k = 0; k < n; k++) sbuf[h * n + k] = 0.0;
+    /* out_h = sum_k p[h][k] key_k / den_h, rounded to float32 once: 4 heads x 32 values per pass,
+     * then 8 at a time */
     int64_t d = 0;
-    for (; d + 64 <= D16; d += 64) {
-        V16 acc[4][4];
+    for (; d + 32 <= D8; d += 32) {
+        VD8 acc[4][4];
         for (int h = 0; h < 4; h++)
-            for (int c = 0; c < 4; c++) acc[h][c] = vzero();
+            for (int c = 0; c < 4; c++) acc[h][c] = vdzero();
         for (int64_t k = 0; k < n; k++) {
-            V16 kv[4];
-            for (int c = 0; c < 4; c++) kv[c] = vloadu(keys[k] + d + 16 * c);
+            VD8 kv[4];
+            for (int c = 0; c < 4; c++) kv[c] = vdloadf(keys[k] + d + 8 * c);
             for (int h = 0; h < 4; h++) {
-                const V16 p = vset1(sbuf[h * n + k]);
-                for (int c = 0; c < 4; c++) acc[h][c] = vfma(p, kv[c], acc[h][c]);
+                const VD8 p = vdset1(sbuf[h * n + k]);
+                for (int c = 0; c < 4; c++) acc[h][c] = vdfma(p, kv[c], acc[h][c]);
             }
         }
         for (int h = 0; h < nh; h++)
             for (int c = 0; c < 4; c++) {
-                float tmp[16];
-                vstoreu(tmp, acc[h][c]);
-                float *o = out + (h0 + h) * D + d + 16 * c;
-                for (int i = 0; i < 16; i++) o[i] = tmp[i] / den[h];
+                double tmp[8];
+                vdstore(tmp, acc[h][c]);
+                float *o = out + (h0 + h) * D + d + 8 * c;
+                for (int i = 0; i < 8; i++) o[i] = (float)(tmp[i] / den[h]);
             }
     }
-    for (; d < D16; d += 16) {
-        V16 acc[4];
-        for (int h = 0; h < 4; h++) acc[h] = vzero();
+    for (; d < D8; d += 8) {
+        VD8 acc[4];
+        for (int h = 0; h < 4; h++) acc[h] = vdzero();
         for (int64_t k = 0; k < n; k++) {
-            const V16 kv = vloadu(keys[k] + d);
-            for (int h = 0; h < 4; h++) acc[h] = vfma(vset1(sbuf[h * n + k]), kv, acc[h]);
+            const VD8 kv = vdloadf(keys[k] + d);
+            for (int h = 0; h < 4; h++) acc[h] = vdfma(vdset1(sbuf[h * n + k]), kv, acc[h]);
         }
         for (int h = 0; h < nh; h++) {
-            float tmp[16];
-            vstoreu(tmp, acc[h]);
-            for (int i = 0; i < 16; i++) out[(h0 + h) * D + d + i] = tmp[i] / den[h];
+            double tmp[8];
+            vdstore(tmp, acc[h]);
+            for (int i = 0; i < 8; i++) out[(h0 + h) * D + d + i] = (float)(tmp[i] / den[h]);
         }
     }
     for (int h = 0; h < nh; h++)
-        for (int64_t dd = D16; dd < D; dd++) {
-            float a = 0.0f;
+        for (int64_t dd = D8; dd < D; dd++) {
+            double a = 0.0;
             for (int64_t k = 0; k < n; k++) a += sbuf[h * n + k] * keys[k][dd];
-            out[(h0 + h) * D + dd] = a / den[h];
+            out[(h0 + h) * D + dd] = (float)(a / den[h]);
         }
 }
 
@@ -862,5 +947,5 @@ static void KSUF(fill_simd)(kern_isa *k) {
     k->mvt[KT_MXFP4] = KSUF(mvt_mxfp4);
     for (int t = 0; t < KT_MAX; t++) k->mvt_max[t] = MVT_T_MAX;
     k->panel = KSUF(panel);
-    k->panel_rows = PRP;
+    k->panel_rows = DPR;
 }

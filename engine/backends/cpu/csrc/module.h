@@ -91,8 +91,8 @@ typedef struct {
     int per_query;
 } attn_seg;
 
-int ops_attention(const kern_isa *K, const float *q, const float *sinks, int64_t T, int64_t H, int64_t D,
-                  const attn_seg *segs, int64_t nseg, int64_t nmax, float *out, int threads);
+int ops_attention(const kern_isa *K, const float *q, const float *sinks, double scale, int64_t T, int64_t H,
+                  int64_t D, const attn_seg *segs, int64_t nseg, int64_t nmax, float *out, int threads);
 uint64_t ops_read_sum(const uint64_t *p, int64_t n);
 
 #endif

@@ -285,19 +285,19 @@ void ops_store_kv(const float *x, int64_t R, int64_t D, int64_t n_nope, float *o
     }
 }
 
-/* attention(q, sinks, out, segments[, threads]): FastOps.attention in C. q and out [T * H, D]
- * (pre-scaled queries), sinks [1, H]; segments: (keys [K or T * K, D], mask uint8 [T, K],
+/* attention(q, sinks, out, segments, scale[, threads]): NumpyOps.attention in C (float64 inside).
+ * q and out [T * H, D] (queries not scaled), sinks [1, H]; segments: (keys [K or T * K, D], mask uint8 [T, K],
  * per_query) triples. Units of (query, 4 heads) are split over the threads; a unit's arithmetic
  * does not depend on T or the split. */
-int ops_attention(const kern_isa *K, const float *q, const float *sinks, int64_t T, int64_t H, int64_t D,
-                  const attn_seg *segs, int64_t nseg, int64_t nmax, float *out, int threads) {
+int ops_attention(const kern_isa *K, const float *q, const float *sinks, double scale, int64_t T, int64_t H,
+                  int64_t D, const attn_seg *segs, int64_t nseg, int64_t nmax, float *out, int threads) {
     const int64_t nhb = (H + 3) / 4, units = T * nhb;
     int failed = 0;
     const int nt = thread_count(units, units * 4 * (nmax + 1) * D, 64 * 1024, threads);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const float **ptrs = (const float **)malloc((size_t)(nmax + 1) * sizeof(float *));
-        float *sbuf = (float *)malloc((size_t)(4 * nmax + 4) * sizeof(float));
+        double *sbuf = (double *)malloc((size_t)(4 * (nmax + D) + 4) * sizeof(double));
         if (!ptrs || !sbuf) {
 #pragma omp atomic write
             failed = 1;
@@ -315,7 +315,7 @@ int ops_attention(const kern_isa *K, const float *q, const float *sinks, int64_t
                     if (mrow[k]) ptrs[n++] = keys + k * D;
             }
             const int64_t h0 = 4 * hb, h1 = h0 + 4 < H ? h0 + 4 : H;
-            K->attn(q + t * H * D, D, h0, h1, ptrs, n, sinks, out + t * H * D, sbuf);
+            K->attn(q + t * H * D, D, h0, h1, ptrs, n, sinks, scale, out + t * H * D, sbuf);
         }
         free(ptrs);
         free(sbuf);

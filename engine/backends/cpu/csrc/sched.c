@@ -77,8 +77,13 @@ static void split_rows(int64_t n_rows, int64_t unit, int tid, int nth, int64_t *
     *b = u1 * unit < n_rows ? u1 * unit : n_rows;
 }
 
+/* the T = 1 kernels that sum in float64 (the plain formats); the quant formats' factored ones apply
+ * block scales to float32 partial sums */
+static int mv1_is_f64(int type) { return type == KT_F32 || type == KT_F16 || type == KT_BF16; }
+
 /* path: 0 = by T (mv1 for T = 1, mvt for T <= mvt_max, else panel), 1 = in registers (mv1 / mvt),
- * 2 = panel */
+ * 2 = panel, 3 = as 0 but every result the float64 sum rounded once (T = 1 of a quant format takes
+ * mvt instead of its float32 mv1) */
 int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, int64_t n_rows,
                int64_t n_in, const float *x, int64_t T, float *y, int max_threads, int path) {
     if (n_in == 0) {
@@ -87,10 +92,17 @@ int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, 
     }
     const int64_t rb = n_in / kern_block_elems(type) * kern_block_bytes(type);
     int failed = 0;
-    if (T == 1 && K->mv1[type] && path != 2 && !g_invariant) {
+    const int mv1_ok = K->mv1[type] && path != 2 && !g_invariant && (path != 3 || mv1_is_f64(type));
+    if (T == 1 && mv1_ok) {
         const int64_t na = kern_aux_len(type, n_in);
         float *aux = NULL;
-        if (na) {
+        if (mv1_is_f64(type)) {
+            /* the plain formats' float64 kernels read x widened to doubles once (as aux) */
+            double *xd = (double *)malloc((size_t)n_in * sizeof(double) + 8);
+            if (!xd) return -1;
+            for (int64_t i = 0; i < n_in; i++) xd[i] = x[i];
+            aux = (float *)xd;
+        } else if (na) {
             aux = (float *)malloc((size_t)na * sizeof(float));
             if (!aux) return -1;
             kern_aux_fill(type, x, n_in, aux);
@@ -109,7 +121,7 @@ int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, 
         free(aux);
         return 0;
     }
-    if ((T > 1 || g_invariant) && K->mvt[type] && (path == 1 || (path == 0 && T <= K->mvt_max[type]))) {
+    if ((T > 1 || !mv1_ok) && K->mvt[type] && (path == 1 || ((path == 0 || path == 3) && T <= K->mvt_max[type]))) {
         const kern_mvt_fn f = K->mvt[type];
         const int nt = thread_count((n_rows + 15) / 16, n_rows * rb * T, 64 * 1024, max_threads);
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -122,34 +134,41 @@ int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, 
     }
     /* Column blocks: a panel of rows sweeps all of x (T x n_in floats), and the panel holds
      * 256 KiB / n_in rows, so a wide x (8192 values x 512 tokens = 16 MiB) was re-read from memory
-     * for every 8 rows. Blocks of KERN_KC values keep 64-row panels and a block of x that caches
-     * well; the partial sums are added into y (a different summation order: not in batch-invariant
-     * mode, where a token's sums must not depend on T). */
+     * for every 8 rows. Blocks of KERN_KC values keep larger panels and a block of x that caches
+     * well; the float64 partial sums wait in yacc and are rounded once after the last block (not
+     * in batch-invariant mode, where a token's sums must be in the order of the other paths). */
     const int64_t be = kern_block_elems(type);
     int64_t kc = n_in;
     if (!g_invariant && n_in >= 2 * KERN_KC && T * n_in * (int64_t)sizeof(float) > (1 << 20) && KERN_KC % be == 0)
         kc = KERN_KC;
+    double *yacc = NULL;
+    if (kc < n_in) {
+        yacc = (double *)malloc((size_t)(T * n_rows) * sizeof(double));
+        if (!yacc) return -1;
+    }
     const int unit = K->panel_rows;
-    const size_t need = (size_t)(kern_panel_rows(unit, kc) * kern_ldw(kc));
+    const size_t need = 2 * (size_t)kern_panel_scratch_d(unit, kc); /* floats */
     const int nt = thread_count((n_rows + unit - 1) / unit, n_rows * n_in * T, 1 << 20, max_threads);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         int64_t a, b;
         split_rows(n_rows, unit, OMP_TID(), OMP_NTH(), &a, &b);
         if (a < b) {
-            float *wbuf = scratch(need);
+            double *wbuf = (double *)scratch(need);
             if (!wbuf) {
 #pragma omp atomic write
                 failed = 1;
             } else {
                 for (int64_t k0 = 0; k0 < n_in; k0 += kc) {
                     const int64_t len = n_in - k0 < kc ? n_in - k0 : kc;
+                    const int mode = kc == n_in ? 0 : k0 == 0 ? 1 : k0 + len < n_in ? 2 : 3;
                     K->panel(K->dq[type], W + k0 / be * kern_block_bytes(type), stride, len, a, b, x + k0, n_in, T,
-                             y, n_rows, wbuf, k0 > 0);
+                             y, n_rows, wbuf, yacc, mode);
                 }
             }
         }
     }
+    free(yacc);
     return failed ? -1 : 0;
 }
 
