@@ -155,8 +155,8 @@ def _serve(a, model: str, ctx: int, options, cfg: ServeConfig, socks) -> int:
         print(f"error: serving on {url} failed: {e}", file=sys.stderr)
         rc = 1
     if server.signals:
-        print("ds4-agent: stopping: saving the live session", file=sys.stderr, flush=True)
-    with quiet_signals("ds4-agent: still saving the live session; stopping when done"):
+        print("ds4-agent: stopping: saving the live sessions", file=sys.stderr, flush=True)
+    with quiet_signals("ds4-agent: still saving the live sessions; stopping when done"):
         shim.stop()
     engine.close()          # a device backend's weights go now, not in the interpreter's teardown
     return rc
