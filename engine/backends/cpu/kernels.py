@@ -26,8 +26,8 @@ Paths (``method``):
   float64 form is 1.6-3.4x slower from cache there (docs/cpu-kernels.md, "Float kernels").
   With set_batch_invariant(True) a token's result does not depend on T, path or threads.
 * "f64": "fused", but T = 1 of a quant format takes the float64 in-register path: every result
-  is the reference's (CpuOps uses it in ds4 numerics, where issue 22 asks for the reference's
-  decisions).
+  is the exact sum of the float32 products rounded once (tests; CpuOps does not use it: a quant
+  format without an integer kernel meets rounded activations in ds4 numerics anyway).
 * "blas": the C dequantizer decodes a chunk of rows (one call, one thread: OpenMP and OpenBLAS
   threads fighting over the same cores is much slower), then np.matmul multiplies it in float64
   (the reference's arithmetic: the same float32 results as the fused paths).

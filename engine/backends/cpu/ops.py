@@ -33,10 +33,12 @@ class CpuOps(FastOps, NumpyOps):
             return Q.matvec(w.type_id, data, np.asarray(x, np.float32).T, accumulate=np.float64).T
         x = np.ascontiguousarray(x, dtype=np.float32)
         squeeze = x.ndim == 1
-        # every path sums in float64 and rounds once, as the reference; ds4 numerics also keeps a
-        # quant format's T = 1 product off its faster float32 kernel ("f64": issue 22 asks for the
-        # reference's decisions, and a one-ulp difference before a Q8 quantizer turns some)
-        y = K.matmul(w.type_id, data, x[None] if squeeze else x, method="f64" if self._ds4 else "auto")
+        # F32 / F16 / BF16 sum in float64 and round once on every path, as the reference. A quant
+        # format reaches here in ds4 numerics only without an integer kernel (Q4_K, MXFP4 experts),
+        # over activations rounded to float32, which the reference no longer uses (it takes them
+        # exact): its T = 1 kernel stays the factored float32 one ("f64" would cost 2.9-3.4x from
+        # cache there and still not give the reference's function)
+        y = K.matmul(w.type_id, data, x[None] if squeeze else x)
         return y[0] if squeeze else y
 
     def _int_path(self, type_id: int, T: int) -> bool:
