@@ -81,7 +81,8 @@ def system_prefix(agent_model, project, home):
 @pytest.fixture(scope="module")
 def saved(mlx_engine, project, home, system_prefix):
     """A conversation on mlx: one sampled turn through the real loop, one forced, then `/save`.
-    Returns the saved tokens and the session's snapshot (the host KV and logits) at the save."""
+    Returns the saved tokens, the session's snapshot (the host KV and logits) at the save and the
+    saved session's id (the name "on-mlx" moves on to a continuation; the id stays on this save)."""
     agent = _agent(mlx_engine, project, home)
     assert agent.engine.backend == "mlx"
     # the host backend's sysprompt.kv, taken over by mlx and handed back: the same bytes
@@ -92,13 +93,13 @@ def saved(mlx_engine, project, home, system_prefix):
     assert agent.submit("what does greet do?").finish_reason == "stop"
     assert [m.role for m in agent.transcript] == ["system", "user", "assistant", "user", "assistant"]
     assert "on-mlx" in agent.command("/save on-mlx")
-    tokens, snap = agent.session.tokens, agent.session.snapshot()
+    tokens, snap, sid = agent.session.tokens, agent.session.snapshot(), agent.current_sha
     assert agent.command("/quit") == "quit"
-    return tokens, snap
+    return tokens, snap, sid
 
 
 def test_a_session_saved_on_mlx_resumes_on_mlx(saved, mlx_engine, project, home):
-    tokens, snap = saved
+    tokens, snap, _ = saved
     other = _agent(mlx_engine, project, home)
     assert other.session.stats["prefill_tokens"] == 0          # the system prefix came from sysprompt.kv
     assert other.command("/resume").startswith("switched to session")
@@ -115,11 +116,12 @@ def test_a_session_saved_on_mlx_resumes_on_a_host_backend(peer, saved, agent_mod
     next token's logits from it agree with the peer's own prefill of the same tokens."""
     if peer not in R.available_names():
         pytest.skip(f"{peer} cannot serve here: {R.get(peer).available()}")
-    tokens, snap = saved
+    tokens, snap, sid = saved
     with Engine.open(agent_model, backend=peer) as eng:
         agent = _agent(eng, project, home)
         assert agent.session.stats["prefill_tokens"] == 0      # mlx's sysprompt.kv, read on the peer
-        assert agent.command("/switch on-mlx").startswith("switched to session")
+        # by id: the previous test continued "on-mlx", and a name follows its conversation
+        assert agent.command(f"/switch {sid}").startswith("switched to session")
         assert agent.session.tokens == tokens and agent.session.snapshot() == snap
         nxt = agent.tok.encode(" ok")[0]
         from_mlx = agent.session.eval(nxt).astype(np.float64)

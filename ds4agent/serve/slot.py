@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import prompts
 from engine import ContextFull, Rng, SamplingParams, Session
@@ -25,8 +25,7 @@ from sessions.prefix_cache import token_text
 from . import events as E
 from ..generation import GenerationResult, generate
 
-if TYPE_CHECKING:
-    from .worker import Job, Worker
+from .job import Job
 
 log = logging.getLogger("ds4agent.serve")
 
@@ -59,7 +58,7 @@ class Binding:
 
 
 class Slot:
-    def __init__(self, worker: "Worker", index: int):
+    def __init__(self, worker, index: int):      # worker: the serve.worker.Worker that owns the slot
         self.w = worker
         self.index = index
         self.engine = worker.engine

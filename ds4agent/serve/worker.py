@@ -19,16 +19,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable
-
-from engine import Engine, SamplingParams
-from prompts import Rendered, ToolMemory
+from engine import Engine
+from prompts import ToolMemory
 from sessions.prefix_cache import PrefixCache
 
 from . import events as E
 from .config import ServeConfig
+from .job import Job, QueueFull
 from .slot import Slot
+
+__all__ = ["Job", "QueueFull", "Worker"]    # (Job and QueueFull live in job.py; callers import them here too)
 
 log = logging.getLogger("ds4agent.serve")
 
@@ -48,42 +48,6 @@ BRANCH_PROMPT = 0.3
 # tokens than the best idle one: about what a prefill of that length costs against an unknown
 # wait (at the cpu backend's real-width prefill, 1024 tokens are seconds to tens of seconds).
 WAIT_TOKENS = 1024
-
-
-class QueueFull(Exception):
-    """The request would wait behind `waiting` others, the most --max-queue allows (the app
-    answers 503 with Retry-After: `retry_after` seconds, about one request's run time)."""
-
-    def __init__(self, waiting: int, retry_after: int):
-        super().__init__(f"server busy: {waiting} requests already queued (--max-queue {waiting}); "
-                         f"retry in {retry_after} s")
-        self.waiting = waiting
-        self.retry_after = retry_after
-
-
-@dataclass
-class Job:
-    """One request, parsed and rendered on the client's side; the worker does the rest."""
-    api: str
-    rendered: Rendered
-    tokens: list[int]                 # the canonical tokenization of rendered.text
-    sampling: SamplingParams
-    max_tokens: int
-    stop: list[str]
-    emit: Callable[[E.Event], None]
-    seed: int = 0
-    cancel: threading.Event = field(default_factory=threading.Event)
-    forced: str | None = None         # test hook: this text instead of sampling
-    server_capped: bool = False       # max_tokens is the server's --max-tokens, below the client's ask
-    trace: dict = field(default_factory=dict)
-
-    @property
-    def text(self) -> str:
-        return self.rendered.text
-
-    @property
-    def prompt_bytes(self) -> bytes:
-        return self.rendered.encode()
 
 
 class Worker:
