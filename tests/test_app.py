@@ -259,7 +259,10 @@ async def test_bash_refused(env, project):
             await send(pilot, "clean up")
             await until(pilot, lambda: app.approval is not None, "the approval prompt")
             assert "rm hello.py" in str(app.approval.content)
-            await press(pilot, "y")        # typed in the instant the prompt appeared: ignored
+            # typed in the instant the prompt appeared: ignored. (The clock restarts here: on a
+            # loaded machine the poll above can see the prompt after the guard has already passed.)
+            app.approval.shown_at = time.monotonic()
+            await press(pilot, "y")
             assert app.approval is not None
             await pilot.pause(ApprovalBar.GUARD_S + 0.05)
             await press(pilot, "n")
