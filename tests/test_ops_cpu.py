@@ -130,7 +130,7 @@ def test_resident_copy_of_a_file_cut_short_after_open(small_model, tmp_path):
 def test_auto_paging_by_size_and_backend(small_model, monkeypatch):
     from engine.runtime import session as S
     monkeypatch.delenv("DS4_PAGING", raising=False)
-    monkeypatch.setattr(S, "_mem_available", lambda: 1 << 40)
+    monkeypatch.setattr(S, "mem_available", lambda: 1 << 40)
     with Engine.open(small_model, backend="numpy") as e:
         assert e.paging in ("prefault", "willneed")          # the reference: the map
     if kernels.available():
@@ -140,7 +140,7 @@ def test_auto_paging_by_size_and_backend(small_model, monkeypatch):
         monkeypatch.setattr(S, "_thp_available", lambda: False)    # no huge pages: the map
         with Engine.open(small_model, backend="cpu") as e:
             assert e.paging in ("prefault", "willneed") and not e.file.gguf.resident
-    monkeypatch.setattr(S, "_mem_available", lambda: 1024)
+    monkeypatch.setattr(S, "mem_available", lambda: 1024)
     with Engine.open(small_model, backend="numpy") as e:
         assert e.paging == "lowmem" and not e.file.gguf.resident
     with pytest.raises(ValueError, match="resident.*available"):    # asked for, without the memory

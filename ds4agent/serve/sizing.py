@@ -8,6 +8,7 @@ exactly what a Session at this context would allocate.
 from __future__ import annotations
 
 from engine import Engine
+from engine.runtime.session import mem_available
 
 from .config import MAX_SLOTS
 
@@ -43,17 +44,6 @@ def slot_kv_bytes(engine: Engine, ctx: int) -> int:
     """The KV bytes one Session of `engine` allocates at context `ctx`."""
     from engine.model.kv_state import KVState
     return KVState(engine.config, ctx, min(ctx, _REWIND), xp=_ShapesOnly).nbytes()
-
-
-def mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def default_slots(engine: Engine, ctx: int, avail: int | None = None) -> int:

@@ -83,7 +83,7 @@ class Engine:
         entry.setup(threads)
         m = ModelFile.open(path)
         try:
-            avail = _mem_available()
+            avail = mem_available()
             paging = _paging_mode(m, paging, backend, avail)
             eng = cls(m, backend, numerics, threads, ops)
             if paging == "resident":
@@ -159,7 +159,8 @@ def _options(options: EngineOptions | None, **fields) -> EngineOptions:
     return options
 
 
-def _mem_available() -> int | None:
+def mem_available() -> int | None:
+    """MemAvailable in bytes (Linux), or None where /proc/meminfo cannot say."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
