@@ -14,6 +14,7 @@ tests drive the same code.
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -105,6 +106,7 @@ class Agent:
         self._forced: list[list[int]] = []
         self.transcript: list[Message] = []
         self.session_name = "new"
+        self.branch = new_branch_id()         # this timeline's branch (checkpoints belong to it; /fork makes a new one)
         self.current_sha: str | None = None   # the saved session this timeline is (None: unsaved)
         self._continues: str | None = None    # after a compaction: the save it continues
         self.exit_save = None                 # what leaving saved (for farewell)
@@ -150,6 +152,7 @@ class Agent:
         self.pending_eos = False
         self.modified = False
         self.session_name = "new"
+        self.branch = new_branch_id()
         self.current_sha = self._continues = None
         self.gen_tps = self.prefill_tps = 0.0      # the status bar's speeds are of this timeline's turns
         text = self.system_prefix()
@@ -541,6 +544,12 @@ class Agent:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+def new_branch_id() -> str:
+    """A timeline's branch id: 12 hex digits, fixed for the branch's life (session ids change on
+    every save; a branch's checkpoints and lineage need a name that does not)."""
+    return secrets.token_hex(6)
+
+
 def approval_summary(name: str, args: dict) -> str:
     if name == "bash":
         return f"run: {args.get('command', '')}"
