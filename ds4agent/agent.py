@@ -31,8 +31,11 @@ from prompts.render import assistant_prefix, render_messages, render_tool_result
 from sessions import SessionStore, SessionStoreError
 
 from . import events as E
+from .checkpoints import Checkpoints
 from .environment import system_text
+from .mcp_client import command as mcp_command
 from .session_views import list_text, resume_hint
+from .timelines import Timelines
 from .generation import GREEDY, generate
 
 EOS_TEXT = prompts.EOS
@@ -55,6 +58,7 @@ HELP = """commands:
   /save [name]       save the session now (it is also saved after every turn and on exit)
   /list [all]        saved sessions of this project (all: every project); * marks this one
   /switch ID|NAME    continue a saved session (no prefill); its name follows the new turns
+  /fork [NAME]       go on as a new branch of this session (no prefill); /switch moves between them
   /resume            continue the last session of this directory
   /delete ID|NAME    delete a saved session
   /new               start a fresh session
@@ -62,6 +66,10 @@ HELP = """commands:
   /think on|off|max  thinking mode for the next turns
   /ctx               context use
   /compact           summarize the conversation and keep the recent tail
+  /undo [N]          files and conversation back before the last turn's changes (N: steps)
+  /redo              take back the last /undo (until something new happens)
+  /checkpoints       the checkpoints taken before each file-changing tool call
+  /mcp [trust NAME]  MCP servers and their tools; trust: start a project's .mcp.json server
   /help              this text
   /quit              save and leave (stops a running turn first)
 /new, /switch, /resume and /think typed while the model works stop the turn, then act."""
@@ -82,12 +90,14 @@ class AgentConfig:
     chunk: int = 2048              # prefill chunk (progress and Esc act between chunks)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     allow_outside: bool = False
+    live_timelines: int = 2        # timelines kept in memory, the live one included (/switch without a disk read)
+    checkpoints: bool = True       # a git checkpoint before each write/edit/bash/git_commit (/undo)
 
 
 class Agent:
     def __init__(self, engine: Engine, project_dir, *, config: AgentConfig | None = None,
                  store: SessionStore | None = None, emit: Callable[[object], None] | None = None,
-                 model_name: str = "", system: str | None = None):
+                 model_name: str = "", system: str | None = None, mcp=None):
         self.engine = engine
         self.tok = engine.tokenizer
         self.cfg = config or AgentConfig()
@@ -108,6 +118,7 @@ class Agent:
         self.session_name = "new"
         self.branch = new_branch_id()         # this timeline's branch (checkpoints belong to it; /fork makes a new one)
         self.current_sha: str | None = None   # the saved session this timeline is (None: unsaved)
+        self.timelines = Timelines(self)      # the branches left most recently, live (ds4agent/timelines.py)
         self._continues: str | None = None    # after a compaction: the save it continues
         self.exit_save = None                 # what leaving saved (for farewell)
         self.pending_eos = False   # the last assistant turn ended; its EOS goes in with the next append
@@ -117,6 +128,8 @@ class Agent:
         self.prefill_tps = 0.0     # ... and its latest prefill
         self._last_gen_tokens = 0
         self._system = system      # fixed system text (tests); None: gathered from the project
+        self.checkpoints = Checkpoints(self)   # /undo, /redo, /checkpoints (ds4agent/checkpoints.py)
+        self.mcp = mcp             # MCP servers' tools (ds4agent/mcp_client.McpManager), or None
 
     # -- thread-safe controls (called from the UI thread) ---------------------------------------
     def interrupt(self):
@@ -143,7 +156,10 @@ class Agent:
         return prompts.think_mode_for_context(self.cfg.think_mode, self.cfg.ctx)
 
     def system_prefix(self) -> str:
-        return render_messages(self.transcript[:1], tools.schemas(), self.think_mode)
+        return render_messages(self.transcript[:1], self.tool_schemas(), self.think_mode)
+
+    def tool_schemas(self) -> list[str]:
+        return tools.schemas() + (self.mcp.schemas() if self.mcp is not None else [])
 
     def start(self):
         """A fresh timeline: the system prefix, from its cache file when the text matches."""
@@ -217,6 +233,7 @@ class Agent:
         self._interrupt.clear()
         self.gen_tps = self.prefill_tps = 0.0    # the status bar speaks of this turn from here on
         self.maybe_compact("soft limit before user turn")
+        text = self.checkpoints.turn_started(text)   # where the turn starts (/undo comes back here)
         try:
             self._append(prompts.USER + text + assistant_prefix(self.think_mode), what="message")
         except Interrupted:
@@ -326,21 +343,26 @@ class Agent:
         tool = tools.REGISTRY.get(name)
         self.emit(E.ToolStarted(index, name, args))
         approved = True
-        if tool is not None and tool.needs_approval and not self.cfg.yolo and name not in self.always_allowed:
+        mcp = self.mcp if self.mcp is not None and self.mcp.owns(name) else None   # an MCP server's tool
+        asks = mcp.needs_approval(name) if mcp is not None else tool is not None and tool.needs_approval
+        if asks and not self.cfg.yolo and name not in self.always_allowed:
             approved = self._ask(name, args)
         if not approved:
             res = tools.ToolResult.error(f"the user did not approve this {name} call")
         else:
             self._status("tool")
-            res = tools.call(name, args, self.tool_ctx)
+            self.checkpoints.before_tool(name)     # a checkpoint first, when the tool can change files
+            res = (mcp.call(name, args, emit=self.emit, should_stop=self._interrupt.is_set) if mcp is not None
+                   else tools.call(name, args, self.tool_ctx))
+            self.checkpoints.after_tool(name)
         self.emit(E.ToolFinished(index, name, args, res.ok, res.text, res.diff, res.exit_status, approved))
         return Message("tool", res.text, name=name)
 
-    def _ask(self, name: str, args: dict) -> bool:
+    def _ask(self, name: str, args: dict, summary: str | None = None) -> bool:
         if self._interrupt.is_set():
             return False
         self._approval.clear()
-        self.emit(E.ApprovalNeeded(name, args, approval_summary(name, args)))
+        self.emit(E.ApprovalNeeded(name, args, summary or approval_summary(name, args)))
         self._approval.wait()
         ans = self._approval_answer if not self._interrupt.is_set() else "n"
         if ans == "always":
@@ -386,7 +408,7 @@ class Agent:
             tail = recent_tail(old_transcript[1:], keep_chars=self.cfg.ctx // 10 * 3)
             system = Message("system", old_transcript[0].content + "\n\n" + SUMMARY_HEAD + summary + "\n" + SUMMARY_TAIL)
             self.transcript = [system] + tail
-            text = render_messages(self.transcript, tools.schemas(), self.think_mode)
+            text = render_messages(self.transcript, self.tool_schemas(), self.think_mode)
             if text.endswith(assistant_prefix(self.think_mode)):
                 text = text[: -len(assistant_prefix(self.think_mode))]
             self.pending_eos = False        # the rendered text already closes every assistant turn
@@ -411,12 +433,13 @@ class Agent:
             return None
         try:
             info = self.store.save(self.session, think_mode=self.cfg.think_mode, name=name,
-                                   continues=self._continues)
+                                   continues=self._continues, branch=self.branch)
         except (OSError, SessionStoreError, ValueError) as e:
             self.emit(E.Notice(f"save failed: {e}", "error"))
             return None
         self.current_sha, self._continues = info.sha, None
         self.session_name = info.name or info.sha[:8]
+        self.branch = info.branch or self.branch     # the same text saved by another timeline: its branch
         self.modified = False
         if not quiet:
             self.emit(E.Notice(f"saved session {info.sha[:8]} ({info.tokens} tokens)"))
@@ -438,13 +461,17 @@ class Agent:
     def switch(self, ref: str):
         if self.store is None:
             raise SessionStoreError("no session store")
-        info = self.store.load(ref, self.session)   # restores tokens, KV and logits: no prefill
+        return self.timelines.switch(ref)   # a live branch from memory, else from disk: no prefill either way
+
+    def took_over(self, info):
+        """The live timeline is `info`, just loaded into self.session: its transcript and fields."""
         text = self.tok.decode(self.session.tokens)
         self.transcript = transcript_from_text(text)
         self.pending_eos = not text.endswith(EOS_TEXT) and "<｜Assistant｜>" in text and not _ends_open(text)
         self.cfg.think_mode = info.think_mode or self.cfg.think_mode
         self.session_name = info.name or info.sha[:8]
         self.current_sha, self._continues = info.sha, None
+        self.branch = info.branch if info.branch and info.tip else new_branch_id()   # an older save: a new branch
         self.modified = False
         self._status()
         return info
@@ -470,9 +497,11 @@ class Agent:
         if cmd == "/list":
             if self.store is None:
                 return "no session store"
-            return list_text(self.store, "all" if arg == "all" else "project", self.current_sha)
+            return list_text(self.store, "all" if arg == "all" else "project", self.current_sha, branch=self.branch)
         if cmd == "/delete":
             return self._delete(arg)
+        if cmd == "/fork":
+            return self.timelines.fork(arg, new_branch_id())
         if cmd == "/switch":
             if not arg:
                 return "usage: /switch ID|NAME"
@@ -515,6 +544,10 @@ class Agent:
             return f"context: {used} / {ctx} tokens ({100 * used / ctx:.1f} %), KV state {self.session.kv_bytes() / 2**20:.0f} MiB"
         if cmd == "/compact":
             return "compacted" if self.compact("requested by /compact") else "not compacted"
+        if cmd in ("/undo", "/redo", "/checkpoints"):
+            return self.checkpoints.command(cmd, arg)
+        if cmd == "/mcp":
+            return mcp_command(self.mcp, arg)
         return f"unknown command {cmd} (/help lists them)"
 
     def _delete(self, ref: str) -> str:
@@ -527,7 +560,7 @@ class Agent:
         except SessionStoreError as e:
             return f"delete failed: {e}"
         out = f"deleted session {info.id} ({info.label})"
-        if info.sha == self.current_sha:
+        if info.sha == self.current_sha and not info.fork_pending:   # (a fork's own deletion leaves the file)
             # the live timeline goes on; it is saved again (as a new session) only if continued
             self.current_sha = None
             self.store.forget(self.session)

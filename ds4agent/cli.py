@@ -253,16 +253,21 @@ def _main(a) -> int:
     sampling = SamplingParams(temperature=a.temp if a.temp is not None else float(cfg.get("temperature", 1.0)),
                               seed=a.seed)
     conf = AgentConfig(ctx=ctx, think_mode=think, yolo=a.yolo or bool(cfg.get("yolo", False)),
-                       sampling=sampling, allow_outside=a.allow_outside, max_tokens=max_tokens)
+                       sampling=sampling, allow_outside=a.allow_outside, max_tokens=max_tokens,
+                       checkpoints=cfg.get("checkpoints", True) is not False)   # `checkpoints = false`: no /undo
     try:
         store = SessionStore(project_dir=project)
     except SessionStoreError as e:
         raise _Fail(str(e)) from None
     resume = _resume_choice(store, a.resume)
 
+    started = []      # the MCP servers, stopped on the way out (their processes must not outlive us)
+
     def make_agent(emit):
+        from .mcp_client import start_servers
         eng = Engine.open(model, options)
-        return Agent(eng, project, config=conf, store=store, emit=emit)
+        started.append(start_servers(project, emit))   # before the system prompt: their tools are in it
+        return Agent(eng, project, config=conf, store=store, emit=emit, mcp=started[-1])
 
     previous = _interrupt_on_sigterm()
     try:
@@ -278,6 +283,9 @@ def _main(a) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
+        for m in started:
+            if m is not None:
+                m.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
