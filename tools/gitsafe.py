@@ -296,6 +296,25 @@ class Git:
         entries = self._config_entries(_config_env(base, list(FIXED_CONFIG)))
         self.env = _config_env(base, [*FIXED_CONFIG, *driver_overrides(entries)])
 
+    @classmethod
+    def owned(cls, git_dir: Path | str, work_tree: Path | str, *, timeout: float = GIT_TIMEOUT) -> "Git":
+        """git on a repository the agent itself made (GIT_DIR=git_dir: the checkpoints' shadow
+        repository of a project outside git) with `work_tree` as its work tree. The same overrides
+        as any other call: the user's global and system config are still read."""
+        self = cls.__new__(cls)
+        self.timeout = timeout
+        exe = shutil.which("git")
+        if exe is None:
+            raise GitMissing("git is not installed")
+        _check_version(exe, timeout)
+        self.cwd = self.top = Path(os.path.realpath(work_tree))
+        self.prefix = ""
+        base = base_env(self.top)
+        base["GIT_DIR"] = str(git_dir)
+        entries = self._config_entries(_config_env(base, list(FIXED_CONFIG)))
+        self.env = _config_env(base, [*FIXED_CONFIG, *driver_overrides(entries)])
+        return self
+
     def _config_entries(self, env: dict) -> list[tuple[str, str]]:
         """(scope, name) of every config entry git reads here, included files too."""
         r = _spawn(["git", "config", "--list", "--show-scope", "-z"], self.cwd, env, self.timeout, None)

@@ -1,0 +1,246 @@
+"""Checkpoints of a project's work tree as git objects, taken without touching anything of the user's.
+
+A checkpoint is a commit on a private ref, `refs/ds4-agent/<branch>/<n>`, whose tree is the work
+tree as it was (tracked and untracked files, ignored ones left out, as `git add -A` sees them). It
+is built with a private index file kept under the git folder (`<gitdir>/ds4-agent/index-<branch>`,
+GIT_INDEX_FILE): `git add -A` into it, `write-tree`, `commit-tree`, `update-ref`. So the user's
+index, HEAD, branch, stash and config are never read or written, and with the index's stat cache
+warm a checkpoint hashes only the files that changed (git's objects dedupe the rest).
+
+Outside a git repository a shadow repository (bare, ours) at `<shadow_root>/<sha1 of the project
+path>.git` holds the checkpoints, with the project as its work tree.
+
+Every git call goes through tools.gitsafe (the repository's config cannot run a program; a time
+limit stops it). The commits carry a fixed identity from the environment, so no user config is
+needed, and their message is one JSON line: the metadata survives restarts.
+This module imports nothing of ours outside tools/.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .gitsafe import Git, GitError, NotARepository, _spawn
+
+REF_ROOT = "refs/ds4-agent"
+KEEP_INDEXES = 20          # private index files kept (one per branch; ~100 bytes per tracked file)
+IDENTITY = {"GIT_AUTHOR_NAME": "ds4-agent", "GIT_AUTHOR_EMAIL": "ds4-agent@localhost",
+            "GIT_COMMITTER_NAME": "ds4-agent", "GIT_COMMITTER_EMAIL": "ds4-agent@localhost"}
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be taken or restored; the message says why in one line."""
+
+
+@dataclass
+class Ref:
+    """One private ref: its name under the branch (`7`, `7-after`, `head`, `redo`), commit, tree,
+    and the JSON metadata of the commit's message ({} when it is not ours)."""
+    name: str
+    commit: str
+    tree: str
+    meta: dict
+
+
+class CheckpointRepo:
+    """The checkpoint store of one project: the project's own repository, or a shadow one."""
+
+    def __init__(self, project: Path | str, shadow_root: Path | str, *, timeout: float = 20.0):
+        project = Path(os.path.realpath(project))
+        try:
+            try:
+                self.git, self.shadow = Git(project, timeout=timeout), False
+                self.top = self.git.top
+                self.git_dir = Path(self._git("rev-parse", "--absolute-git-dir", index=False).strip())
+            except NotARepository:
+                self.shadow = True
+                self.git_dir = Path(shadow_root) / (hashlib.sha1(str(project).encode("utf-8", "surrogateescape"))
+                                                    .hexdigest() + ".git")
+                if not (self.git_dir / "HEAD").exists():
+                    _init_bare(self.git_dir, timeout)
+                self.git = Git.owned(self.git_dir, project, timeout=timeout)
+                self.top = self.git.top
+        except GitError as e:            # no git, too old, a broken config: one line
+            raise CheckpointError(str(e)) from None
+        self.private = self.git_dir / "ds4-agent"
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _git(self, *args: str, index: str | Path | bool = True, input: bytes | None = None,
+             ok: tuple[int, ...] = (0,)) -> str:
+        """stdout of `git <args>` at the top of the work tree; CheckpointError on a failure.
+        index: True the branch's private index (set by the caller in self._index), a path, or
+        False (none named: commands that read no index)."""
+        env = dict(self.git.env, **IDENTITY)
+        if index is not False:
+            env["GIT_INDEX_FILE"] = str(self._index if index is True else index)
+        try:
+            r = _spawn(self.git.command(*args), self.top, env, self.git.timeout, input)
+        except GitError as e:
+            raise CheckpointError(str(e)) from None
+        if r.returncode not in ok:
+            msg = r.stderr.decode("utf-8", "replace").strip().splitlines()
+            raise CheckpointError(f"git {args[0]} failed: {msg[-1] if msg else f'exit status {r.returncode}'}")
+        return r.stdout.decode("utf-8", "surrogateescape")
+
+    def _use_index(self, branch: str):
+        """The branch's private index; a new branch starts from the newest other one (its stat
+        cache is as good: the work tree is the same), so a new session's first checkpoint is warm."""
+        _check_branch(branch)
+        self.private.mkdir(parents=True, exist_ok=True)
+        self._index = self.private / f"index-{branch}"
+        if self._index.exists():
+            return
+        others = sorted(self.private.glob("index-*"), key=_mtime, reverse=True)
+        others = [p for p in others if not p.name.endswith(".lock")]
+        for old in others[KEEP_INDEXES - 1:]:
+            _unlink(old)
+        if others:
+            tmp = self._index.with_name(self._index.name + ".seed")
+            try:
+                shutil.copyfile(others[0], tmp)
+                os.replace(tmp, self._index)
+            except OSError:
+                _unlink(tmp)            # a cold index: slower, still right
+
+    # -- taking ---------------------------------------------------------------------------------
+    def snapshot(self, branch: str) -> str:
+        """The tree of the work tree now (tracked and untracked, ignored left out)."""
+        self._use_index(branch)
+        # the untracked cache (kept in our index) skips reading the folders whose mtime is unchanged
+        self._git("-c", "core.untrackedCache=true", "add", "-A", "--ignore-errors")
+        return self._git("write-tree").strip()
+
+    def commit(self, branch: str, name: str, tree: str, meta: dict, parent: str | None = None,
+               also: tuple[str, ...] = ()) -> str:
+        """A commit of `tree` with `meta` as its message, at refs/ds4-agent/<branch>/<name> (and at
+        the names in `also`, in the same transaction: one git call less)."""
+        _check_branch(branch)
+        args = ["commit-tree", tree] + (["-p", parent] if parent else [])
+        sha = self._git(*args, index=False, input=json.dumps(meta, separators=(",", ":")).encode() + b"\n").strip()
+        lines = "".join(f"update {REF_ROOT}/{branch}/{n} {sha}\n" for n in (name, *also))
+        self._git("update-ref", "--stdin", index=False, input=lines.encode())
+        return sha
+
+    def set_ref(self, branch: str, name: str, commit: str):
+        _check_branch(branch)
+        self._git("update-ref", f"{REF_ROOT}/{branch}/{name}", commit, index=False)
+
+    def delete(self, branch: str, names: list[str]):
+        if names:
+            lines = "".join(f"delete {REF_ROOT}/{branch}/{n}\n" for n in names)
+            self._git("update-ref", "--stdin", index=False, input=lines.encode())
+
+    def refs(self, branch: str) -> dict[str, Ref]:
+        """Every private ref of the branch by name."""
+        _check_branch(branch)
+        out = self._git("for-each-ref", "--format=%(refname)%00%(objectname)%00%(tree)%00%(contents:subject)",
+                        f"{REF_ROOT}/{branch}/", index=False)
+        refs = {}
+        for line in out.splitlines():
+            parts = line.split("\0")
+            if len(parts) != 4:
+                continue
+            name = parts[0].rsplit("/", 1)[-1]
+            try:
+                meta = json.loads(parts[3])
+            except ValueError:
+                meta = {}
+            refs[name] = Ref(name, parts[1], parts[2], meta if isinstance(meta, dict) else {})
+        return refs
+
+    # -- comparing ------------------------------------------------------------------------------
+    def changes(self, a: str, b: str) -> list[tuple[str, str]]:
+        """(status, path) of every file that differs from tree a to tree b (A, D, M, T)."""
+        if a == b:
+            return []
+        out = self._git("diff-tree", "-r", "-z", "--no-renames", "--name-status", a, b, index=False)
+        f = out.split("\0")
+        return [(f[i][:1], f[i + 1]) for i in range(0, len(f) - 1, 2)]
+
+    def diff_text(self, a: str, b: str, limit: int = 20000) -> str:
+        """A `--stat` list and the unified diff from tree a to tree b, cut at `limit` characters."""
+        if a == b:
+            return ""
+        out = self._git("diff-tree", "-r", "-p", "--stat", "--no-renames", "--no-textconv", "--no-ext-diff",
+                        a, b, index=False)
+        return out if len(out) <= limit else out[:limit] + f"\n[... diff cut at {limit} characters]"
+
+    # -- restoring ------------------------------------------------------------------------------
+    def restore(self, branch: str, target: str, current: str,
+                keep: set[str] = frozenset()) -> tuple[list[str], str]:
+        """Make the work tree's files those of tree `target`, from `current` (a snapshot of the work
+        tree now): files that differ are written, files absent from target are deleted, files in
+        `keep` are left as they are, ignored files are never seen. Returns the paths changed and
+        the tree of the work tree after."""
+        changes = [(s, p) for s, p in self.changes(current, target) if p not in keep]
+        gone = [p for s, p in changes if s == "D"]
+        write = [p for s, p in changes if s != "D"]
+        for p in gone:               # first: a file may come back where a folder is now
+            _remove(self.top, p)
+        if write:
+            tmp = self.private / f"restore-{os.getpid()}.idx"
+            try:
+                self._git("read-tree", target, index=tmp)
+                self._git("checkout-index", "-f", "-z", "--stdin", index=tmp,
+                          input="".join(p + "\0" for p in write).encode("utf-8", "surrogateescape"))
+            finally:
+                _unlink(tmp)
+        # the tree after, which also gives the private index the new files' stat data
+        return [p for _, p in changes], self.snapshot(branch)
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def _init_bare(git_dir: Path, timeout: float):
+    from .gitsafe import FIXED_CONFIG, _config_env, base_env
+    git_dir.parent.mkdir(parents=True, exist_ok=True)
+    env = _config_env(base_env(None), list(FIXED_CONFIG))
+    try:
+        r = _spawn(["git", "init", "-q", "--bare", str(git_dir)], git_dir.parent, env, timeout, None)
+    except GitError as e:
+        raise CheckpointError(str(e)) from None
+    if r.returncode != 0:
+        raise CheckpointError(f"cannot create the checkpoint repository {git_dir}: "
+                              f"{r.stderr.decode('utf-8', 'replace').strip()}")
+
+
+def _check_branch(branch: str):
+    # the branch names a ref and a file: 12 hex digits from the agent, nothing else
+    if not branch or not all(c in "0123456789abcdef" for c in branch):
+        raise CheckpointError(f"bad branch id {branch!r}")
+
+
+def _remove(top: Path, rel: str):
+    """Delete one file (or symlink) of the work tree, then the folders it leaves empty."""
+    p = top / rel
+    if not os.path.realpath(p.parent).startswith(str(top) + os.sep) and p.parent != top:
+        raise CheckpointError(f"{rel}: its folder is no longer inside the project; not deleted")
+    try:
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+    except OSError as e:
+        raise CheckpointError(f"cannot delete {rel}: {e.strerror or e}") from None
+    d = p.parent
+    while d != top and top in d.parents:
+        try:
+            d.rmdir()
+        except OSError:
+            break
+        d = d.parent
+
+
+def _unlink(p: Path):
+    try:
+        p.unlink()
+    except OSError:
+        pass
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return 0.0
