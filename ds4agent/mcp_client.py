@@ -38,7 +38,10 @@ from . import events as E
 from .home import agent_home
 from .mcp_config import McpConfig, ServerConfig
 
-START_TIMEOUT = 10.0        # seconds a server has to start and list its tools (all start in parallel)
+# seconds a server has to start and list its tools (all start in parallel; one that exits fails at
+# once): npx/uvx servers install themselves on a first run, and a trivial Python server took 2.6-6 s
+# on a loaded 2-core machine
+START_TIMEOUT = 30.0
 CLOSE_TIMEOUT = 8.0         # the SDK's shutdown: stdin closed, 2 s, SIGTERM, 2 s, SIGKILL
 MAX_DESCRIPTION = 2000      # a tool's description in the system prompt (some servers write essays)
 POLL_S = 0.1                # how often a waiting call looks at Esc

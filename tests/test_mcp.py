@@ -51,6 +51,13 @@ def shout(text: str) -> str:
     return text.upper() + "!"
 
 @app.tool()
+def nap(seconds: float) -> str:
+    """Sleep, then answer."""
+    import time
+    time.sleep(seconds)
+    return "rested"
+
+@app.tool()
 def fail(why: str) -> str:
     """Always fails."""
     raise ValueError("refused: " + why)
@@ -204,7 +211,7 @@ def test_tools_are_in_the_system_prompt_after_the_builtin_ones(mgr, engine, proj
     agent, rec = _make(engine, project, sessions_root, mcp=mgr)
     prefix = agent.system_prefix()
     names = [json.loads(s)["function"]["name"] for s in agent.tool_schemas()]
-    assert names[-3:] == ["mcp__demo__add", "mcp__demo__fail", "mcp__demo__shout"] and names[0] == "read"
+    assert names[-4:] == ["mcp__demo__add", "mcp__demo__fail", "mcp__demo__nap", "mcp__demo__shout"] and names[0] == "read"
     assert '"name":"mcp__demo__add","description":"Add two whole numbers."' in prefix
     assert "mcp__demo__add" in timeline(agent)                # it is what was prefilled
     assert agent.system_prefix() == prefix                     # stable: the prompt cache matches
@@ -224,18 +231,19 @@ def test_forced_call_is_approved_and_its_result_reaches_the_model(mgr, engine, p
 
 def test_refused_approval_and_allowed_tools(mgr, engine, project, sessions_root):
     agent, rec = _make(engine, project, sessions_root, answer="n", mcp=mgr)
-    calls = [("mcp__demo__add", {"a": 1, "b": 1}), ("mcp__demo__shout", {"text": "hi"}),
-             ("mcp__demo__fail", {"why": "a test"}), ("mcp__demo__shout", {"text": 5})]
+    calls = [("mcp__demo__add", {"a": 1, "b": 1}), ("mcp__demo__shout", {"text": "hi"})]
     agent.force(prompts.render_tool_calls([prompts.ToolCall(None, n, json.dumps(a)) for n, a in calls]), "ok")
-    fin = agent.submit("go")
-    assert fin.tool_calls == 4
-    add, shout, fail, bad = rec.of(E.ToolFinished)
+    assert agent.submit("go").tool_calls == 2
+    add, shout = rec.of(E.ToolFinished)
     assert not add.approved and "did not approve this mcp__demo__add call" in add.text
     assert shout.approved and shout.ok and shout.text == "HI!"              # alwaysAllow: shout
-    assert fail.approved and not fail.ok and fail.text.startswith("error: ") and "fail" in fail.text  # allow: f*; isError
-    assert bad.approved and bad.text == "error: argument 'text' must be string, got 5"   # checked, not sent
     assert [a.name for a in rec.of(E.ApprovalNeeded)] == ["mcp__demo__add"]
     assert "<tool_result>HI!</tool_result>" in timeline(agent)
+    # the rules themselves, and what reaches the server (the agent passes on what call returns)
+    assert not mgr.needs_approval("mcp__demo__fail") and mgr.needs_approval("mcp__demo__nap")  # allow: mcp__demo__f*
+    fail = mgr.call("mcp__demo__fail", {"why": "a test"})                    # isError: an error result
+    assert not fail.ok and fail.text.startswith("error: ") and "fail" in fail.text
+    assert mgr.call("mcp__demo__shout", {"text": 5}).text == "error: argument 'text' must be string, got 5"
 
 
 def test_mcp_command_lists_servers_and_tools(mgr, engine, project, sessions_root):
@@ -288,6 +296,33 @@ def test_manager_close_leaves_no_child_process(tmp_path):
     assert not any(_alive(p) for p in pids)                   # ended and reaped
     assert m.call("mcp__one__add", {"a": 1, "b": 2}).text == "error: mcp server one is not running"
     m.close()                                                 # twice is harmless
+
+
+def test_hung_start_slow_call_and_esc_are_bounded(tmp_path):
+    srv = _server_file(tmp_path)
+    hang = tmp_path / "hang.py"
+    hang.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+    home = _home(tmp_path / "home", {
+        "mute": {"command": sys.executable, "args": [str(hang), str(tmp_path / "mute.pid")]},
+        "slow": {"command": sys.executable, "args": [str(srv)], "alwaysAllow": ["*"], "timeout": 1}})
+    m = McpManager(mcp_config.load(tmp_path, home), log_dir=tmp_path / "logs")
+    try:
+        assert m.start(["slow"]) == []
+        m.start_timeout = 2           # mute starts no interpreter of ours: 2 s is plenty to see it hang
+        t0 = time.perf_counter()
+        lines = m.start()
+        assert time.perf_counter() - t0 < 2 + 6          # the wait, and the hung one's shutdown
+        assert lines == ["mcp: server mute failed to start: no answer within 2 s"]
+        assert not _alive(int((tmp_path / "mute.pid").read_text()))       # stopped and reaped
+        t0 = time.perf_counter()
+        res = m.call("mcp__slow__nap", {"seconds": 5})
+        assert res.text.startswith("error: mcp__slow__nap timed out after 1 s") and time.perf_counter() - t0 < 4
+        t0 = time.perf_counter()
+        res = m.call("mcp__slow__nap", {"seconds": 5}, should_stop=lambda: time.perf_counter() - t0 > 0.3)
+        assert res.text == "error: mcp__slow__nap was interrupted" and time.perf_counter() - t0 < 2
+        assert m.call("mcp__slow__shout", {"text": "still up"}).text == "STILL UP!"   # the server lives on
+    finally:
+        m.close()
 
 
 def test_project_server_starts_only_once_trusted(tmp_path, project):
