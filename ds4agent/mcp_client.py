@@ -75,6 +75,7 @@ class Server:
     stop: object = None        # asyncio.Event, made on the loop
     ready: object = None
     log_size: int = 0          # its stderr log's size before this start
+    said: bool = False         # its death was told (once)
 
 
 class McpManager:
@@ -175,7 +176,7 @@ class McpManager:
             if s.status == "starting":
                 s.status, s.error = "failed", _reason(e)
             elif s.status == "running":
-                s.status, s.error = "stopped", _reason(e)
+                s.status, s.error = "stopped", f"died ({_reason(e)})"
         finally:
             if s.status == "running":
                 s.status, s.error = "stopped", s.error or "closed"
@@ -234,7 +235,7 @@ class McpManager:
             return tools.ToolResult.error(f"unknown tool '{name}'")
         s = self.servers[t.server]
         if s.status != "running" or self._loop is None:
-            return tools.ToolResult.error(f"mcp server {s.cfg.name} is not running")
+            return self._gone(s, emit)
         try:
             args = check_arguments(t.schema, args)
         except tools.ToolError as e:
@@ -261,11 +262,18 @@ class McpManager:
         tells which)."""
         if self._alive(s):
             return tools.ToolResult.error(f"{name}: {_reason(e)}")
-        s.status, s.error = "stopped", f"died ({_reason(e)})"
+        if s.status == "running":
+            s.status, s.error = "stopped", f"died ({_reason(e)})"
         if s.stop is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(s.stop.set)   # its task reaps the process
-        if emit is not None:
-            emit(E.Notice(f"mcp: server {s.cfg.name} stopped ({_reason(e)}); its tools return errors now", "warning"))
+        return self._gone(s, emit)
+
+    def _gone(self, s: Server, emit) -> tools.ToolResult:
+        """A call to a server that is not running; the first one after it died also says so in
+        the transcript (its own task may have seen the death before any call did)."""
+        if not s.said and s.status == "stopped" and self._loop is not None and emit is not None:
+            s.said = True
+            emit(E.Notice(f"mcp: server {s.cfg.name} {s.error}; its tools return errors now", "warning"))
         return tools.ToolResult.error(f"mcp server {s.cfg.name} is not running")
 
     def _alive(self, s: Server) -> bool:

@@ -270,7 +270,7 @@ def test_server_dying_mid_session_is_an_error_result_and_one_notice(mgr, mcp_hom
     first, second = rec.of(E.ToolFinished)
     assert first.text == second.text == "error: mcp server demo is not running"
     said = [n.text for n in rec.of(E.Notice) if "mcp" in n.text]
-    assert len(said) == 1 and said[0].startswith("mcp: server demo stopped (")
+    assert len(said) == 1 and said[0].startswith("mcp: server demo died (")
     assert timeline(agent).endswith("still here")
     assert "mcp__demo__shout" in agent.system_prefix()        # still in the (prefilled) prompt
     assert "demo (" in agent.command("/mcp") and "stopped: died" in agent.command("/mcp")
