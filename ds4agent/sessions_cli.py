@@ -60,7 +60,7 @@ def main(argv: list[str], *, out=None) -> int:
 
 
 def choose_resume(store: SessionStore, ref: str, *, ask: Callable[[str], str] | None = None, out=None) -> str:
-    """The sha of the session `--resume REF` continues: REF is a name or the start of an id, or
+    """The sha of the session `--resume REF` continues (a fork with no turn yet: its name): REF is a name or the start of an id, or
     `pick` to choose from this directory's sessions by number on the terminal (plain input(),
     before any UI; the list and the question go to stderr, so `-p`'s answer alone is on stdout).
     SessionStoreError says why none can be; NoChoice when the user quits."""
@@ -75,7 +75,7 @@ def choose_resume(store: SessionStore, ref: str, *, ask: Callable[[str], str] | 
         info = store.resolve(ref)
         if not info.ok:
             raise SessionStoreError(f"session {info.id} is damaged, it cannot be resumed: {info.error}")
-        return info.sha
+        return info.name if info.fork_pending else info.sha    # a fork is its parent's file under its own name
     rows = [r for r in store.list("project") if r.ok]
     if not rows:
         raise SessionStoreError("no saved sessions in this directory to pick from "

@@ -31,7 +31,8 @@ was saved under that name.
 Prefix pruning (after every save). ds4 deletes every saved session whose text is a strict prefix
 of the new one; here a stored session P is removed only when ALL of these hold:
   1. P is one of the new session's own ancestors (recorded lineage, not mere text overlap: a
-     session saved independently that happens to share a prefix is not ours to delete);
+     session saved independently that happens to share a prefix is not ours to delete) and of
+     its branch (a fork's save never removes the save its parent branch goes on from);
   2. P's text is a strict byte prefix of the new text (the new file contains P's whole history);
   3. P holds no name and is not pinned (naming a session is how the user keeps a branch point);
   4. no other saved session descends from P, by recorded lineage or by text prefix (P is then a
@@ -39,6 +40,13 @@ of the new one; here a stored session P is removed only when ALL of these hold:
   5. P's KV header and metadata are readable (an unreadable file is never guessed about).
 So a linear save-continue-save chain keeps only its newest save (and the snapshots the user
 named), and saving can never remove a session that another saved timeline still depends on.
+
+Branches and forks (sessions/records.py). A record says which branch (the agent's timeline id)
+saved it; a name moves along its own branch only (a save of another branch that continues a named
+record does not take its name: it is a fork). A pending fork (`/fork`, not continued yet) is an
+entry on its parent's record: its name resolves to the parent's file with the fork's branch, the
+parent is not pruned while it has one (rule 3), and the fork's first longer save takes the name.
+A save prunes only its own branch's ancestors (rule 1).
 
 System prefixes are cached beside the sessions, one file per model and prefix text
 (sessions/sysprompt_cache.py).
@@ -56,9 +64,9 @@ session show as damaged, never an exception.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 import time
@@ -72,21 +80,13 @@ from . import safeio
 from .kvfile import (PREFIX_BYTES, KVFileError, KVFileInfo, atomic_write, read_header, read_info, read_kv,
                      remove_stale_temps, routed_quant_bits, write_kv)
 from .prefix_cache import token_text
+from .records import (MAX_ANCESTORS, MAX_FORKS, META_VERSION, NAME_MAX, SHA_RE as _SHA, Fork, check_meta,  # noqa: F401
+                      TITLE_MAX_BYTES, clip_title, fork_entry, forks_of, is_branch, pinned_of, title_from_text)
 from .sysprompt_cache import SYSPROMPT_BUDGET_MB, SYSPROMPT_KEEP, SystemPrefixCache, SystemPrefixCacheError
 
-META_VERSION = 1
-TITLE_MAX_BYTES = 70
-MAX_ANCESTORS = 256
-NAME_MAX = 64
-USER_MARK = "<｜User｜>".encode()
-ASSISTANT_MARK = "<｜Assistant｜>".encode()
 _SHA_KV = re.compile(r"([0-9a-f]{40})\.kv")
 _HEX = re.compile(r"[0-9a-fA-F]+")
-_SHA = re.compile(r"[0-9a-f]{40}")
 META_MAX_BYTES = 1 << 20        # a record is ~1 KB (+ 256 ancestors of 43 bytes); more is not ours
-U32_MAX = 0xFFFFFFFF            # token counts and contexts are u32 in the KV header
-TIME_MAX = 253402300799.0       # 9999-12-31: a timestamp past it is damage, not a date
-_STR_FIELDS = ("title", "name", "pinned", "project_dir", "think_mode", "model")
 
 
 class SessionStoreError(Exception):
@@ -116,6 +116,10 @@ class SessionInfo:
     think_mode: str | None = None
     name: str | None = None
     pinned: str | None = None         # the name the user saved it under (kept; never pruned)
+    branch: str | None = None         # the timeline that saved it (None: written before branches)
+    forks: tuple[Fork, ...] = ()      # forks that start here and have no save of their own yet
+    fork_pending: bool = False        # this is such a fork (name, branch: the fork's; file: the parent's)
+    tip: bool = True                  # no later save of its branch continues it (resolve says)
     parent: str | None = None
     ancestors: tuple[str, ...] = ()
     model: str | None = None
@@ -145,41 +149,23 @@ class SessionInfo:
         return self.pinned if self.pinned and self.pinned != self.name else None
 
 
+def fork_view(e: SessionInfo, f: Fork) -> SessionInfo:
+    """Record `e` seen as its pending fork `f`: the parent's file and text, the fork's name and branch."""
+    return dataclasses.replace(e, name=f.name, pinned=None, branch=f.branch, forks=(), fork_pending=True,
+                               tip=True, created=f.created or e.created)
+
+
+def _fork_uses(e: SessionInfo, name: str):
+    for f in e.forks:
+        if f.name == name:
+            raise SessionStoreError(f"the name {name!r} is already used by a fork of session {e.id}")
+
+
 @dataclass
 class _Origin:
     sha: str
     text_bytes: int
     ancestors: tuple[str, ...]
-
-
-def title_from_text(text: bytes | str, max_bytes: int = TITLE_MAX_BYTES) -> str:
-    """The first user message of a rendered transcript, as ds4 titles it: the text after the first
-    <｜User｜> up to the next <｜Assistant｜> or <｜User｜>, whitespace runs collapsed to one space,
-    cut to max_bytes with '...' (0: no limit); '(no user prompt)' / '(empty user prompt)'."""
-    if isinstance(text, str):
-        text = text.encode("utf-8", "surrogateescape")
-    i = text.find(USER_MARK)
-    if i < 0:
-        return "(no user prompt)"
-    p = i + len(USER_MARK)
-    end = len(text)
-    for mark in (ASSISTANT_MARK, USER_MARK):
-        j = text.find(mark, p)
-        if 0 <= j < end:
-            end = j
-    return clip_title(b" ".join(text[p:end].split()), max_bytes) or "(empty user prompt)"
-
-
-def clip_title(title: bytes | str, max_bytes: int = TITLE_MAX_BYTES) -> str:
-    if isinstance(title, str):
-        title = title.encode("utf-8", "surrogateescape")
-    if max_bytes and len(title) > max_bytes - 3:
-        # ds4 keeps at most max_bytes - 3 bytes before the '...'; we cut on a character boundary
-        cut = max(1, max_bytes - 3)
-        while cut > 0 and (title[cut] & 0xC0) == 0x80:
-            cut -= 1
-        title = title[:cut].rstrip(b" ") + b"..."
-    return title.decode("utf-8", "replace")
 
 
 def default_root() -> str:
@@ -199,50 +185,6 @@ def _check_name(name: str) -> str:
     if any(ord(c) < 32 or ord(c) == 127 for c in name):
         raise SessionStoreError("a session name cannot contain control characters")
     return name
-
-
-def _is_int(v, lo: int, hi: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
-
-
-def _is_time(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            and 0 <= v <= TIME_MAX)
-
-
-def check_meta(meta: dict) -> str | None:
-    """The first field of a session record that breaks the schema (its name and why), or None.
-    Optional fields may be absent or null; present ones must have their type and range."""
-    for k in _STR_FIELDS:
-        if meta.get(k) is not None and not isinstance(meta[k], str):
-            return f"{k} (not text)"
-    for k in ("name", "pinned"):
-        if meta.get(k) is not None and (len(meta[k]) > NAME_MAX or any(ord(c) < 32 or ord(c) == 127 for c in meta[k])):
-            return f"{k} (too long or has control characters)"
-    if "version" in meta and not _is_int(meta["version"], 1, META_VERSION):
-        return f"version (not 1..{META_VERSION})"
-    for k in ("created", "updated"):
-        if k in meta and not _is_time(meta[k]):
-            return f"{k} (not a time in seconds)"
-    for k in ("tokens", "ctx"):
-        if meta.get(k) is not None and not _is_int(meta[k], 0, U32_MAX):
-            return f"{k} (not a whole number 0..{U32_MAX})"
-    q = meta.get("quant_bits")
-    if q is not None and not (_is_int(q, 2, 4) and q != 3):
-        return "quant_bits (not 2 or 4)"
-    if meta.get("parent") is not None and not (isinstance(meta["parent"], str) and _SHA.fullmatch(meta["parent"])):
-        return "parent (not a session id)"
-    anc = meta.get("ancestors", [])
-    if not isinstance(anc, list) or len(anc) > MAX_ANCESTORS or \
-            not all(isinstance(a, str) and _SHA.fullmatch(a) for a in anc):
-        return f"ancestors (not a list of at most {MAX_ANCESTORS} session ids)"
-    return None
-
-
-def pinned_of(meta: dict) -> str | None:
-    """The name a record was saved under by the user. Records written before names moved have no
-    `pinned` key: their name was given by the user, so it pins them."""
-    return meta.get("pinned") if "pinned" in meta else meta.get("name")
 
 
 class SessionStore:
@@ -333,6 +275,7 @@ class SessionStore:
                 e.project_dir = meta.get("project_dir")
                 e.think_mode = meta.get("think_mode")
                 e.parent = meta.get("parent")
+                e.branch, e.forks = meta.get("branch"), forks_of(meta)
                 e.ancestors = tuple(meta.get("ancestors", ()))
                 e.model = meta.get("model")
                 e.created = float(meta.get("created", e.created))
@@ -375,15 +318,25 @@ class SessionStore:
                 return tip[0]
             raise AmbiguousSession(ref, named)
         if named:
-            return named[0]
+            return self._tip(named[0], entries)
+        forked = [fork_view(e, f) for e in entries for f in e.forks if f.name == ref]
+        if len(forked) == 1:
+            return forked[0]
         if _HEX.fullmatch(ref):
             hits = [e for e in entries if e.sha.startswith(ref.lower())]
             if len(hits) == 1:
-                return hits[0]
+                return self._tip(hits[0], entries)
             if hits:
                 hits.sort(key=lambda e: (e.updated, e.sha), reverse=True)
                 raise AmbiguousSession(ref, hits)
         raise SessionNotFound(f"no session {ref!r} (give a name or the start of an id from /list)")
+
+    @staticmethod
+    def _tip(e: SessionInfo, entries) -> SessionInfo:
+        """`e` with `tip` set: False when a later save of its branch continues it (a timeline that
+        goes on from it is then a new branch, not that one)."""
+        e.tip = not (e.branch and any(o.branch == e.branch and e.sha in o.ancestors for o in entries))
+        return e
 
     def info(self, ref: str) -> SessionInfo:
         return self.resolve(ref)
@@ -409,12 +362,17 @@ class SessionStore:
 
     # -- save ------------------------------------------------------------------------------------
     def save(self, session: Session, rendered_text: bytes | str | None = None, *, think_mode: str,
-             title: str | None = None, name: str | None = None, continues: str | None = None) -> SessionInfo:
+             title: str | None = None, name: str | None = None, continues: str | None = None,
+             branch: str | None = None) -> SessionInfo:
         """Save the live timeline of `session` (its whole KV state and logits) and its metadata;
         move the name of the session it continues onto it; then prune the ancestors it supersedes
         (module docstring). `rendered_text`, when given, must be the token text of the timeline
         (it is what names the file). `name` names (and pins) this save. `continues`: the sha of the
-        saved session this timeline continues when its text does not show it (a compaction)."""
+        saved session this timeline continues when its text does not show it (a compaction).
+        `branch`: the timeline's branch id (a record keeps the branch that first saved its text;
+        saving a pending fork's unchanged text returns the fork's view of its parent)."""
+        if branch is not None and not is_branch(branch):
+            raise SessionStoreError(f"bad branch id {branch!r} (12 lowercase hex digits)")
         if session.pos == 0:
             raise SessionStoreError("nothing to save: the session holds no tokens")
         text = token_text(session)
@@ -430,7 +388,7 @@ class SessionStore:
         except SessionStoreError:
             old = None                     # a corrupt record of the same text is replaced
         ancestors = self._lineage(session, sha, text, old)
-        name, pinned, holder = self._naming(session, sha, old, ancestors, name, continues)
+        name, pinned, holder, fork_src = self._naming(session, sha, old, ancestors, name, continues, branch)
         now = float(self._now())
         path = self.kv_path(sha)
         existed = os.path.exists(path)
@@ -455,6 +413,8 @@ class SessionStore:
             "ancestors": list(ancestors),
             "model": os.path.basename(str(getattr(eng.file, "path", "")) or "") or None,
             "quant_bits": routed_quant_bits(session),
+            "branch": (old or {}).get("branch") or branch,
+            "forks": (old or {}).get("forks", []),
         }
         try:
             self._write_meta(sha, meta)
@@ -467,33 +427,41 @@ class SessionStore:
             raise SessionStoreError(f"cannot save session {sha[:8]} metadata: {x.strerror or x}") from None
         if holder is not None:
             self._take_name(holder)    # after the new holder is written (resolve copes with a crash here)
+        if fork_src is not None:
+            self._drop_fork(fork_src, branch)    # the fork has its own record now
         self._origins[session] = _Origin(sha, len(text), tuple(ancestors))
-        self._prune(sha, text, ancestors)
+        self._prune(sha, text, ancestors, (old or {}).get("branch") or branch)
         e = self._entry(sha)
         e.text = text
-        return e
+        pending = [f for f in e.forks if f.branch == branch and e.branch != branch]
+        return fork_view(e, pending[0]) if pending else e
 
     def _naming(self, session: Session, sha: str, old: dict | None, ancestors, name: str | None,
-                continues: str | None) -> tuple[str | None, str | None, str | None]:
-        """(name, pinned, holder) of a save: the name given (it pins), else the record's own, else
-        the name of the saved session this one continues; holder: the record it moves from."""
+                continues: str | None, branch: str | None = None):
+        """(name, pinned, holder, fork_src) of a save: the name given (it pins), else the record's
+        own, else the name of this branch's pending fork on the saved session it continues (fork_src),
+        else that session's name when it is of this branch; holder: the record it moves from."""
         o = self._origins.get(session)
         src = o.sha if (o is not None and o.sha != sha and ancestors and ancestors[-1] == o.sha) else \
             (continues if continues and _SHA.fullmatch(continues) and continues != sha else None)
         if name is not None:
             name = _check_name(name)
-            return name, name, self._name_holder(name, sha, movable=set(ancestors) | ({src} if src else set()))
+            return name, name, self._name_holder(name, sha, movable=set(ancestors) | ({src} if src else set())), None
         if old and old.get("name"):
-            return old["name"], pinned_of(old), None
+            return old["name"], pinned_of(old), None, None
         pinned = pinned_of(old) if old else None
         if src is not None:
             try:
                 src_meta = self._read_meta(src)
             except SessionStoreError:
                 src_meta = None            # a damaged record keeps its name; this save has none
-            if src_meta and src_meta.get("name"):
-                return src_meta["name"], pinned, src
-        return None, pinned, None
+            fork = [f for f in forks_of(src_meta) if f.branch == branch]
+            if fork:
+                return fork[0].name, pinned, None, src
+            # a name moves along its own branch: another branch continuing it is a fork
+            if src_meta and src_meta.get("name") and (branch is None or src_meta.get("branch") in (None, branch)):
+                return src_meta["name"], pinned, src, None
+        return None, pinned, None, None
 
     def _name_holder(self, name: str, sha: str, movable: set[str]) -> str | None:
         """The session that holds `name` now, when the name may move from it to `sha` (it is this
@@ -504,6 +472,7 @@ class SessionStore:
                 if e.sha in movable:
                     return e.sha
                 raise SessionStoreError(f"the name {name!r} is already used by session {e.id}")
+            _fork_uses(e, name)
         return None
 
     def _take_name(self, sha: str):
@@ -532,12 +501,55 @@ class SessionStore:
         data = json.dumps(meta, indent=1, ensure_ascii=False).encode("utf-8") + b"\n"
         atomic_write(self.meta_path(sha), [data])
 
-    def _check_name_free(self, name: str, sha: str):
+    def _check_name_free(self, name: str, sha: str | None):
         for e in self._all():
             if e.name == name and e.sha != sha:
                 raise SessionStoreError(f"the name {name!r} is already used by session {e.id}")
+            _fork_uses(e, name)
 
-    def _prune(self, sha: str, text: bytes, ancestors) -> list[str]:
+    # -- forks (sessions/records.py) ---------------------------------------------------------------
+    def add_fork(self, sha: str, branch: str, name: str) -> SessionInfo:
+        """Record a pending fork of saved session `sha`: branch `branch`, named `name` (unique among
+        names and forks). Returns the fork's view of the record."""
+        name = _check_name(name)
+        if not is_branch(branch):
+            raise SessionStoreError(f"bad branch id {branch!r} (12 lowercase hex digits)")
+        self._check_name_free(name, None)
+        meta = self._read_meta(sha)
+        if meta is None:
+            raise SessionStoreError(f"session {sha[:8]} has no record to fork from")
+        forks = [f for f in meta.get("forks", []) if f["branch"] != branch]
+        if len(forks) >= MAX_FORKS:
+            raise SessionStoreError(f"session {sha[:8]} already has {MAX_FORKS} forks that were never continued")
+        fork = Fork(branch, name, float(self._now()))
+        meta["forks"] = forks + [fork_entry(fork)]
+        try:
+            self._write_meta(sha, meta)
+        except OSError as x:
+            raise SessionStoreError(f"cannot record the fork on session {sha[:8]}: {x.strerror or x}") from None
+        return fork_view(self._entry(sha), fork)
+
+    def _drop_fork(self, sha: str, branch: str, strict: bool = False):
+        """Take the pending fork `branch` off `sha`'s record (its first save has a record of its own,
+        or it was deleted). Not strict: a failure leaves the entry (the record that took its name
+        wins in resolve)."""
+        try:
+            meta = self._read_meta(sha)
+            if meta is None:
+                return
+            meta["forks"] = [f for f in meta.get("forks", []) if f["branch"] != branch]
+            self._write_meta(sha, meta)
+        except (SessionStoreError, OSError) as x:
+            if strict:
+                raise SessionStoreError(f"cannot delete the fork: {x}") from None
+
+    def copied(self, src: Session, dst: Session):
+        """`dst` now holds a copy of `src`'s timeline (a fork): it continues the same saved session."""
+        o = self._origins.get(src)
+        if o is not None:
+            self._origins[dst] = o
+
+    def _prune(self, sha: str, text: bytes, ancestors, branch: str | None = None) -> list[str]:
         removed = []
         if not ancestors:
             return removed
@@ -550,8 +562,10 @@ class SessionStore:
                 meta = self._read_meta(p)
             except (KVFileError, SessionStoreError):
                 continue                                  # rule 5
-            if meta is None or meta.get("name") or pinned_of(meta):   # rules 5 and 3
+            if meta is None or meta.get("name") or pinned_of(meta) or meta.get("forks"):   # rules 5 and 3
                 continue
+            if branch and meta.get("branch") not in (None, branch):
+                continue                                  # rule 1: another branch's save (its tip)
             n = hdr.text_bytes
             if not (n < len(text) and hashlib.sha1(text[:n]).hexdigest() == p):
                 continue                                  # rule 2
@@ -595,6 +609,8 @@ class SessionStore:
         """Give a session a name (unique in the store; it pins the session), or clear its name and
         pin with None/''."""
         e = self.resolve(ref)
+        if e.fork_pending:
+            raise SessionStoreError(f"the fork {e.name!r} has no save of its own yet: continue it, then rename it")
         new = _check_name(name) if name is not None and str(name).strip() else None
         if new is not None:
             self._check_name_free(new, e.sha)
@@ -620,6 +636,9 @@ class SessionStore:
         """Remove a session's KV file and metadata (works on damaged sessions too). A name it held
         goes back to its newest ancestor that the user saved under that name, if one is left."""
         e = self.resolve(ref)
+        if e.fork_pending:                 # only the fork goes: its text is its parent's
+            self._drop_fork(e.sha, e.branch, strict=True)
+            return e
         try:
             self._remove_files(e.sha)
         except OSError as x:
