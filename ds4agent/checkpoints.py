@@ -25,11 +25,11 @@ import hashlib
 import os
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sessions import SessionStoreError
-from tools.checkpoints import CheckpointError, CheckpointRepo, Ref
+from tools.checkpoints import CheckpointError, CheckpointRepo, CheckpointTimeout, Ref
 
 from . import events as E
 from .home import agent_home
@@ -73,7 +73,6 @@ class Redo:
     transcript: list
     eos: bool
     tok_after: str = ""      # the timeline right after the undo: redo only while it is unchanged
-    extra: dict = field(default_factory=dict)
 
 
 def tokens_hash(tokens) -> str:
@@ -84,6 +83,7 @@ class Checkpoints:
     def __init__(self, agent, shadow_root: Path | None = None):
         self.agent = agent
         self.enabled = bool(getattr(agent.cfg, "checkpoints", True))
+        self.off_why = "checkpoints = false in the config"
         store = agent.store
         self.shadow_root = shadow_root or (Path(store.root).parent / "checkpoints" if store is not None
                                            else agent_home() / "checkpoints")
@@ -133,6 +133,10 @@ class Checkpoints:
                 self._keep_start(start["sha"])      # the turn's first step
             self._steps[n], self._head, self._pending = step, n, step
             self._bound(repo, branch)
+        except CheckpointTimeout as e:
+            # every later call would wait as long again: off for this session
+            self.enabled, self.off_why = False, "git took too long on this work tree"
+            self._warn(f"no checkpoint before this {name} call: {e}; checkpoints are off for this session")
         except CheckpointError as e:
             self._warn(f"no checkpoint before this {name} call: {e}")
         self.last_ms = (time.perf_counter() - t0) * 1000
@@ -154,7 +158,7 @@ class Checkpoints:
 
     def command(self, cmd: str, arg: str) -> str:
         if not self.enabled:
-            return "checkpoints are off (checkpoints = false in the config)"
+            return f"checkpoints are off ({self.off_why})"
         try:
             if cmd == "/checkpoints":
                 return self.listing()

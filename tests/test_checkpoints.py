@@ -203,6 +203,15 @@ def test_a_failed_checkpoint_does_not_block_the_tool(engine, repo, sessions_root
     assert (repo / "w.txt").read_text() == "written\n" and (repo / "v.txt").exists()
     warnings = [n.text for n in rec.of(E.Notice) if "no checkpoint" in n.text]
     assert len(warnings) == 1 and "git is not installed" in warnings[0]      # said once
+    # git past its time limit: one warning, and no more checkpoints this session (each would wait)
+    monkeypatch.undo()
+    agent.checkpoints = Checkpoints(agent)
+    agent.checkpoints._load()[0].git.timeout = 1e-4
+    say(agent, "again", call("write", path="w.txt", content="1\n"), call("write", path="w.txt", content="2\n"), "ok")
+    assert (repo / "w.txt").read_text() == "2\n"
+    warnings = [n.text for n in rec.of(E.Notice) if "no checkpoint" in n.text][1:]
+    assert len(warnings) == 1 and "checkpoints are off for this session" in warnings[0], warnings
+    assert agent.command("/undo").startswith("checkpoints are off")
 
 
 def test_checkpoints_off_and_restart(engine, repo, sessions_root):

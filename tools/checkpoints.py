@@ -24,7 +24,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gitsafe import Git, GitError, NotARepository, _spawn
+from .gitsafe import Git, GitError, GitTimeout, NotARepository, _spawn
 
 REF_ROOT = "refs/ds4-agent"
 KEEP_INDEXES = 20          # private index files kept (one per branch; ~100 bytes per tracked file)
@@ -34,6 +34,10 @@ IDENTITY = {"GIT_AUTHOR_NAME": "ds4-agent", "GIT_AUTHOR_EMAIL": "ds4-agent@local
 
 class CheckpointError(Exception):
     """A checkpoint could not be taken or restored; the message says why in one line."""
+
+
+class CheckpointTimeout(CheckpointError):
+    """git ran past the time limit (a work tree too large to checkpoint before every call)."""
 
 
 @dataclass
@@ -69,8 +73,7 @@ class CheckpointRepo:
         self.private = self.git_dir / "ds4-agent"
 
     # -- plumbing -----------------------------------------------------------------------------
-    def _git(self, *args: str, index: str | Path | bool = True, input: bytes | None = None,
-             ok: tuple[int, ...] = (0,)) -> str:
+    def _git(self, *args: str, index: str | Path | bool = True, input: bytes | None = None) -> str:
         """stdout of `git <args>` at the top of the work tree; CheckpointError on a failure.
         index: True the branch's private index (set by the caller in self._index), a path, or
         False (none named: commands that read no index)."""
@@ -79,9 +82,11 @@ class CheckpointRepo:
             env["GIT_INDEX_FILE"] = str(self._index if index is True else index)
         try:
             r = _spawn(self.git.command(*args), self.top, env, self.git.timeout, input)
+        except GitTimeout as e:
+            raise CheckpointTimeout(str(e)) from None
         except GitError as e:
             raise CheckpointError(str(e)) from None
-        if r.returncode not in ok:
+        if r.returncode != 0:
             msg = r.stderr.decode("utf-8", "replace").strip().splitlines()
             raise CheckpointError(f"git {args[0]} failed: {msg[-1] if msg else f'exit status {r.returncode}'}")
         return r.stdout.decode("utf-8", "surrogateescape")
