@@ -69,9 +69,21 @@ def on_disk(store) -> set[str]:
     return {e.sha for e in store.list("all")}
 
 
+def count_loads(store) -> list[str]:
+    """The saved sessions read from disk into a Session from now on (store.load's calls)."""
+    loads, load = [], store.load
+
+    def counted(ref, session, **kw):
+        loads.append(ref)
+        return load(ref, session, **kw)
+    store.load = counted
+    return loads
+
+
 def test_fork_then_switch_each_branch_continues_its_own_tokens(make):
     agent = make()
     store = agent.store
+    loads = count_loads(store)
     base = turn(agent, "plan the parser", "Plan: tokens first.")
     parent_sha, parent_branch, parent_name = agent.current_sha, agent.branch, agent.session_name
     live = agent.session
@@ -96,7 +108,7 @@ def test_fork_then_switch_each_branch_continues_its_own_tokens(make):
     prefilled = (live.stats["prefill_tokens"], copy.stats["prefill_tokens"])
     out = agent.command(f"/switch {parent_sha[:8]}")
     assert out.startswith(f"switched to session {parent_sha[:8]}")
-    assert (live.stats["prefill_tokens"], copy.stats["prefill_tokens"]) == prefilled
+    assert (live.stats["prefill_tokens"], copy.stats["prefill_tokens"]) == prefilled and loads == []
     assert agent.session is copy and agent.session.tokens == base and agent.branch == parent_branch
     assert agent.session_name == parent_name and [m.role for m in agent.transcript] == ["system", "user", "assistant"]
     parent2 = turn(agent, "write a hand parser", "Hand parser: done.")
@@ -107,7 +119,7 @@ def test_fork_then_switch_each_branch_continues_its_own_tokens(make):
 
     prefilled = (live.stats["prefill_tokens"], copy.stats["prefill_tokens"])
     agent.command("/switch try-regex")
-    assert (live.stats["prefill_tokens"], copy.stats["prefill_tokens"]) == prefilled
+    assert (live.stats["prefill_tokens"], copy.stats["prefill_tokens"]) == prefilled and loads == []
     assert agent.session is live and agent.session.tokens == fork1 and agent.branch == fork_branch
     assert agent.transcript[-1].content == "Regex: done."
     fork2 = turn(agent, "and the tests", "Tests: green.")
@@ -117,6 +129,7 @@ def test_fork_then_switch_each_branch_continues_its_own_tokens(make):
     # from disk once the pool is empty: the branch ids come back from the records
     agent.timelines.left.clear()
     agent.command(f"/switch {p2.id}")
+    assert loads == [p2.sha]
     assert agent.session is not copy and agent.session.stats["prefill_tokens"] == 0
     assert agent.session.tokens == parent2 and agent.branch == parent_branch
     agent.timelines.left.clear()
@@ -261,3 +274,17 @@ def test_one_live_timeline_forks_without_a_copy_and_switches_from_disk(make):
     agent.command(f"/switch {p[:8]}")
     assert agent.session is live and agent.session.tokens == base and agent.session_name != "solo"
     assert "solo question" not in text(agent) and agent.store.resolve("solo").parent == p
+
+
+def test_a_save_takes_no_name_from_another_branch(make):
+    agent = make()
+    turn(agent, "name me", "Named.")
+    agent.command("/save main")
+    p = agent.current_sha
+    agent.command("/fork gone")
+    assert agent.command("/delete gone").startswith(f"deleted session {p[:8]} (gone)")
+    assert agent.current_sha == p and p in on_disk(agent.store)     # only the fork entry went
+    turn(agent, "go on without a name", "Going.")
+    mine = agent.store.info(agent.current_sha)
+    assert mine.name is None and mine.parent == p
+    assert agent.store.resolve("main").sha == p                     # the other branch keeps its name
