@@ -278,9 +278,12 @@ def test_one_live_timeline_forks_without_a_copy_and_switches_from_disk(make):
 
 def test_a_save_takes_no_name_from_another_branch(make):
     agent = make()
+    assert agent.command("/fork") == "nothing to fork yet: the session has no turn"
     turn(agent, "name me", "Named.")
     agent.command("/save main")
     p = agent.current_sha
+    assert agent.command("/fork main").startswith("fork failed: the name 'main' is already used")
+    assert agent.branch == agent.store.resolve("main").branch and agent.timelines.left == {}
     agent.command("/fork gone")
     assert agent.command("/delete gone").startswith(f"deleted session {p[:8]} (gone)")
     assert agent.current_sha == p and p in on_disk(agent.store)     # only the fork entry went
