@@ -161,8 +161,7 @@ class Timelines:
             return f"fork failed: {e}"
         self._trim(max(0, self.room - 1))          # room for the parent before its copy is made
         if self.room and self._fits():
-            copy = self._new_session()
-            copy.restore(a.session.snapshot())     # the state's used rows, copied: no prefill
+            copy = a.session.fork()                # the state's arrays, copied: no prefill
             a.store.copied(a.session, copy)
             parent.session, parent.transcript = copy, list(parent.transcript)
             self._leave(parent)
