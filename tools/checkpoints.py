@@ -27,6 +27,7 @@ from pathlib import Path
 from .gitsafe import Git, GitError, GitTimeout, NotARepository, _spawn
 
 REF_ROOT = "refs/ds4-agent"
+MAX_FILE = 50 * 2**20     # an untracked file bigger than this is left out of checkpoints
 KEEP_INDEXES = 20          # private index files kept (one per branch; ~100 bytes per tracked file)
 IDENTITY = {"GIT_AUTHOR_NAME": "ds4-agent", "GIT_AUTHOR_EMAIL": "ds4-agent@localhost",
             "GIT_COMMITTER_NAME": "ds4-agent", "GIT_COMMITTER_EMAIL": "ds4-agent@localhost"}
@@ -71,13 +72,19 @@ class CheckpointRepo:
         except GitError as e:            # no git, too old, a broken config: one line
             raise CheckpointError(str(e)) from None
         self.private = self.git_dir / "ds4-agent"
+        # a project in a subfolder of a repository: its checkpoints hold, compare and restore that
+        # folder only (the agent works there; files elsewhere in the repository are not its to undo)
+        self.prefix = "" if self.shadow else self.git.prefix
+        self._spec = ("--", _literal(self.prefix)) if self.prefix else ()
+        self.skipped: list[str] = []        # untracked files too big to checkpoint, the last snapshot
 
     # -- plumbing -----------------------------------------------------------------------------
     def _git(self, *args: str, index: str | Path | bool = True, input: bytes | None = None) -> str:
         """stdout of `git <args>` at the top of the work tree; CheckpointError on a failure.
         index: True the branch's private index (set by the caller in self._index), a path, or
         False (none named: commands that read no index)."""
-        env = dict(self.git.env, **IDENTITY)
+        # pathspec magic on: every pathspec passed here is ours, wrapped in :(literal) (_literal)
+        env = dict(self.git.env, **IDENTITY, GIT_LITERAL_PATHSPECS="0")
         if index is not False:
             env["GIT_INDEX_FILE"] = str(self._index if index is True else index)
         try:
@@ -116,8 +123,25 @@ class CheckpointRepo:
         """The tree of the work tree now (tracked and untracked, ignored left out)."""
         self._use_index(branch)
         # the untracked cache (kept in our index) skips reading the folders whose mtime is unchanged
-        self._git("-c", "core.untrackedCache=true", "add", "-A", "--ignore-errors")
+        big = self._big_untracked()
+        spec = [*self._spec] or (["--"] if big else [])
+        spec += [f":(exclude,literal,top){p}" for p in big]
+        self._git("-c", "core.untrackedCache=true", "add", "-A", "--ignore-errors", *spec)
+        self.skipped = big
         return self._git("write-tree").strip()
+
+    def _big_untracked(self) -> list[str]:
+        """New files (in no checkpoint yet) over MAX_FILE: left out (each would be hashed and stored
+        whole, seconds and its size on disk; /undo leaves them as they are)."""
+        out = self._git("-c", "core.untrackedCache=true", "ls-files", "-z", "-o", "--exclude-standard", *self._spec)
+        big = []
+        for p in out.split("\0"):
+            try:
+                if p and os.lstat(self.top / p).st_size > MAX_FILE:
+                    big.append(p)
+            except OSError:
+                pass
+        return big
 
     def commit(self, branch: str, name: str, tree: str, meta: dict, parent: str | None = None,
                also: tuple[str, ...] = ()) -> str:
@@ -162,7 +186,7 @@ class CheckpointRepo:
         """(status, path) of every file that differs from tree a to tree b (A, D, M, T)."""
         if a == b:
             return []
-        out = self._git("diff-tree", "-r", "-z", "--no-renames", "--name-status", a, b, index=False)
+        out = self._git("diff-tree", "-r", "-z", "--no-renames", "--name-status", a, b, *self._spec, index=False)
         f = out.split("\0")
         return [(f[i][:1], f[i + 1]) for i in range(0, len(f) - 1, 2)]
 
@@ -171,7 +195,7 @@ class CheckpointRepo:
         if a == b:
             return ""
         out = self._git("diff-tree", "-r", "-p", "--stat", "--no-renames", "--no-textconv", "--no-ext-diff",
-                        a, b, index=False)
+                        a, b, *self._spec, index=False)
         return out if len(out) <= limit else out[:limit] + f"\n[... diff cut at {limit} characters]"
 
     # -- restoring ------------------------------------------------------------------------------
@@ -181,11 +205,12 @@ class CheckpointRepo:
         tree now): files that differ are written, files absent from target are deleted, files in
         `keep` are left as they are, ignored files are never seen. Returns the paths changed and
         the tree of the work tree after."""
-        changes = [(s, p) for s, p in self.changes(current, target) if p not in keep]
+        inside = self.prefix + "/" if self.prefix else ""
+        changes = [(s, p) for s, p in self.changes(current, target) if p not in keep and p.startswith(inside)]
         gone = [p for s, p in changes if s == "D"]
         write = [p for s, p in changes if s != "D"]
         for p in gone:               # first: a file may come back where a folder is now
-            _remove(self.top, p)
+            _remove(self.top, p, self.top / self.prefix if self.prefix else self.top)
         if write:
             tmp = self.private / f"restore-{os.getpid()}.idx"
             try:
@@ -212,16 +237,21 @@ def _init_bare(git_dir: Path, timeout: float):
                               f"{r.stderr.decode('utf-8', 'replace').strip()}")
 
 
+def _literal(path: str) -> str:
+    return f":(literal,top){path}"     # a folder named `*` is a name, not a pattern
+
+
 def _check_branch(branch: str):
     # the branch names a ref and a file: 12 hex digits from the agent, nothing else
     if not branch or not all(c in "0123456789abcdef" for c in branch):
         raise CheckpointError(f"bad branch id {branch!r}")
 
 
-def _remove(top: Path, rel: str):
-    """Delete one file (or symlink) of the work tree, then the folders it leaves empty."""
+def _remove(top: Path, rel: str, stop: Path):
+    """Delete one file (or symlink) of the work tree, then the folders it leaves empty, up to
+    `stop` (the project folder: never itself, nothing above it)."""
     p = top / rel
-    if not os.path.realpath(p.parent).startswith(str(top) + os.sep) and p.parent != top:
+    if not os.path.realpath(p.parent).startswith(str(stop) + os.sep) and p.parent != stop:
         raise CheckpointError(f"{rel}: its folder is no longer inside the project; not deleted")
     try:
         if p.is_symlink() or p.is_file():
@@ -229,7 +259,7 @@ def _remove(top: Path, rel: str):
     except OSError as e:
         raise CheckpointError(f"cannot delete {rel}: {e.strerror or e}") from None
     d = p.parent
-    while d != top and top in d.parents:
+    while d != stop and stop in d.parents:
         try:
             d.rmdir()
         except OSError:
