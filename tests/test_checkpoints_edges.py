@@ -115,3 +115,31 @@ def test_symlinks_and_the_executable_bit_come_back(tmp_path):
     assert sorted(changed) == ["link", "run.sh"]
     assert os.readlink(proj / "link") == "run.sh"
     assert stat.S_IMODE((proj / "run.sh").stat().st_mode) & 0o100
+
+
+def test_a_folder_it_cannot_write_is_one_error(repo_ro, tmp_path, monkeypatch):
+    """A read-only .git (tests run as root, so a chmod would not stop them: mkdir is made to fail)
+    or shadow root: a CheckpointError in one line, which the agent turns into one warning."""
+    from pathlib import Path
+    real = Path.mkdir
+
+    def denied(self, *a, **k):
+        if "ds4-agent" in self.parts or "shadow" in self.parts:
+            raise PermissionError(13, "Permission denied")
+        return real(self, *a, **k)
+    monkeypatch.setattr(Path, "mkdir", denied)
+    with pytest.raises(tc.CheckpointError, match="Permission denied"):
+        CheckpointRepo(repo_ro, tmp_path / "shadow").snapshot(BRANCH)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(tc.CheckpointError, match="cannot create"):
+        CheckpointRepo(plain, tmp_path / "shadow" / "deeper")
+
+
+@pytest.fixture
+def repo_ro(tmp_path):
+    root = tmp_path / "ro"
+    root.mkdir()
+    git(root, "init", "-q", "-b", "main")
+    (root / "a.txt").write_text("a\n")
+    return root

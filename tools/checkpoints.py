@@ -102,7 +102,10 @@ class CheckpointRepo:
         """The branch's private index; a new branch starts from the newest other one (its stat
         cache is as good: the work tree is the same), so a new session's first checkpoint is warm."""
         _check_branch(branch)
-        self.private.mkdir(parents=True, exist_ok=True)
+        try:
+            self.private.mkdir(parents=True, exist_ok=True)
+        except OSError as e:        # a read-only repository (or disk full): one line, the tool still runs
+            raise CheckpointError(f"cannot write {self.private}: {e.strerror or e}") from None
         self._index = self.private / f"index-{branch}"
         if self._index.exists():
             return
@@ -226,7 +229,10 @@ class CheckpointRepo:
 # -- helpers -----------------------------------------------------------------------------------------
 def _init_bare(git_dir: Path, timeout: float):
     from .gitsafe import FIXED_CONFIG, _config_env, base_env
-    git_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        git_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {git_dir.parent}: {e.strerror or e}") from None
     env = _config_env(base_env(None), list(FIXED_CONFIG))
     try:
         r = _spawn(["git", "init", "-q", "--bare", str(git_dir)], git_dir.parent, env, timeout, None)
