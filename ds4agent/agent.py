@@ -439,7 +439,8 @@ class Agent:
             return None
         self.current_sha, self._continues = info.sha, None
         self.session_name = info.name or info.sha[:8]
-        self.branch = info.branch or self.branch     # the same text saved by another timeline: its branch
+        # (self.branch stays: a record another timeline saved first keeps that one's branch, but this
+        # timeline's checkpoints and pool entry are under its own; taking the other's hid them)
         self.modified = False
         if not quiet:
             self.emit(E.Notice(f"saved session {info.sha[:8]} ({info.tokens} tokens)"))

@@ -1,6 +1,7 @@
 """Checkpoints before every tool call that can change files, and /undo, /redo, /checkpoints.
 
-Before an approved `write`, `edit`, `bash` or `git_commit` runs, the work tree is checkpointed
+Before an approved `write`, `edit`, `bash` or `git_commit` runs (or an MCP tool not annotated
+read-only), the work tree is checkpointed
 (tools/checkpoints.py: a commit on refs/ds4-agent/<branch>/<n>, nothing of the user's touched); after
 it, the tree it left is recorded too (`<n>-after`), with the files the step changed. A checkpoint's
 message (JSON) records its turn, time, the step before it, and where its turn started on the KV
@@ -28,8 +29,8 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from sessions import SessionStoreError
-from tools.checkpoints import CheckpointError, CheckpointRepo, CheckpointTimeout, Ref
+from sessions import KVFileError, SessionStoreError, read_header
+from tools.checkpoints import MAX_FILE, CheckpointError, CheckpointRepo, CheckpointTimeout, Ref
 
 from . import events as E
 from .home import agent_home
@@ -104,7 +105,7 @@ class Checkpoints:
     def turn_started(self, text: str) -> str:
         """At the start of a user turn: record where it starts; returns the message to send."""
         a = self.agent
-        self._redo = None
+        self._drop_redo()
         self._start = {"pos": a.session.pos, "eos": a.pending_eos, "tlen": len(a.transcript),
                        "sha": a.current_sha if not a.modified else None, "tok": tokens_hash(a.session.tokens),
                        "turn": 1 + sum(1 for m in a.transcript if m.role == "user")}
@@ -115,13 +116,16 @@ class Checkpoints:
 
     def before_tool(self, name: str):
         self._pending = None
-        if not self.enabled or name not in CHANGING:
+        if not self.enabled or not self._changes_files(name):
             return
-        self._redo = None
+        self._drop_redo()
         t0 = time.perf_counter()
         try:
             repo, branch = self._load()
             tree = repo.snapshot(branch)
+            if repo.skipped:
+                self._warn(f"left out of checkpoints (over {MAX_FILE >> 20} MB, /undo will not restore them): "
+                           f"{', '.join(repo.skipped[:3])}{' ...' if len(repo.skipped) > 3 else ''}")
             n = max(self._steps, default=0) + 1
             prev = self._steps.get(self._head)
             start = self._start or self._start_now()
@@ -140,6 +144,11 @@ class Checkpoints:
         except CheckpointError as e:
             self._warn(f"no checkpoint before this {name} call: {e}")
         self.last_ms = (time.perf_counter() - t0) * 1000
+
+    def _changes_files(self, name: str) -> bool:
+        # an MCP server's tool (a filesystem server writes files) too, unless annotated read-only
+        mcp = getattr(self.agent, "mcp", None)
+        return name in CHANGING or (mcp is not None and mcp.owns(name) and mcp.changes_files(name))
 
     def after_tool(self, name: str):
         step, self._pending = self._pending, None
@@ -294,7 +303,11 @@ class Checkpoints:
         self._left = left
         conv = self._rewind(plan, why, start, redo.sha)
         redo.tok_after = tokens_hash(self.agent.session.tokens)
-        self._redo = redo
+        old, self._redo = self._redo, redo
+        if old is not None and old.sha != redo.sha:
+            self._redo = old
+            self._drop_redo()           # a second /undo: /redo returns to the first one's result only
+            self._redo = redo
         steps = f"step {target.n}" if target is applied[-1] else f"steps {target.n}-{applied[-1].n}"
         out = [f"undid {steps}: {_files_line(changed)}", conv]
         if keep:
@@ -384,6 +397,31 @@ class Checkpoints:
                                    f"{', '.join(external[:5])}{' ...' if len(external) > 5 else ''}"):
             return set(external)
         return set()
+
+    def _drop_redo(self):
+        """/redo is no longer possible (a new turn, a tool call, another /undo): the session saved
+        for it is the undone conversation, which would stay in /list as a stray session. It is
+        deleted when nothing else holds it: no name, no pin, no pending fork, saved by this branch,
+        no live timeline on it, no saved session descending from it (the store's pruning rules)."""
+        r, self._redo = self._redo, None
+        a, store = self.agent, self.agent.store
+        if r is None or not r.sha or store is None or r.sha == a.current_sha:
+            return
+        if any(t.current_sha == r.sha for t in a.timelines.left.values()):
+            return
+        try:
+            e = store.info(r.sha)
+            if e.name or e.pinned or e.forks or e.branch != r.branch or not e.ok:
+                return
+            others = [o for o in store.list("all") if o.sha != r.sha]
+            n = read_header(e.path)[0].text_bytes
+            if any(store._descends(o, r.sha, n) for o in others):
+                return
+            store.delete(r.sha)
+        except (OSError, SessionStoreError, KVFileError):
+            return              # it stays: a stray session, never a failed turn
+        if a._continues == r.sha:
+            a._continues = None
 
     # -- /redo ------------------------------------------------------------------------------------
     def redo(self) -> str:

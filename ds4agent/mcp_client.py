@@ -58,6 +58,7 @@ class McpTool:
     remote: str                # the server's own name for it
     description: str
     schema: dict               # inputSchema
+    read_only: bool = False    # annotations.readOnlyHint: no checkpoint before it (it changes no file)
 
     def schema_json(self) -> str:
         fn = {"name": self.name, "description": self.description[:MAX_DESCRIPTION], "parameters": self.schema}
@@ -220,6 +221,11 @@ class McpManager:
         """The started servers' tools as function schemas: by server, then tool name."""
         return [t.schema_json() for t in sorted(self._tools.values(), key=lambda t: (t.server, t.name))]
 
+    def changes_files(self, name: str) -> bool:
+        """Whether a call may change files (a checkpoint goes first): any tool not annotated readOnlyHint."""
+        t = self._tools.get(name)
+        return t is not None and not t.read_only
+
     def needs_approval(self, name: str) -> bool:
         t = self._tools[name]
         if any(fnmatch.fnmatchcase(name, p) for p in self.config.allow):
@@ -346,7 +352,8 @@ async def _list_tools(session) -> list[dict]:
 def _tool(server: str, d: dict) -> McpTool:
     schema = d.get("inputSchema") if isinstance(d.get("inputSchema"), dict) else {"type": "object", "properties": {}}
     return McpTool(tool_name(server, d.get("name", "")), server, d.get("name", ""),
-                   " ".join(str(d.get("description") or d.get("title") or "").split()), schema)
+                   " ".join(str(d.get("description") or d.get("title") or "").split()), schema,
+                   read_only=isinstance(d.get("annotations"), dict) and d["annotations"].get("readOnlyHint") is True)
 
 
 def check_arguments(schema: dict, args) -> dict:
