@@ -45,7 +45,7 @@ def _ulps(got, ref):
     return np.abs(got.view(np.int32).astype(np.int64) - ref.view(np.int32).astype(np.int64))
 
 
-@pytest.mark.parametrize("T,H,D,n", [(1, 64, 512, 131), (2, 20, 72, 33), (3, 13, 515, 58), (1, 9, 24, 1)])
+@pytest.mark.parametrize("T,H,D,n", [(1, 64, 512, 131), (2, 20, 72, 33), (3, 13, 515, 150), (1, 9, 24, 1)])
 def test_attention_units_and_tiles_keep_the_bits(C, T, H, D, n):
     q, segs, sinks, scale = _case(T, H, D, n, seed=T * 7919 + H * 31 + D)
     ref = REF.attention(q, segs, sinks, scale)
