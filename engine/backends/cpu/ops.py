@@ -76,7 +76,7 @@ class CpuOps(FastOps, NumpyOps):
 
     @staticmethod
     def attention(q, segments, sinks, scale):
-        # in C (per query and 4 heads, register tiles, units over the threads): a decode step's
+        # in C (per query and up to 16 heads, register tiles, units over the threads): a decode step's
         # attention beats FastOps' (one query: 64-head BLAS calls on one thread); a prefill block about
         # as fast as FastOps' threaded queries. A query's result depends on its keys alone. Where the
         # build has no attention kernel (the portable one), the reference's own float64 form: FastOps'
