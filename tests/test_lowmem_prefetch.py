@@ -71,6 +71,9 @@ def test_prefetcher_issues_pieces_in_order(tiny_q2):
         assert p.wait(10)
         assert p.trace == P.pieces(ranges, 2 * PAGE)
         assert p.issued == 6 * PAGE and p.skipped == 0
+        p.trace = []
+        p.issue([(PAGE, 4 * PAGE)])                 # in this thread: done when it returns
+        assert p.trace == [(PAGE, 2 * PAGE), (3 * PAGE, PAGE)] and p.issued == 9 * PAGE
     finally:
         p.close()
     p.submit([(0, PAGE)])          # after close: ignored, not an error

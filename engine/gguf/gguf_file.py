@@ -275,13 +275,15 @@ class GGUFFile:
         """Every tensor view comes from the resident copy (complete)."""
         return self._copy is not None and self._copy.complete
 
-    def willneed(self, arrays) -> None:
+    def willneed(self, arrays, now: bool = False) -> None:
         """Ask the kernel to read these views of the map ahead, asynchronously, in large reads
         (lowmem paging: the pages a step is about to touch, instead of faults met one readahead
         window at a time). Views not backed by this map are ignored; so are madvise failures.
-        With lowmem's thread the ranges are merged, sorted into file order and issued there."""
+        With lowmem's thread the ranges are merged, sorted into file order and issued there, or
+        (`now`) in this thread before this returns."""
         if self._prefetch is not None and self._resident is None and self._mm is not None:
-            self._prefetch.submit(prefetch.page_ranges(self._spans(arrays)))
+            ranges = prefetch.page_ranges(self._spans(arrays))
+            (self._prefetch.issue if now else self._prefetch.submit)(ranges)
             return
         self._advise_views(arrays, mmap.MADV_WILLNEED)
 

@@ -50,14 +50,19 @@ def expert_advice(n_tokens: int) -> int:
 
 
 class StepHints:
-    """Model.pager for a GGUFFile in lowmem paging: called with map views the step is about to
-    read; begin_step(n_tokens) at each forward step's start."""
+    """Model.pager for a GGUFFile in lowmem paging: called with map views the step will read
+    soon (the thread asks for them); now(views) for what it reads next (asked for in the caller's
+    thread, so a thread that lags behind a loaded machine never leaves them to 4 KiB faults);
+    begin_step(n_tokens) at each forward step's start."""
 
     def __init__(self, gguf):
         self.gguf = gguf
 
     def __call__(self, arrays) -> None:
         self.gguf.willneed(arrays)
+
+    def now(self, arrays) -> None:
+        self.gguf.willneed(arrays, now=True)
 
     def begin_step(self, n_tokens: int) -> None:
         self.gguf.begin_step(n_tokens)
@@ -134,6 +139,20 @@ class Prefetcher:
             self._pending += 1
             self._idle.clear()
         self._q.put((self.step, list(ranges)))
+
+    def issue(self, ranges) -> None:
+        """WILLNEED for these ranges in the caller's thread, before this returns (the reads
+        themselves stay asynchronous)."""
+        if self._closed:
+            return
+        for off, n in pieces(ranges, self.cap):
+            try:
+                os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return
+            self.issued += n
+            if self.trace is not None:
+                self.trace.append((off, n))
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once every submitted request has been issued or skipped (tests, benchmarks)."""

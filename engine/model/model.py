@@ -346,8 +346,14 @@ class Model:
         f32 = xp.float32
         tot = xp.maximum(tot, xp.asarray(2.0 ** -14, dtype=f32)) if ops.numerics == "ds4" else tot + xp.asarray(1e-20, dtype=f32)
         wsel = (wsel / tot * xp.asarray(c.expert_weights_scale, dtype=f32)).astype(f32)
-        if self.pager and len(tokens) <= EXPERT_HINT_TOKENS and lw.tid2eid is None:   # (hash: _hint_step)
-            self.pager(_expert_views(lw, xp.unique(sel)))
+        if self.pager and len(tokens) <= EXPERT_HINT_TOKENS:
+            # asked for in this thread (the next thing read); a hash layer's were asked for
+            # ahead at the step's start, and again here in case that thread fell behind
+            now = getattr(self.pager, "now", None)
+            if now is not None:
+                now(_expert_views(lw, xp.unique(sel)))
+            elif lw.tid2eid is None:
+                self.pager(_expert_views(lw, xp.unique(sel)))
         y = ops.moe(lw, u, sel, wsel, np.float32(self.c.swiglu_clamp[lw.il]))      # routed + shared
         return self._hc_post(y, X, post, C)
 
