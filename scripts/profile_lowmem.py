@@ -28,6 +28,18 @@ from engine.runtime.session import Engine, Session      # noqa: E402
 from engine.bench import default_prompt_file            # noqa: E402
 
 
+def _sched() -> tuple[float, float]:
+    """This thread's CPU time and time spent runnable but waiting for a CPU (s): the rest of a
+    step's wall time is time it slept (page faults waiting for the disk, OpenMP joins), which a
+    loaded machine does not inflate the way it inflates wall time."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            cpu, wait = f.read().split()[:2]
+        return int(cpu) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
 def _io() -> tuple[int, int]:
     with open("/proc/self/io") as f:
         rb = next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
@@ -67,13 +79,22 @@ def main() -> int:
     p.add_argument("--gen", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--paging", default="lowmem")
+    p.add_argument("--no-hash-ahead", action="store_true",
+                   help="A/B: ask for the hash layers' experts at their own layer, not at the step's start")
     a = p.parse_args()
+    if a.no_hash_ahead and hasattr(M.Model, "_hint_step"):
+        def no_hash(model, tokens):
+            begin = getattr(model.pager, "begin_step", None)
+            if begin is not None:
+                begin(len(tokens))
+            model.pager(model._dense[0])
+        M.Model._hint_step = no_hash
     probe = Probe()
     probe.wrap("_attention", "attn")
     probe.wrap("_ffn", "ffn")
     t0 = time.perf_counter()
     eng = Engine.open(a.model, backend="cpu", threads=a.threads, paging=a.paging)
-    print(f"open {time.perf_counter() - t0:.2f} s, paging {eng.paging}")
+    print(f"open {time.perf_counter() - t0:.2f} s, paging {eng.paging}, map at {eng.file.gguf._map_address():#x}")
     pager_s = [0.0]
     if eng.model.pager is not None:           # the hints' own time (their syscalls, in this thread)
         inner = eng.model.pager
@@ -97,6 +118,7 @@ def main() -> int:
         probe.rows = {}
         pager_s[0] = 0.0
         b0, f0 = _io()
+        c0, w0 = _sched()
         t0 = time.perf_counter()
         if step == 0:
             s.sync(toks)
@@ -104,9 +126,12 @@ def main() -> int:
             s.eval(int(np.argmax(s.logits)))
         dt = time.perf_counter() - t0
         b1, f1 = _io()
-        steps.append((dt, b1 - b0, f1 - f0, dict(probe.rows)))
+        c1, w1 = _sched()
+        slept = dt - (c1 - c0) - (w1 - w0)
+        steps.append((dt, b1 - b0, f1 - f0, dict(probe.rows), slept))
         kind = f"prefill {len(toks)}" if step == 0 else f"decode {step}"
-        print(f"{kind}: {dt * 1e3:.0f} ms, read {(b1 - b0) / 1e6:.1f} MB, {f1 - f0} major faults, {pager_s[0] * 1e3:.1f} ms in paging hints")
+        print(f"{kind}: {dt * 1e3:.0f} ms, read {(b1 - b0) / 1e6:.1f} MB, {f1 - f0} major faults, {pager_s[0] * 1e3:.1f} ms in paging hints, "
+              f"main thread: {(c1 - c0) * 1e3:.0f} ms on a CPU, {(w1 - w0) * 1e3:.0f} ms waiting for one, {slept * 1e3:.0f} ms asleep")
     dec = steps[1:]
     if dec:
         need_exp = eng.config.n_expert_used * expert_bytes
@@ -119,7 +144,8 @@ def main() -> int:
                 cells.append(f"{part} {v[0] * 1e3:6.1f} ms {v[1] / 1e6:7.1f} MB {v[2]:6.0f} flt")
             print(f"layer {il}: " + " | ".join(cells))
         tot = np.mean([d[0] for d in dec]), np.mean([d[1] for d in dec])
-        print(f"step: {tot[0] * 1e3:.0f} ms, {tot[1] / 1e6:.1f} MB read ({tot[1] / tot[0] / 1e6:.0f} MB/s while decoding)")
+        print(f"step: {tot[0] * 1e3:.0f} ms, {tot[1] / 1e6:.1f} MB read ({tot[1] / tot[0] / 1e6:.0f} MB/s while decoding); "
+              f"main thread asleep {np.mean([d[4] for d in dec]) * 1e3:.0f} ms a step (median {np.median([d[4] for d in dec]) * 1e3:.0f})")
     eng.close()
     return 0
 
