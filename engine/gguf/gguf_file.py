@@ -22,7 +22,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import ModelFileError
-from . import paging
+from . import paging, prefetch
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (3,)
@@ -141,6 +141,8 @@ class GGUFFile:
         self._base = None     # address of the map (willneed), taken on first use
         self._copy = None      # the resident copy (paging.ResidentCopy), filled or filling
         self._populate = None  # the background prefault (paging.Populate)
+        self._prefetch = None  # lowmem's read-ahead thread (prefetch.Prefetcher)
+        self._experts = None   # the routed experts' page ranges, and their advice now (lowmem)
         try:
             with open(self.path, "rb") as f:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -166,8 +168,8 @@ class GGUFFile:
         readahead (MADV_NORMAL), and willneed() hints from the forward pass for what it is about
         to read (a layer's dense matrices one layer ahead, the experts routing picked), so pages
         come in as large asynchronous reads and RSS stays bounded by what the page cache may
-        keep. MADV_RANDOM (one 4 KiB read per fault) was measured 10x slower: an expert matrix is
-        2-3 MB read front to back, so readahead wastes little.
+        keep. The hints go to a background thread (prefetch.Prefetcher); begin_step() sets the
+        routed experts' advice per step (prefetch.expert_advice).
         """
         if mode == "prefault":
             if self._populate is None:
@@ -179,6 +181,11 @@ class GGUFFile:
             return "prefault"
         if mode == "lowmem":
             self._mm.madvise(mmap.MADV_NORMAL)
+            if self._prefetch is None:
+                try:
+                    self._prefetch = prefetch.Prefetcher(self.path)
+                except OSError:
+                    pass            # no thread: willneed() advises the map in the caller's thread
             return "lowmem"
         raise ValueError(f"paging mode must be 'prefault' or 'lowmem', not {mode!r}")
 
@@ -268,11 +275,48 @@ class GGUFFile:
         """Every tensor view comes from the resident copy (complete)."""
         return self._copy is not None and self._copy.complete
 
-    def willneed(self, arrays) -> None:
+    def willneed(self, arrays, now: bool = False) -> None:
         """Ask the kernel to read these views of the map ahead, asynchronously, in large reads
         (lowmem paging: the pages a step is about to touch, instead of faults met one readahead
-        window at a time). Views not backed by this map are ignored; so are madvise failures."""
+        window at a time). Views not backed by this map are ignored; so are madvise failures.
+        With lowmem's thread the ranges are merged, sorted into file order and issued there, or
+        (`now`) in this thread before this returns."""
+        if self._prefetch is not None and self._resident is None and self._mm is not None:
+            ranges = prefetch.page_ranges(self._spans(arrays))
+            (self._prefetch.issue if now else self._prefetch.submit)(ranges)
+            return
         self._advise_views(arrays, mmap.MADV_WILLNEED)
+
+    def begin_step(self, n_tokens: int) -> None:
+        """A forward step of n_tokens rows starts (lowmem): hints still queued from the last step
+        are dropped, and the routed experts get the advice prefetch.expert_advice gives."""
+        if self._prefetch is None or self._mm is None:
+            return
+        self._prefetch.begin_step()
+        advice = prefetch.expert_advice(n_tokens)
+        if self._experts is None:
+            spans = [(t.offset, t.nbytes) for t in self.tensors.values() if t.name.endswith("_exps.weight")]
+            self._experts = [prefetch.page_ranges(spans), mmap.MADV_NORMAL]
+        if advice != self._experts[1]:
+            try:
+                for lo, hi in self._experts[0]:
+                    self._mm.madvise(advice, lo, min(hi, self.size) - lo)
+            except (OSError, ValueError):
+                return
+            self._experts[1] = advice
+
+    @property
+    def prefetcher(self):
+        """lowmem's prefetch.Prefetcher (None in other modes): tests and benchmarks wait on it."""
+        return self._prefetch
+
+    def _spans(self, arrays):
+        """(file offset, nbytes) of each array that is a view of this map."""
+        base = self._map_address()
+        for a in arrays:
+            start = a.ctypes.data - base
+            if 0 <= start and start + a.nbytes <= self.size and a.nbytes:
+                yield start, a.nbytes
 
     def dontneed(self, arrays) -> None:
         """Drop these views' pages from this process's mapping (they stay in the page cache, and
@@ -484,8 +528,10 @@ class GGUFFile:
         for w in (getattr(self, "_copy", None), getattr(self, "_populate", None)):
             if w is not None:
                 w.stop()
+        if getattr(self, "_prefetch", None) is not None:
+            self._prefetch.close()
         # the resident copy is freed when the last view of it goes (NumPy holds the buffer)
-        self._copy = self._populate = None
+        self._copy = self._populate = self._prefetch = None
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
             try:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..gguf.config import CSA_RATIO, ModelConfig
 from ..gguf.model_file import QTensor
+from ..gguf.prefetch import EXPERT_HINT_TOKENS
 from .kv_state import KVState, LayerState, frontier_start
 from ..backends.protocol import Ops
 from .weights import CompressorWeights, HCWeights, LayerWeights, ModelWeights, dense_arrays
@@ -42,9 +43,10 @@ class Model:
         c = config
         self.yarn = dict(factor=c.rope_scale_factor, orig_ctx=c.rope_orig_ctx,
                          beta_fast=c.yarn_beta_fast, beta_slow=c.yarn_beta_slow)
-        # paging hints (lowmem: Engine sets pager to the map's willneed): each layer's dense
+        # paging hints (lowmem: Engine sets pager to prefetch.StepHints): each layer's dense
         # matrices are asked for one layer ahead, the output head during the last layer, a
-        # layer's selected experts as soon as routing has picked them
+        # layer's selected experts as soon as routing has picked them (a hash layer's at the
+        # step's start: its routing is the token ids')
         self.pager = None
         self._theta_cache: dict = {}
         head = [t.data for t in (weights.hc_head_fn, weights.output) if isinstance(t, QTensor)]   # (map views)
@@ -85,7 +87,7 @@ class Model:
         e = self.ops.embed(self.w.embd, tokens)                                    # [N, E]
         X = xp.repeat(e[:, None, :], c.n_hc, axis=1).astype(xp.float32)           # [N, n_hc, E]
         if self.pager:
-            self.pager(self._dense[0])
+            self._hint_step(tokens)
         for i, lw in enumerate(self.w.layers):
             if self.pager:
                 self.pager(self._dense[i + 1])
@@ -97,6 +99,19 @@ class Model:
             X = X[-1:]
         logits = self._head(X)
         return logits if all_logits else logits[0]
+
+    def _hint_step(self, tokens: np.ndarray) -> None:
+        """The paging hints known before a step computes anything: layer 0's dense matrices, then
+        every hash layer's routed experts (the table lookup needs only the token ids), so their
+        reads overlap the layers before them."""
+        begin = getattr(self.pager, "begin_step", None)
+        if begin is not None:
+            begin(len(tokens))
+        self.pager(self._dense[0])
+        if len(tokens) <= EXPERT_HINT_TOKENS:
+            for lw in self.w.layers:
+                if lw.tid2eid is not None:
+                    self.pager(_expert_views(lw, np.unique(lw.tid2eid[tokens])))
 
     # -- hyper-connections (§3.2, §3.3) ----------------------------------------------------------
     def _hc_pre(self, hc: HCWeights, X):
@@ -331,8 +346,14 @@ class Model:
         f32 = xp.float32
         tot = xp.maximum(tot, xp.asarray(2.0 ** -14, dtype=f32)) if ops.numerics == "ds4" else tot + xp.asarray(1e-20, dtype=f32)
         wsel = (wsel / tot * xp.asarray(c.expert_weights_scale, dtype=f32)).astype(f32)
-        if self.pager and len(tokens) <= 16:     # (a long chunk picks most experts: more than fits)
-            self.pager([t.expert_data(e) for e in xp.unique(sel) for t in (lw.gate_exps, lw.up_exps, lw.down_exps)])
+        if self.pager and len(tokens) <= EXPERT_HINT_TOKENS:
+            # asked for in this thread (the next thing read); a hash layer's were asked for
+            # ahead at the step's start, and again here in case that thread fell behind
+            now = getattr(self.pager, "now", None)
+            if now is not None:
+                now(_expert_views(lw, xp.unique(sel)))
+            elif lw.tid2eid is None:
+                self.pager(_expert_views(lw, xp.unique(sel)))
         y = ops.moe(lw, u, sel, wsel, np.float32(self.c.swiglu_clamp[lw.il]))      # routed + shared
         return self._hc_post(y, X, post, C)
 
@@ -348,3 +369,7 @@ class Model:
         x = ops.rmsnorm(x, w.out_norm, c.rms_eps)
         return ops.linear(w.output, x)
 
+
+def _expert_views(lw: LayerWeights, experts) -> list:
+    """The map views of these experts' gate, up and down matrices (paging hints)."""
+    return [t.expert_data(int(e)) for e in experts for t in (lw.gate_exps, lw.up_exps, lw.down_exps)]

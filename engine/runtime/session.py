@@ -23,6 +23,7 @@ from ..errors import ModelFileError
 from ..model.kv_state import KVState
 from ..model.model import Model
 from ..gguf.model_file import ModelFile
+from ..gguf.prefetch import StepHints
 from ..backends import registry
 from ..options import PAGING, EngineOptions
 from .batcher import Batcher
@@ -94,7 +95,7 @@ class Engine:
                 m.start_resident(RESIDENT_THREADS, drop_cache=drop)
             eng.paging = "resident" if paging == "resident" else _advise(m, paging)
             if eng.paging == "lowmem" and eng.model.xp is np:     # (hints for host backends that read the map)
-                eng.model.pager = m.gguf.willneed
+                eng.model.pager = StepHints(m.gguf)
             return eng
         except BaseException:
             m.close()

@@ -340,7 +340,7 @@ def hc_pre_mix(pre: np.ndarray, X: np.ndarray):
 
 def attention(q: np.ndarray, segments, sinks: np.ndarray, scale: float):
     """NumpyOps.attention (q [T, H, D]; segments: (keys [K, D] or [T, K, D], mask [T, K] bool);
-    the sink logit in the denominator only; K = V) in C: per query and 4 heads, the scores
+    the sink logit in the denominator only; K = V) in C: per query and up to 16 heads, the scores
     (q . key) * scale, the softmax and the weighted sum of the attended keys in float64 (register
     tiles), the output rounded to float32 once, as the reference, so the two agree to the last bit
     but for a value whose float64 sums straddle a float32 rounding boundary (~2^-29 a value);

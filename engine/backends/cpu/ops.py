@@ -21,6 +21,10 @@ from ...gguf.model_file import QTensor
 from .fast import FastOps
 from ..numpy.ops import NumpyOps
 
+#: the most rows the few-rows expert path takes (a batched decode step's sessions); a prefill
+#: chunk's experts take the general path
+ROWS_MAX = 16
+
 _KERNEL_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
 
 
@@ -72,7 +76,7 @@ class CpuOps(FastOps, NumpyOps):
 
     @staticmethod
     def attention(q, segments, sinks, scale):
-        # in C (per query and 4 heads, register tiles, units over the threads): a decode step's
+        # in C (per query and up to 16 heads, register tiles, units over the threads): a decode step's
         # attention beats FastOps' (one query: 64-head BLAS calls on one thread); a prefill block about
         # as fast as FastOps' threaded queries. A query's result depends on its keys alone. Where the
         # build has no attention kernel (the portable one), the reference's own float64 form: FastOps'
@@ -180,6 +184,10 @@ class CpuOps(FastOps, NumpyOps):
             got = self._experts_one(lw, u, sel, wsel, limit, shared)
             if got is not None:
                 return got
+        elif u.shape[0] <= ROWS_MAX and (np.diff(np.sort(sel, axis=1), axis=1) != 0).all():
+            got = self._experts_rows(lw, u, sel, wsel, limit, shared)
+            if got is not None:
+                return got
         out = np.zeros_like(u)
         picked = []
         for e in np.unique(sel):
@@ -209,6 +217,59 @@ class CpuOps(FastOps, NumpyOps):
         for (_, rows, _), d in zip(picked, ds):
             out[rows] += d
         return out + y_sh if shared else out
+
+    def _experts_rows(self, lw, u, sel, wsel, limit, shared: bool):
+        """_experts for a few rows (a batched decode step: B sessions, k experts each), bit for
+        bit: the same products (an expert picked by several rows takes them as one product), the
+        same SwiGLU, routing weights and each row's sum in ascending expert order, with NumPy calls
+        a step rather than a few per expert (between kernel calls that stream the weights every
+        NumPy call runs from DRAM). A row picked by one expert goes in as a view of u, so the
+        products of one row share one quantization (the kernels quantize an input once a call);
+        outputs land in the rows of one buffer, the shared expert's B rows first. None where the
+        shared expert's width differs from the routed experts' (the general path handles it)."""
+        ge, ue, de = lw.gate_exps, lw.up_exps, lw.down_exps
+        n_ff, n_out = ge.dims[1], de.dims[1]
+        sh = (lw.sh_gate, lw.sh_up, lw.sh_down) if shared else ()
+        if sh and (sh[0].data.shape[0] != n_ff or sh[2].data.shape[0] != n_out):
+            return None
+        B, k = sel.shape
+        flat = sel.reshape(-1)
+        order = np.argsort(flat, kind="stable")          # pairs by expert, then row (as np.nonzero)
+        es, rows = flat[order], order // k
+        cuts = np.flatnonzero(np.diff(es)) + 1
+        spans = list(zip([0] + cuts.tolist(), cuts.tolist() + [len(es)]))
+        h = B if shared else 0
+        G = np.empty((h + len(es), n_ff), dtype=np.float32)
+        V = np.empty_like(G)
+        gt, gw, gx, gy = [w.type_id for w in sh[:2]], [w.data for w in sh[:2]], [u] * len(sh[:2]), []
+        if shared:
+            gy += [G[:h], V[:h]]
+        experts = []
+        for a, b in spans:
+            e = int(es[a])
+            r = int(rows[a])
+            x = u[r:r + 1] if b - a == 1 else np.ascontiguousarray(u[rows[a:b]])
+            experts.append(e)
+            gt += (ge.type_id, ue.type_id)
+            gw += (ge.expert_data(e), ue.expert_data(e))
+            gx += (x, x)
+            gy += (G[h + a:h + b], V[h + a:h + b])
+        K.matmul_q8_into(gt, gw, gx, gy)
+        m = self.swiglu(G, V, limit)
+        m[h:] *= wsel.reshape(-1)[order][:, None]
+        D = np.empty((h + len(es), n_out), dtype=np.float32)
+        K.matmul_q8_into([w.type_id for w in sh[2:]] + [de.type_id] * len(spans),
+                         [w.data for w in sh[2:]] + [de.expert_data(e) for e in experts],
+                         ([m[:h]] if shared else []) + [m[h + a:h + b] for a, b in spans],
+                         ([D[:h]] if shared else []) + [D[h + a:h + b] for a, b in spans])
+        # row i's pairs in ascending expert order: their places in the sorted pairs, sorted
+        at = np.empty(len(es), dtype=np.int64)
+        at[order] = np.arange(len(es))
+        at = np.sort(at.reshape(B, k), axis=1) + h
+        out = np.zeros_like(u)
+        for j in range(k):                                # as out[rows] += d, expert by expert
+            out += D[at[:, j]]
+        return out + D[:h] if shared else out
 
     def _experts_one(self, lw, u, sel, wsel, limit, shared: bool):
         """_experts for one token (decode), bit for bit: the same products, SwiGLU, routing weights

@@ -145,10 +145,13 @@ typedef void (*kern_q8g_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
                             uint8_t *scratch);
 typedef int64_t (*kern_scratch_fn)(int64_t n);
 
-/* attention of one query over n attended keys (rows of D floats at keys[k]), heads h0..h1-1 (at
- * most 4), in float64 with one rounding of the output: q [H, D] (not scaled: the scores are
+/* attention of one query over n attended keys (rows of D floats at keys[k]), heads h0..h1-1 (any
+ * number), in float64 with one rounding of the output: q [H, D] (not scaled: the scores are
  * (q . key) * scale, as the reference's), sinks [H] (the sink logit enters the denominator only),
- * out [H, D]; sbuf: 4 * (n + D) doubles of scratch */
+ * out [H, D]; sbuf: KERN_ATTN_SBUF(h1 - h0, n, D) doubles of scratch. The keys are taken
+ * KERN_ATTN_KC at a time by every head in turn. */
+#define KERN_ATTN_KC 64
+#define KERN_ATTN_SBUF(nh, n, D) ((((nh) + 3) / 4 * 4) * ((n) + 2 * (D) + 1) + 8)
 typedef void (*kern_attn_fn)(const float *q, int64_t D, int64_t h0, int64_t h1, const float *const *keys, int64_t n,
                              const float *sinks, double scale, float *out, double *sbuf);
 

@@ -111,6 +111,11 @@ void kern_fill_avx512(kern_isa *k) {
     k->name = "avx512";
     fill_dq_avx512(k);
     fill_simd_avx512(k);
+    /* F16 weights (the compressors, router and HC of a decode step): 4 tokens take one in-register
+     * pass rather than the panel (a batched decode step of 4 streams; one thread, CPU time,
+     * 2-core Xeon VM: a 4096 x 1024 matrix 1.97 ms against 3.03, the 4096 x 256 router 0.49
+     * against 0.71; docs/perf-h4.md) */
+    k->mvt_max[KT_F16] = 4;
     fill_q8_avx512(k);
     fill_gemm_avx512(k);
 }

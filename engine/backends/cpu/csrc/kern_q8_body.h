@@ -50,6 +50,84 @@ KI __m256i q8_dot_scaled(__m256i acc, __m256i u, __m256i s, __m256i sc16) {
 }
 
 /* ---- Q8_0 weights x Q8_0 activations: y = sum_b (dw_b * dx_b) * (qw_b . qx_b) ---- */
+#ifdef Q8_HAVE_512
+/* AVX-512 form, 8 blocks a step: the weight codes of a block pair are one zmm (|w| and the mask of
+ * its negative bytes, decoded once for all tokens), and a token's codes for the pair one load, so a
+ * token costs a load, a masked negate and a vpdpbusd per pair.  The per-block reduction is what
+ * used to dominate at 2-8 tokens (per block and token: extract, add, convert, a scalar scale
+ * product, broadcast, fma): here the four pairs' int32 lanes are summed across registers with
+ * unpacks (exact integer sums, each lane a block's) to one ymm of the 8 block sums, converted once
+ * and multiplied into the float64 accumulator by the 8 blocks' scale products (dw * dx: exact in
+ * float64) in one fma.  The int sums and the scale products are the exact values of the other
+ * forms; only the order of the float64 additions differs (the result is the exact sum rounded
+ * once, but for ~2^-29 of values, as every build's).  The same kernel runs at every token count,
+ * so set_batch_invariant's promise (a token's bits whatever T) holds. */
+/* the 8 blocks' sums of a group, from p_k = the int32 lanes of blocks 2k (lanes 0-7) and 2k + 1
+ * (lanes 8-15): in block order 0 2 4 6 1 3 5 7 */
+KI __m256i q8_0_sum8(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
+    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p2, p3), _mm512_unpackhi_epi32(p2, p3));
+    /* 128-bit chunk c: the sums of chunk c of p0, p1, p2, p3 (chunks 0-1: block 2k, 2-3: 2k + 1) */
+    const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+    const __m512i o = _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0)); /* chunks 0 2 | 1 3 */
+    return _mm256_add_epi32(_mm512_castsi512_si256(o), _mm512_extracti64x4_epi64(o, 1));
+}
+
+KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd, float *out,
+                       const int nt) {
+    __m512d acc8[Q8_NT];
+    q8acc acc[Q8_NT];
+    for (int t = 0; t < nt; t++) {
+        acc8[t] = _mm512_setzero_pd();
+        acc[t] = q8a_zero();
+    }
+    const __m512i zero = _mm512_setzero_si512();
+    /* the blocks' scales (the first 4 bytes of blocks 0 2 4 6 1 3 5 7 of a group: one gather) and
+     * the activation scales in the same order */
+    const __m256i soff = _mm256_setr_epi32(0, 68, 136, 204, 34, 102, 170, 238);
+    const __m256i dord = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const uint8_t *q = row + 34 * b;
+        __m512i u[4];
+        __mmask64 neg[4];
+        for (int k = 0; k < 4; k++) {
+            /* a prefetch per block pair (68 bytes, about a line), as the ymm form below */
+            PFL(q + 68 * k, 3072, _MM_HINT_T0);
+            PFL(q + 68 * k, 16384, _MM_HINT_T1);
+            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 68 * k + 2))),
+                                                 _mm256_loadu_si256((const __m256i *)(q + 68 * k + 36)), 1);
+            u[k] = _mm512_abs_epi8(w); /* -128 -> 0x80: 128 as the unsigned operand */
+            neg[k] = _mm512_movepi8_mask(w);
+        }
+        const __m128i dh = _mm256_cvtepi32_epi16(_mm256_i32gather_epi32((const int *)q, soff, 1));
+        const __m512d dw = _mm512_cvtps_pd(_mm256_cvtph_ps(dh));
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xb = xq + t * n + 32 * b;
+            __m512i p[4];
+            for (int k = 0; k < 4; k++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(xb + 64 * k));
+                p[k] = _mm512_dpbusd_epi32(zero, u[k], _mm512_mask_sub_epi8(xv, neg[k], zero, xv));
+            }
+            const __m256 dx = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xd + t * (n / 32) + b), dord);
+            const __m512d sc = _mm512_mul_pd(dw, _mm512_cvtps_pd(dx));
+            acc8[t] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(q8_0_sum8(p[0], p[1], p[2], p[3])), sc, acc8[t]);
+        }
+    }
+    for (; b < nb; b++) { /* the last blocks of a row of n % 256 values */
+        const uint8_t *q = row + 34 * b;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 2));
+        const __m256i u0 = _mm256_sign_epi8(w0, w0);
+        const double d0 = KERN_F16(kern_rd16(q));
+        for (int t = 0; t < nt; t++) {
+            const __m256i s0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + t * n + 32 * b)), w0);
+            const __m256i p0 = Q8_DOT_U8S8(_mm256_setzero_si256(), u0, s0);
+            acc[t] = q8a_fma(p0, d0 * xd[t * (n / 32) + b], acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = (float)(_mm512_reduce_add_pd(acc8[t]) + q8a_sum(acc[t]));
+}
+#else
 KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd, float *out,
                        const int nt) {
     q8acc acc[Q8_NT], acc2[Q8_NT];
@@ -91,6 +169,7 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
     }
     for (int t = 0; t < nt; t++) out[t] = (float)(q8a_sum(acc[t]) + q8a_sum(acc2[t]));
 }
+#endif
 
 /* ---- IQ2_XXS weights x Q8_K activations: y = 1/8 sum_b (d_b dx_b) sum_g (2 s_g + 1) (grid.sign . qx) ----
  * Decode cost dominates here (8 bytes carry 32 weights).  The AVX-512 form computes a block's 32

@@ -827,23 +827,23 @@ static void KSUF(panel)(kern_dq_fn dq, const uint8_t *W, ptrdiff_t stride, int64
 }
 
 /* ---- attention of one query (NumpyOps.attention's math: float64 throughout, one rounding of the
- * output; the scores and the weighted sum in register tiles of 4 heads x 4 keys / 4 heads x 32
- * values; exp in double per score) ---- */
-static void KSUF(attn_query)(const float *q, int64_t D, int64_t h0, int64_t h1, const float *const *keys, int64_t n,
-                             const float *sinks, double scale, float *out, double *sbuf) {
-    const int nh = (int)(h1 - h0);
+ * output; exp in double per score). Register tiles of 4 heads x 4 keys (scores) and 4 heads x 32
+ * values (weighted sum); a key is widened to doubles in registers once a tile. Heads h0..h1-1, any
+ * number: the keys are taken a chunk of KERN_ATTN_KC at a time (128 KiB at D 512, in L2) by every
+ * group of 4 heads in turn, so a call reads its keys from L3 or memory twice (scores, sum) however
+ * many heads it has, where one call per 4 heads read them twice per 4 heads (at 2176 keys, 4.25 MiB,
+ * that was half the time). Each score and each output value is summed in the order it always was
+ * (d ascending in 8 lanes, then vdhsum; keys 0..n-1: the output sums wait in acc between chunks),
+ * so the bits depend on neither the chunking nor the heads a call takes. ---- */
+
+/* scores s[h][k] = (q_h . key_k) * scale, as the reference's einsum then * scale, for 4 heads
+ * (qg: their queries as doubles, row stride D; the first nh kept; sg: row stride n) over nc keys */
+KI void KSUF(attn_scores4)(const double *qg, int64_t D, int nh, const float *const *keys, int64_t nc,
+                           double scale, double *sg, int64_t n) {
     const int64_t D8 = D / 8 * 8;
-    /* fixed 4 x 4 tiles (register accumulators): missing heads / keys repeat the first one and
-     * their results are dropped; the 4 heads' queries widened to doubles once (after the scores) */
-    double *qd = sbuf + 4 * n;
-    for (int h = 0; h < 4; h++) {
-        const float *qh = q + (h0 + (h < nh ? h : 0)) * D;
-        for (int64_t d = 0; d < D; d++) qd[h * D + d] = qh[d];
-    }
-    /* scores s[h][k] = (q_h . key_k) * scale, as the reference's einsum then * scale */
-    for (int64_t k0 = 0; k0 < n; k0 += 4) {
-        const int nk = n - k0 < 4 ? (int)(n - k0) : 4;
-        const float *kp[4];
+    for (int64_t k0 = 0; k0 < nc; k0 += 4) {
+        const int nk = nc - k0 < 4 ? (int)(nc - k0) : 4;
+        const float *kp[4]; /* missing keys repeat the first one; their scores are dropped */
         for (int j = 0; j < 4; j++) kp[j] = keys[k0 + (j < nk ? j : 0)];
         VD8 acc[4][4];
         for (int h = 0; h < 4; h++)
@@ -852,21 +852,71 @@ static void KSUF(attn_query)(const float *q, int64_t D, int64_t h0, int64_t h1, 
             VD8 kv[4];
             for (int j = 0; j < 4; j++) kv[j] = vdloadf(kp[j] + d);
             for (int h = 0; h < 4; h++) {
-                const VD8 qv = vdload(qd + h * D + d);
+                const VD8 qv = vdload(qg + h * D + d);
                 for (int j = 0; j < 4; j++) acc[h][j] = vdfma(qv, kv[j], acc[h][j]);
             }
         }
         for (int h = 0; h < nh; h++)
             for (int j = 0; j < nk; j++) {
                 double sc = vdhsum(acc[h][j]);
-                for (int64_t d = D8; d < D; d++) sc += qd[h * D + d] * kp[j][d];
-                sbuf[h * n + k0 + j] = sc * scale;
+                for (int64_t d = D8; d < D; d++) sc += qg[h * D + d] * kp[j][d];
+                sg[h * n + k0 + j] = sc * scale;
             }
     }
+}
+
+/* ag[h][d] += sum over nc keys of p[h][k] key_k[d], d < D8, for 4 heads (pg: their weights at the
+ * chunk's first key, row stride n; ag: row stride D): 4 heads x 32 values per pass, then 8 */
+KI void KSUF(attn_wsum4)(const double *pg, int64_t n, const float *const *keys, int64_t nc, int64_t D8, double *ag,
+                         int64_t D) {
+    int64_t d = 0;
+    for (; d + 32 <= D8; d += 32) {
+        VD8 acc[4][4];
+        for (int h = 0; h < 4; h++)
+            for (int c = 0; c < 4; c++) acc[h][c] = vdload(ag + h * D + d + 8 * c);
+        for (int64_t k = 0; k < nc; k++) {
+            VD8 kv[4];
+            for (int c = 0; c < 4; c++) kv[c] = vdloadf(keys[k] + d + 8 * c);
+            for (int h = 0; h < 4; h++) {
+                const VD8 p = vdset1(pg[h * n + k]);
+                for (int c = 0; c < 4; c++) acc[h][c] = vdfma(p, kv[c], acc[h][c]);
+            }
+        }
+        for (int h = 0; h < 4; h++)
+            for (int c = 0; c < 4; c++) vdstore(ag + h * D + d + 8 * c, acc[h][c]);
+    }
+    for (; d < D8; d += 8) {
+        VD8 acc[4];
+        for (int h = 0; h < 4; h++) acc[h] = vdload(ag + h * D + d);
+        for (int64_t k = 0; k < nc; k++) {
+            const VD8 kv = vdloadf(keys[k] + d);
+            for (int h = 0; h < 4; h++) acc[h] = vdfma(vdset1(pg[h * n + k]), kv, acc[h]);
+        }
+        for (int h = 0; h < 4; h++) vdstore(ag + h * D + d, acc[h]);
+    }
+}
+
+static void KSUF(attn_query)(const float *q, int64_t D, int64_t h0, int64_t h1, const float *const *keys, int64_t n,
+                             const float *sinks, double scale, float *out, double *sbuf) {
+    const int nh = (int)(h1 - h0), ng = (nh + 3) / 4, nhp = 4 * ng;
+    const int64_t D8 = D / 8 * 8;
+    double *sc = sbuf;          /* scores, then weights [nhp][n] (padding heads: weights 0) */
+    double *qd = sc + nhp * n;  /* the queries as doubles [nhp][D] (padding heads repeat h0's) */
+    double *acc = qd + nhp * D; /* the output's sums [nhp][D] (d < D8) */
+    double *den = acc + nhp * D;
+    for (int h = 0; h < nhp; h++) {
+        const float *qh = q + (h0 + (h < nh ? h : 0)) * D;
+        for (int64_t d = 0; d < D; d++) qd[h * D + d] = qh[d];
+    }
+    for (int64_t c0 = 0; c0 < n; c0 += KERN_ATTN_KC) {
+        const int64_t nc = n - c0 < KERN_ATTN_KC ? n - c0 : KERN_ATTN_KC;
+        for (int g = 0; g < ng; g++)
+            KSUF(attn_scores4)(qd + 4 * g * D, D, nh - 4 * g < 4 ? nh - 4 * g : 4, keys + c0, nc, scale,
+                               sc + 4 * g * n + c0, n);
+    }
     /* softmax with the sink in the denominator */
-    double den[4] = {1.0, 1.0, 1.0, 1.0};
     for (int h = 0; h < nh; h++) {
-        double *sh = sbuf + h * n;
+        double *sh = sc + h * n;
         const double sink = sinks[h0 + h];
         double m = sink;
         for (int64_t k = 0; k < n; k++) m = sh[k] > m ? sh[k] : m;
@@ -877,50 +927,24 @@ static void KSUF(attn_query)(const float *q, int64_t D, int64_t h0, int64_t h1, 
         }
         den[h] = dsum;
     }
-    for (int h = nh; h < 4; h++) /* the padding heads' weights: zeros */
-        for (int64_t k = 0; k < n; k++) sbuf[h * n + k] = 0.0;
-    /* out_h = sum_k p[h][k] key_k / den_h, rounded to float32 once: 4 heads x 32 values per pass,
-     * then 8 at a time */
-    int64_t d = 0;
-    for (; d + 32 <= D8; d += 32) {
-        VD8 acc[4][4];
-        for (int h = 0; h < 4; h++)
-            for (int c = 0; c < 4; c++) acc[h][c] = vdzero();
-        for (int64_t k = 0; k < n; k++) {
-            VD8 kv[4];
-            for (int c = 0; c < 4; c++) kv[c] = vdloadf(keys[k] + d + 8 * c);
-            for (int h = 0; h < 4; h++) {
-                const VD8 p = vdset1(sbuf[h * n + k]);
-                for (int c = 0; c < 4; c++) acc[h][c] = vdfma(p, kv[c], acc[h][c]);
-            }
-        }
-        for (int h = 0; h < nh; h++)
-            for (int c = 0; c < 4; c++) {
-                double tmp[8];
-                vdstore(tmp, acc[h][c]);
-                float *o = out + (h0 + h) * D + d + 8 * c;
-                for (int i = 0; i < 8; i++) o[i] = (float)(tmp[i] / den[h]);
-            }
+    for (int h = nh; h < nhp; h++)
+        for (int64_t k = 0; k < n; k++) sc[h * n + k] = 0.0;
+    /* out_h = sum_k p[h][k] key_k / den_h, rounded to float32 once */
+    for (int h = 0; h < nhp; h++)
+        for (int64_t d = 0; d < D8; d++) acc[h * D + d] = 0.0;
+    for (int64_t c0 = 0; c0 < n; c0 += KERN_ATTN_KC) {
+        const int64_t nc = n - c0 < KERN_ATTN_KC ? n - c0 : KERN_ATTN_KC;
+        for (int g = 0; g < ng; g++) KSUF(attn_wsum4)(sc + 4 * g * n + c0, n, keys + c0, nc, D8, acc + 4 * g * D, D);
     }
-    for (; d < D8; d += 8) {
-        VD8 acc[4];
-        for (int h = 0; h < 4; h++) acc[h] = vdzero();
-        for (int64_t k = 0; k < n; k++) {
-            const VD8 kv = vdloadf(keys[k] + d);
-            for (int h = 0; h < 4; h++) acc[h] = vdfma(vdset1(sbuf[h * n + k]), kv, acc[h]);
-        }
-        for (int h = 0; h < nh; h++) {
-            double tmp[8];
-            vdstore(tmp, acc[h]);
-            for (int i = 0; i < 8; i++) out[(h0 + h) * D + d + i] = (float)(tmp[i] / den[h]);
-        }
-    }
-    for (int h = 0; h < nh; h++)
+    for (int h = 0; h < nh; h++) {
+        float *o = out + (h0 + h) * D;
+        for (int64_t d = 0; d < D8; d++) o[d] = (float)(acc[h * D + d] / den[h]);
         for (int64_t dd = D8; dd < D; dd++) {
             double a = 0.0;
-            for (int64_t k = 0; k < n; k++) a += sbuf[h * n + k] * keys[k][dd];
-            out[(h0 + h) * D + dd] = (float)(a / den[h]);
+            for (int64_t k = 0; k < n; k++) a += sc[h * n + k] * keys[k][dd];
+            o[dd] = (float)(a / den[h]);
         }
+    }
 }
 
 static void KSUF(fill_simd)(kern_isa *k) {

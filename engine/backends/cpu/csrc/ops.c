@@ -287,17 +287,21 @@ void ops_store_kv(const float *x, int64_t R, int64_t D, int64_t n_nope, float *o
 
 /* attention(q, sinks, out, segments, scale[, threads]): NumpyOps.attention in C (float64 inside).
  * q and out [T * H, D] (queries not scaled), sinks [1, H]; segments: (keys [K or T * K, D], mask uint8 [T, K],
- * per_query) triples. Units of (query, 4 heads) are split over the threads; a unit's arithmetic
- * does not depend on T or the split. */
+ * per_query) triples. Units of (query, hu heads) are split over the threads: hu is 16 where that
+ * leaves two units a thread, else 8 or 4 (a unit reads its keys twice whatever its heads: larger
+ * units read them less often). A head's arithmetic depends on neither hu, T nor the split. */
 int ops_attention(const kern_isa *K, const float *q, const float *sinks, double scale, int64_t T, int64_t H,
                   int64_t D, const attn_seg *segs, int64_t nseg, int64_t nmax, float *out, int threads) {
-    const int64_t nhb = (H + 3) / 4, units = T * nhb;
+    const int64_t want = 2 * (int64_t)(threads > 0 ? threads : g_threads);
+    int64_t hu = 16;
+    while (hu > 4 && T * ((H + hu - 1) / hu) < want) hu /= 2;
+    const int64_t nhb = (H + hu - 1) / hu, units = T * nhb;
     int failed = 0;
-    const int nt = thread_count(units, units * 4 * (nmax + 1) * D, 64 * 1024, threads);
+    const int nt = thread_count(units, units * hu * (nmax + 1) * D, 64 * 1024, threads);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const float **ptrs = (const float **)malloc((size_t)(nmax + 1) * sizeof(float *));
-        double *sbuf = (double *)malloc((size_t)(4 * (nmax + D) + 4) * sizeof(double));
+        double *sbuf = (double *)malloc((size_t)KERN_ATTN_SBUF(hu, nmax + 1, D) * sizeof(double));
         if (!ptrs || !sbuf) {
 #pragma omp atomic write
             failed = 1;
@@ -314,7 +318,7 @@ int ops_attention(const kern_isa *K, const float *q, const float *sinks, double 
                 for (int64_t k = 0; k < Kn; k++)
                     if (mrow[k]) ptrs[n++] = keys + k * D;
             }
-            const int64_t h0 = 4 * hb, h1 = h0 + 4 < H ? h0 + 4 : H;
+            const int64_t h0 = hu * hb, h1 = h0 + hu < H ? h0 + hu : H;
             K->attn(q + t * H * D, D, h0, h1, ptrs, n, sinks, scale, out + t * H * D, sbuf);
         }
         free(ptrs);
