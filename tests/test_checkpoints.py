@@ -65,8 +65,8 @@ def make(engine, project, root, answer="y", **cfg):
 
 
 def say(agent, text: str, *forced: str):
-    """A turn whose text no other test's timeline has: a save of the very same text by another
-    timeline would hand this one that timeline's branch (agent.save), and its checkpoints with it."""
+    """A turn whose text no other test's timeline has (tests/test_checkpoints_timelines.py checks
+    that a save of the same text by another timeline leaves each its own branch and checkpoints)."""
     agent.force(*forced)
     return agent.submit(f"{text} [{uuid.uuid4().hex[:8]}]")
 
