@@ -145,6 +145,20 @@ class Checkpoints:
             self._warn(f"no checkpoint before this {name} call: {e}")
         self.last_ms = (time.perf_counter() - t0) * 1000
 
+    def forked(self, parent: str):
+        """/fork: the new branch (agent.branch now) starts with the parent's checkpoints, as copied
+        refs (the same commits), so /undo on the fork goes back through the history both share and
+        neither branch's undo moves the other's refs."""
+        if not self.enabled:
+            return
+        try:
+            if self._repo is None:
+                self._repo = CheckpointRepo(self.agent.project_dir, self.shadow_root)
+            self._repo.copy_refs(parent, self.agent.branch)
+            self._branch = None         # read the new branch's steps on next use
+        except CheckpointError as e:
+            self.agent.emit(E.Notice(f"the fork starts with no checkpoints: {e}", "warning"))
+
     def _changes_files(self, name: str) -> bool:
         # an MCP server's tool (a filesystem server writes files) too, unless annotated read-only
         mcp = getattr(self.agent, "mcp", None)

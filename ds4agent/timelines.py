@@ -166,6 +166,7 @@ class Timelines:
             parent.session, parent.transcript = copy, list(parent.transcript)
             self._leave(parent)
         a.branch, a.session_name, a.modified = new_branch, info.name, False
+        a.checkpoints.forked(parent.branch)       # the fork's /undo starts from the shared history
         a._status()
         return (f"forked: you are on {info.name} (a new branch of {parent.session_name} at {info.id}); "
                 f"/switch {parent.session_name} goes back, /list shows the tree")

@@ -143,3 +143,15 @@ def repo_ro(tmp_path):
     git(root, "init", "-q", "-b", "main")
     (root / "a.txt").write_text("a\n")
     return root
+
+
+def test_copied_refs_are_the_same_commits_and_independent(mono, tmp_path):
+    cp = CheckpointRepo(mono, tmp_path / "shadow")
+    t = cp.snapshot(BRANCH)
+    c = cp.commit(BRANCH, "1", t, {"n": 1}, also=("head",))
+    cp.commit(BRANCH, "redo", t, {"redo": True})
+    fork = "0000000000f0"
+    assert cp.copy_refs(BRANCH, fork) == 2                          # 1 and head; redo stays its own
+    assert {n: r.commit for n, r in cp.refs(fork).items()} == {"1": c, "head": c}
+    cp.delete(fork, ["1", "head"])
+    assert set(cp.refs(BRANCH)) == {"1", "head", "redo"}

@@ -41,11 +41,14 @@ def test_fork_switch_and_undo_keep_each_branch_to_itself(engine, repo, sessions_
     parent = agent.branch
     assert agent.command("/fork side").startswith("forked")
     parent_session = agent.timelines.left[parent].session               # its copy, in the pool
-    assert agent.command("/undo").startswith("nothing to undo")        # the fork's own: none yet
+    assert "p.txt" in agent.command("/checkpoints")                     # the history both share
     say(agent, "on the fork", call("write", path="f.txt", content="fork\n"), "ok")
     fork_tokens = agent.session.tokens
-    assert "undid step 1" in agent.command("/undo")
+    assert "undid step 2" in agent.command("/undo")
     assert not (repo / "f.txt").exists() and (repo / "p.txt").exists()   # the parent's step stays
+    assert "undid step 1" in agent.command("/undo")                      # the shared one, on the fork's refs
+    assert not (repo / "p.txt").exists()
+    (repo / "p.txt").write_text("parent\n")                             # (files are shared: put it back)
     agent.command("/switch " + agent.store.info(agent.timelines.left[parent].current_sha).id)
     assert agent.branch == parent and agent.session is parent_session    # the pool's Session
     listing = agent.command("/checkpoints")

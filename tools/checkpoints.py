@@ -157,6 +157,16 @@ class CheckpointRepo:
         self._git("update-ref", "--stdin", index=False, input=lines.encode())
         return sha
 
+    def copy_refs(self, src: str, dst: str) -> int:
+        """Every step ref of branch `src` also under `dst` (the same commits: no object written), in
+        one transaction; returns how many."""
+        _check_branch(dst)
+        refs = [r for r in self.refs(src).values() if r.name != "redo"]
+        if refs:
+            lines = "".join(f"update {REF_ROOT}/{dst}/{r.name} {r.commit}\n" for r in refs)
+            self._git("update-ref", "--stdin", index=False, input=lines.encode())
+        return len(refs)
+
     def set_ref(self, branch: str, name: str, commit: str):
         _check_branch(branch)
         self._git("update-ref", f"{REF_ROOT}/{branch}/{name}", commit, index=False)
