@@ -43,7 +43,7 @@ def expert_advice(n_tokens: int) -> int:
     """The madvise advice for the routed expert tensors during a step of n_tokens rows:
     MADV_RANDOM where every expert the step reads was asked for ahead (a stray fault reads 4 KiB,
     not 8 MiB of unrouted neighbours), MADV_NORMAL for a long chunk, which leans on read-around.
-    DS4_EXPERT_ADVICE=normal keeps MADV_NORMAL throughout (the A/B of docs/perf-h6.md)."""
+    DS4_EXPERT_ADVICE=normal keeps MADV_NORMAL throughout (the A/B in docs/performance.md, "lowmem's hot path")."""
     if n_tokens <= EXPERT_HINT_TOKENS and os.environ.get("DS4_EXPERT_ADVICE") != "normal":
         return mmap.MADV_RANDOM
     return mmap.MADV_NORMAL
