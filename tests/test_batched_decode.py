@@ -397,12 +397,13 @@ def test_bench_slots_runs_and_prints_both_ratios(batch_model, capsys):
 
 
 class _Interrupt(BaseException):
-    """Stands for a KeyboardInterrupt in the thread that runs a batch."""
+    """Any BaseException out of a batched pass."""
 
 
-def test_an_interrupted_executor_hands_the_others_steps_on(cpu_eng, invariant, monkeypatch):
-    """The thread running a batch is interrupted mid-pass: it gets the interrupt, and the other
-    sessions' steps go back to the queue and run (again) on another thread, to the same results."""
+def test_a_pass_that_raises_fails_its_steps_and_the_executor_goes_on(cpu_eng, invariant, monkeypatch):
+    """A batched pass raises even a BaseException mid-pass: every step of that batch gets it in its
+    caller's thread, the batcher's own executor thread lives on, and the steps asked again give
+    the results they give alone (a step writes its KV rows by position)."""
     alone = [_greedy(Session(cpu_eng, 128), p, 5) for p in PROMPTS[:3]]
     real = cpu_eng.model.forward_batch
     fired = []
@@ -437,7 +438,8 @@ def test_an_interrupted_executor_hands_the_others_steps_on(cpu_eng, invariant, m
         got = _threads([lambda i=i: run(i) for i in range(3)])
     finally:
         cpu_eng.stop_batching()
-    assert len(fired) == 1 and fired[0] in [g[2] for g in got]
+    # the pass ran on the batcher's thread, never a caller's (one OpenMP team: batcher.py)
+    assert len(fired) == 1 and fired[0] not in [g[2] for g in got]
     for (ta, la), (tg, lg, _) in zip(alone, got):
         assert ta == tg and np.array_equal(la, lg)
     assert b.stats["max_batch"] == 3

@@ -14,11 +14,15 @@ Use (off by default; engine.runtime.session.Engine):
         for ...: session.eval(token) # (from its own thread; Session's API is unchanged)
     engine.stop_batching()
 
-Deterministic and simple: no executor thread of its own. A thread whose request arrives when no
-step is running becomes the executor: it gathers (until every session registered as generating
-has a request in, or `window_ms` has passed), runs one batch, hands out the results and, while
-its own request is not done, runs the next; then the next waiting thread takes over. One
-session alone (or every generating session already waiting) runs at once: no window to wait.
+One executor thread of its own (started with the first request, ended when batching is off and
+nothing is queued) runs every step: it gathers (until every session registered as generating has
+a request in, or `window_ms` has passed), runs one batch and hands out the results; the callers
+wait. Always the same thread, because the C kernels' OpenMP team belongs to the thread that
+starts a parallel region: when the caller that happened to be free ran each step (the first
+design), every serve slot's thread grew a team of its own, and the idle teams' workers spun for
+their spin count on the 2 cores the running team needed: 4 streams stepped in 235 ms where the
+same forward_batch takes 166 (scripts/bench_slots.py, docs/performance.md). One session alone
+(or every generating session already waiting) runs at once: no window to wait.
 Within one step the order is fixed: decode batches and prefill chunks alternate while both wait;
 a prefill chunk's order is first come, first served (a session's next chunk queues behind others').
 
@@ -60,7 +64,7 @@ class Batcher:
         self._cv = threading.Condition()
         self._decodes: list[_Request] = []
         self._prefills: deque[_Request] = deque()
-        self._busy = False                      # a thread is the executor
+        self._executor: threading.Thread | None = None
         self._generating: dict[int, int] = {}   # id(session) -> nesting depth of generating()
         self._last = PREFILL
         self._recent: set[int] = set()          # id(session) of the last decode batch
@@ -107,56 +111,56 @@ class Batcher:
         req = _Request(session, tokens, all_logits)
         with self._cv:
             (self._decodes.append if len(tokens) == 1 else self._prefills.append)(req)
+            if self._executor is None or not self._executor.is_alive():
+                self._executor = threading.Thread(target=self._execute, name="ds4-batcher", daemon=True)
+                self._executor.start()
             self._cv.notify_all()
-            while not req.done and self._busy:
-                self._cv.wait()
-            if not req.done:
-                self._busy = True
-        if not req.done:
-            self._execute_until(req)
+            try:
+                while not req.done:
+                    self._cv.wait()
+            except BaseException:
+                # the caller gives up (an interrupt): a step not yet taken leaves the queue; one
+                # already running completes, its result unused (a step writes its KV rows by
+                # position, so the session's next step simply writes them again)
+                for q in (self._decodes, self._prefills):
+                    if req in q:
+                        q.remove(req)
+                raise
         if req.error is not None:
             raise req.error
         return req.result
 
     # -- the executor's side -------------------------------------------------------------------
-    def _execute_until(self, own: _Request):
-        batch: list[_Request] = []
-        try:
-            while True:
-                with self._cv:
-                    kind, batch = self._gather()
-                self._run(kind, batch)
-                with self._cv:
-                    self._last = kind
-                    if self.trace is not None:
-                        self.trace.append((kind, [id(r.session) for r in batch], sum(len(r.tokens) for r in batch)))
-                    for r in batch:
-                        r.done = True
-                    batch = []
-                    if own.done:
-                        self._busy = False
-                        self._cv.notify_all()
-                        return
-                    self._cv.notify_all()
-        except BaseException:
-            # (an interrupt in this thread): the others' steps go back to the queue for another
-            # executor (running a step again is harmless); this thread's own request is dropped
+    def _execute(self):
+        while True:
             with self._cv:
+                while not (self._decodes or self._prefills):
+                    if not self.enabled:
+                        self._executor = None
+                        return
+                    self._cv.wait(0.5)      # (batching turned off with nothing queued: end)
+                kind, batch = self._gather()
+                if not batch:
+                    continue
+            try:
+                self._run(kind, batch)
+            except BaseException as e:      # (_run keeps errors per request; this is a last resort)
                 for r in batch:
-                    if r is not own and not r.done:
-                        (self._decodes if len(r.tokens) == 1 else self._prefills).append(r)
-                if own in self._decodes:
-                    self._decodes.remove(own)
-                if own in self._prefills:
-                    self._prefills.remove(own)
-                self._busy = False
+                    r.error = r.error or e
+            with self._cv:
+                self._last = kind
+                if self.trace is not None:
+                    self.trace.append((kind, [id(r.session) for r in batch], sum(len(r.tokens) for r in batch)))
+                for r in batch:
+                    r.done = True
                 self._cv.notify_all()
-            raise
 
     def _gather(self) -> tuple[str, list[_Request]]:
         """(kind, requests) of the next step, taken off the queues (called with the lock held)."""
         deadline = None
         while True:
+            if not self._decodes and not self._prefills:
+                return DECODE, []            # (the only waiting caller gave up)
             if self._prefills and self._last == DECODE:     # alternate while both wait
                 return PREFILL, [self._prefills.popleft()]
             now = time.monotonic()
