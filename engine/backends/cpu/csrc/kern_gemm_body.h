@@ -210,6 +210,24 @@ KI __m512i g_bcast(const void *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* group g's exact integer dots of signed codes (Q8_0, IQ2_XXS): acc[h][t] = the panel's -128 * sum(w)
+ * correction (nc) + sum (x + 128) * w over the group's 32 values, for nh panels x nt tokens */
+KI void g_group_dots(const gpanel *P, const int nh, const int nt, int64_t n, const uint8_t *xu, int64_t g,
+                     __m512i acc[2][G_TT]) {
+    for (int h = 0; h < nh; h++) {
+        const __m512i nc = _mm512_load_si512((const void *)(P[h].nc + 16 * g));
+        for (int t = 0; t < nt; t++) acc[h][t] = nc;
+    }
+    for (int q = 0; q < 8; q++) {
+        __m512i w[2];
+        for (int h = 0; h < nh; h++) w[h] = _mm512_load_si512((const void *)(P[h].wq + 64 * (8 * g + q)));
+        for (int t = 0; t < nt; t++) {
+            const __m512i xb = g_bcast(xu + t * n + 32 * g + 4 * q);
+            for (int h = 0; h < nh; h++) acc[h][t] = _mm512_dpbusd_epi32(acc[h][t], xb, w[h]);
+        }
+    }
+}
+
 /* signed codes (Q8_0, IQ2_XXS): nh panels of 16 rows x nt tokens; xu = activation codes + 128 (n
  * apart), xd their scales (token t, group g: xd[t * ldd + (g >> dsh)]) */
 KI void g_tile_signed(const gpanel *P, const int nh, const int nt, int64_t n, const uint8_t *xu, const float *xd,
@@ -219,18 +237,7 @@ KI void g_tile_signed(const gpanel *P, const int nh, const int nt, int64_t n, co
     for (int h = 0; h < nh; h++)
         for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm512_setzero_pd();
     for (int64_t g = 0; g < n / 32; g++) {
-        for (int h = 0; h < nh; h++) {
-            const __m512i nc = _mm512_load_si512((const void *)(P[h].nc + 16 * g));
-            for (int t = 0; t < nt; t++) acc[h][t] = nc;
-        }
-        for (int q = 0; q < 8; q++) {
-            __m512i w[2];
-            for (int h = 0; h < nh; h++) w[h] = _mm512_load_si512((const void *)(P[h].wq + 64 * (8 * g + q)));
-            for (int t = 0; t < nt; t++) {
-                const __m512i xb = g_bcast(xu + t * n + 32 * g + 4 * q);
-                for (int h = 0; h < nh; h++) acc[h][t] = _mm512_dpbusd_epi32(acc[h][t], xb, w[h]);
-            }
-        }
+        g_group_dots(P, nh, nt, n, xu, g, acc);
         for (int t = 0; t < nt; t++) {
             const __m512d dx = _mm512_set1_pd(xd[t * ldd + (g >> dsh)]);
             for (int h = 0; h < nh; h++) g_fma16(f[h][t], acc[h][t], P[h].sc + 16 * g, dx);
@@ -254,18 +261,7 @@ KI void g_tile_iq2(const gpanel *P, const int nh, const int nt, int64_t n, const
         for (int h = 0; h < nh; h++)
             for (int t = 0; t < nt; t++) bs[h][t] = _mm512_setzero_si512();
         for (int64_t g = 8 * b; g < 8 * b + 8; g++) {
-            for (int h = 0; h < nh; h++) {
-                const __m512i nc = _mm512_load_si512((const void *)(P[h].nc + 16 * g));
-                for (int t = 0; t < nt; t++) acc[h][t] = nc;
-            }
-            for (int q = 0; q < 8; q++) {
-                __m512i w[2];
-                for (int h = 0; h < nh; h++) w[h] = _mm512_load_si512((const void *)(P[h].wq + 64 * (8 * g + q)));
-                for (int t = 0; t < nt; t++) {
-                    const __m512i xb = g_bcast(xu + t * n + 32 * g + 4 * q);
-                    for (int h = 0; h < nh; h++) acc[h][t] = _mm512_dpbusd_epi32(acc[h][t], xb, w[h]);
-                }
-            }
+            g_group_dots(P, nh, nt, n, xu, g, acc);
             for (int h = 0; h < nh; h++) {
                 const __m512i gs = _mm512_load_si512((const void *)(P[h].gs + 16 * g));
                 for (int t = 0; t < nt; t++) bs[h][t] = _mm512_add_epi32(bs[h][t], _mm512_mullo_epi32(acc[h][t], gs));

@@ -50,6 +50,22 @@ KI __m256i q8_dot_scaled(__m256i acc, __m256i u, __m256i s, __m256i sc16) {
 }
 
 /* ---- Q8_0 weights x Q8_0 activations: y = sum_b (dw_b * dx_b) * (qw_b . qx_b) ---- */
+/* blocks [b, nb) of a row one at a time into acc: the tail that both forms below leave */
+KI void q8_0_blocks(const uint8_t *row, int64_t b, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
+                    q8acc *acc, const int nt) {
+    for (; b < nb; b++) {
+        const uint8_t *q = row + 34 * b;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 2));
+        const __m256i u0 = _mm256_sign_epi8(w0, w0);
+        const double d0 = KERN_F16(kern_rd16(q));
+        for (int t = 0; t < nt; t++) {
+            const __m256i s0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + t * n + 32 * b)), w0);
+            const __m256i p0 = Q8_DOT_U8S8(_mm256_setzero_si256(), u0, s0);
+            acc[t] = q8a_fma(p0, d0 * xd[t * (n / 32) + b], acc[t]);
+        }
+    }
+}
+
 #ifdef Q8_HAVE_512
 /* AVX-512 form, 8 blocks a step: the weight codes of a block pair are one zmm (|w| and the mask of
  * its negative bytes, decoded once for all tokens), and a token's codes for the pair one load, so a
@@ -114,17 +130,7 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
             acc8[t] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(q8_0_sum8(p[0], p[1], p[2], p[3])), sc, acc8[t]);
         }
     }
-    for (; b < nb; b++) { /* the last blocks of a row of n % 256 values */
-        const uint8_t *q = row + 34 * b;
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 2));
-        const __m256i u0 = _mm256_sign_epi8(w0, w0);
-        const double d0 = KERN_F16(kern_rd16(q));
-        for (int t = 0; t < nt; t++) {
-            const __m256i s0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + t * n + 32 * b)), w0);
-            const __m256i p0 = Q8_DOT_U8S8(_mm256_setzero_si256(), u0, s0);
-            acc[t] = q8a_fma(p0, d0 * xd[t * (n / 32) + b], acc[t]);
-        }
-    }
+    q8_0_blocks(row, b, nb, n, xq, xd, acc, nt); /* the last blocks of a row of n % 256 values */
     for (int t = 0; t < nt; t++) out[t] = (float)(_mm512_reduce_add_pd(acc8[t]) + q8a_sum(acc[t]));
 }
 #else
@@ -156,17 +162,7 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
             acc2[t] = q8a_fma(p1, d1 * dt[1], acc2[t]);
         }
     }
-    for (; b < nb; b++) {
-        const uint8_t *q = row + 34 * b;
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 2));
-        const __m256i u0 = _mm256_sign_epi8(w0, w0);
-        const double d0 = KERN_F16(kern_rd16(q));
-        for (int t = 0; t < nt; t++) {
-            const __m256i s0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + t * n + 32 * b)), w0);
-            const __m256i p0 = Q8_DOT_U8S8(_mm256_setzero_si256(), u0, s0);
-            acc[t] = q8a_fma(p0, d0 * xd[t * (n / 32) + b], acc[t]);
-        }
-    }
+    q8_0_blocks(row, b, nb, n, xq, xd, acc, nt);
     for (int t = 0; t < nt; t++) out[t] = (float)(q8a_sum(acc[t]) + q8a_sum(acc2[t]));
 }
 #endif
