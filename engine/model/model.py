@@ -85,7 +85,9 @@ class Model:
         pos = np.concatenate([np.arange(g.pos0, g.pos0 + g.r1 - g.r0) for g in segs]) if len(segs) > 1 \
             else np.arange(segs[0].pos0, segs[0].pos0 + len(tokens))             # host: every row's position
         e = self.ops.embed(self.w.embd, tokens)                                    # [N, E]
-        X = xp.repeat(e[:, None, :], c.n_hc, axis=1).astype(xp.float32)           # [N, n_hc, E]
+        # [N, n_hc, E]: one copy (asarray is no copy where e is float32 already; repeat, then
+        # astype, copied the [N, n_hc, E] array twice)
+        X = xp.repeat(xp.asarray(e, dtype=xp.float32)[:, None, :], c.n_hc, axis=1)
         if self.pager:
             self._hint_step(tokens)
         for i, lw in enumerate(self.w.layers):
@@ -207,8 +209,14 @@ class Model:
 
         o = []
         scale = 1.0 / np.sqrt(c.head_dim)
-        for b0 in range(0, T, QUERY_BLOCK):
-            b1 = min(T, b0 + QUERY_BLOCK)
+        # a backend whose attention reads the indexer's picks in place (attention_index: a
+        # segment (keys [N, D], mask, idx [T, k])) needs no [block, k, D] gather, and one whose
+        # attention needs no [T, H, keys] scores may take more queries a call (query_block: the
+        # cpu kernel, one call and no concatenation for a whole chunk)
+        by_index = getattr(ops, "attention_index", False)
+        qb = (getattr(ops, "query_block", None) if sel is None or by_index else None) or QUERY_BLOCK
+        for b0 in range(0, T, qb):
+            b1 = min(T, b0 + qb)
             tq = pos[b0:b1]
             # raw keys of this block: positions [tq0 - n_swa + 1, tq_last]
             k0 = max(lo, tq[0] - c.n_swa + 1)
@@ -219,7 +227,8 @@ class Model:
             if lw.ratio:
                 n_vis = (tq + 1) // lw.ratio                                        # visible rows per query
                 if sel is not None:                                                 # indexer picks (ratio 4)
-                    segments.append((ls.comp[sel[0][b0:b1]], sel[1][b0:b1]))
+                    idx, ok = sel[0][b0:b1], sel[1][b0:b1]
+                    segments.append((ls.comp, ok, idx) if by_index else (ls.comp[idx], ok))
                 else:                                                               # every visible row
                     nmax = int(n_vis[-1])
                     segments.append((ls.comp[:nmax], np.arange(nmax)[None, :] < n_vis[:, None]))

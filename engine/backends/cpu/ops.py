@@ -21,9 +21,21 @@ from ...gguf.model_file import QTensor
 from .fast import FastOps
 from ..numpy.ops import NumpyOps
 
+#: queries per attention call where the C kernel runs it (the model's QUERY_BLOCK bounds the
+#: reference's [T, H, keys] scores; the kernel's per-call memory is the masks, [T, keys] bytes)
+QUERY_BLOCK_C = 2048
+
 #: the most rows the few-rows expert path takes (a batched decode step's sessions); a prefill
 #: chunk's experts take the general path
 ROWS_MAX = 16
+#: from this many rows on (a prefill chunk) the experts take _experts_rows' stacked form too: every
+#: (row, expert) pair's products in the rows of one buffer, a few NumPy calls a layer instead of
+#: several per expert (a gather, a scatter-add and two copies each); between ROWS_MAX and this
+#: (none unless a test moves ROWS_MAX) the expert-by-expert form, which stays the definition
+STACK_MIN = ROWS_MAX + 1
+#: rows of the SwiGLU's in-place passes at a time (a few hundred KB per operand: the eight
+#: elementwise passes run from the cache instead of DRAM)
+SWIGLU_ROWS = 32
 
 _KERNEL_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
 
@@ -74,6 +86,17 @@ class CpuOps(FastOps, NumpyOps):
         got = K.rmsnorm(x, w, eps)
         return got if got is not None else FastOps.rmsnorm(x, w, eps)
 
+    #: segments (keys [N, D], mask, idx [T, k]) are read in place by the C kernel (a pointer per
+    #: attended key): the model hands the indexer's picks over without a [block, k, D] gather
+    attention_index = True
+
+    @property
+    def query_block(self) -> int | None:
+        # the C kernel keeps no [T, H, keys] scores (a query's keys are a pointer list), so a whole
+        # prefill chunk goes in one call and its output needs no concatenation; the reference's
+        # float64 form (portable build) keeps the model's blocks (None)
+        return QUERY_BLOCK_C if K._K is not None and K._K.has_attention() else None
+
     @staticmethod
     def attention(q, segments, sinks, scale):
         # in C (per query and up to 16 heads, register tiles, units over the threads): a decode step's
@@ -81,7 +104,7 @@ class CpuOps(FastOps, NumpyOps):
         # as fast as FastOps' threaded queries. A query's result depends on its keys alone. Where the
         # build has no attention kernel (the portable one), the reference's own float64 form: FastOps'
         # float32 sums would differ from it by an ulp now and then, and the passes would drift
-        got = K.attention(q, segments, sinks, scale)
+        got = _attention_c(q, segments, sinks, scale)
         return got if got is not None else NumpyOps.attention(q, segments, sinks, scale)
 
     def store_kv(self, rows, n_nope):
@@ -184,7 +207,8 @@ class CpuOps(FastOps, NumpyOps):
             got = self._experts_one(lw, u, sel, wsel, limit, shared)
             if got is not None:
                 return got
-        elif u.shape[0] <= ROWS_MAX and (np.diff(np.sort(sel, axis=1), axis=1) != 0).all():
+        elif (u.shape[0] <= ROWS_MAX or u.shape[0] >= STACK_MIN) and \
+                (np.diff(np.sort(sel, axis=1), axis=1) != 0).all():
             got = self._experts_rows(lw, u, sel, wsel, limit, shared)
             if got is not None:
                 return got
@@ -239,6 +263,8 @@ class CpuOps(FastOps, NumpyOps):
         cuts = np.flatnonzero(np.diff(es)) + 1
         spans = list(zip([0] + cuts.tolist(), cuts.tolist() + [len(es)]))
         h = B if shared else 0
+        # many rows: every pair's row gathered once, in pair order (an expert's rows are a slice)
+        U = u[rows] if B > ROWS_MAX else None
         G = np.empty((h + len(es), n_ff), dtype=np.float32)
         V = np.empty_like(G)
         gt, gw, gx, gy = [w.type_id for w in sh[:2]], [w.data for w in sh[:2]], [u] * len(sh[:2]), []
@@ -248,14 +274,14 @@ class CpuOps(FastOps, NumpyOps):
         for a, b in spans:
             e = int(es[a])
             r = int(rows[a])
-            x = u[r:r + 1] if b - a == 1 else np.ascontiguousarray(u[rows[a:b]])
+            x = u[r:r + 1] if b - a == 1 else U[a:b] if U is not None else np.ascontiguousarray(u[rows[a:b]])
             experts.append(e)
             gt += (ge.type_id, ue.type_id)
             gw += (ge.expert_data(e), ue.expert_data(e))
             gx += (x, x)
             gy += (G[h + a:h + b], V[h + a:h + b])
         K.matmul_q8_into(gt, gw, gx, gy)
-        m = self.swiglu(G, V, limit)
+        m = _swiglu_into(G, V, limit)
         m[h:] *= wsel.reshape(-1)[order][:, None]
         D = np.empty((h + len(es), n_out), dtype=np.float32)
         K.matmul_q8_into([w.type_id for w in sh[2:]] + [de.type_id] * len(spans),
@@ -304,6 +330,49 @@ class CpuOps(FastOps, NumpyOps):
                          [w.data for w in sh[2:]] + [de.expert_data(e) for e in experts], m, D)
         out = np.add.reduce(D[h:], axis=0, keepdims=True)   # row by row, as out[rows] += d
         return out + D[:1] if shared else out
+
+
+def _swiglu_into(g: np.ndarray, v: np.ndarray, limit) -> np.ndarray:
+    """FastOps.swiglu(g, v, limit) written into g (v is clobbered too): the same float32
+    operations in the same order, so bit-identical, with no [rows, n_ff] temporaries and
+    SWIGLU_ROWS rows at a time (g and v are scratch buffers of the caller's)."""
+    t = np.empty((min(SWIGLU_ROWS, len(g)), g.shape[1]), dtype=np.float32)
+    with np.errstate(over="ignore"):            # exp(-g) = inf for g < -88: sigmoid 0, as meant
+        for r0 in range(0, len(g), SWIGLU_ROWS):
+            gr, vr = g[r0:r0 + SWIGLU_ROWS], v[r0:r0 + SWIGLU_ROWS]
+            s = t[:len(gr)]
+            np.minimum(gr, limit, out=gr)
+            np.negative(gr, out=s)
+            np.exp(s, out=s)
+            s += 1.0
+            np.divide(1.0, s, out=s)            # sigmoid(g)
+            s *= gr                             # silu(g)
+            np.clip(vr, -limit, limit, out=vr)
+            np.multiply(s, vr, out=gr)
+    return g
+
+
+def _attention_c(q, segments, sinks, scale):
+    """kernels.attention with (keys, mask, idx) segments too (the kernel reads row idx[t, k] of
+    keys for query t's key k); None without the kernel."""
+    if K._K is None or not K._K.has_attention():
+        return None
+    q = np.asarray(q, dtype=np.float32)
+    T, H, D = q.shape
+    segs = []
+    for seg in segments:
+        keys, mask = seg[0], np.ascontiguousarray(seg[1], dtype=bool)
+        if mask.shape[1] == 0:
+            continue                            # no rows yet (e.g. compressed rows before the first)
+        keys = np.ascontiguousarray(keys, dtype=np.float32)
+        if len(seg) > 2:
+            segs.append((keys, mask.view(np.uint8), False, np.ascontiguousarray(seg[2], dtype=np.int64)))
+        else:
+            segs.append((keys.reshape(-1, D), mask.view(np.uint8), keys.ndim == 3))
+    out = np.empty((T, H, D), np.float32)
+    K._K.attention(np.ascontiguousarray(q).reshape(T * H, D), np.ascontiguousarray(sinks, dtype=np.float32).reshape(1, H),
+                   out.reshape(T * H, D), segs, float(scale))
+    return out
 
 
 def available() -> bool:

@@ -169,9 +169,12 @@ class NumpyOps:
         """Softmax attention with per-head sinks, K = V, over concatenated key segments.
 
         q [T, H, D]; segments: (keys, mask) pairs, keys [K, D] shared by all queries or [T, K, D]
-        per query, mask [T, K] bool (True = attend). The sink logit enters the denominator only.
+        per query, mask [T, K] bool (True = attend); or (keys, mask, idx) triples, idx [T, K]
+        int: query t's key k is keys[idx[t, k]] (keys [N, D]; a backend may read the rows in
+        place, this definition gathers them). The sink logit enters the denominator only.
         Returns [T, H, D].
         """
+        segments = [(s[0][s[2]], s[1]) if len(s) > 2 else s for s in segments]
         # float64 inside: a query's result must not depend on how many queries share the call
         q = q.astype(np.float64)
         segments = [(keys.astype(np.float64), mask) for keys, mask in segments]

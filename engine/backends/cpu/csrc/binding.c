@@ -561,26 +561,52 @@ static PyObject *py_store_kv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* one (keys, mask, per_query) segment of attention: both buffers held in kb, mb (released here on
- * an error) and described in seg */
-static int get_segment(PyObject *it, int64_t T, int64_t D, Py_buffer *kb, Py_buffer *mb, attn_seg *seg) {
-    PyObject *ko, *mo;
+/* one (keys, mask, per_query[, idx]) segment of attention: its buffers held in kb, mb, ib (released
+ * here on an error) and described in seg. idx (int64 [T, K], or None): key k of query t is row
+ * idx[t, k] of keys [N, D]; every index is checked against N, attended or not */
+static int get_segment(PyObject *it, int64_t T, int64_t D, Py_buffer *kb, Py_buffer *mb, Py_buffer *ib,
+                       attn_seg *seg) {
+    PyObject *ko, *mo, *io = Py_None;
     int perq;
-    if (!PyArg_ParseTuple(it, "OOp", &ko, &mo, &perq)) return -1;
+    if (!PyArg_ParseTuple(it, "OOp|O", &ko, &mo, &perq, &io)) return -1;
     if (get_f32(ko, kb, 0, "keys", -1, D) < 0) return -1;
     if (PyObject_GetBuffer(mo, mb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyBuffer_Release(kb);
         return -1;
     }
     const int64_t Km = mb->ndim == 2 ? mb->shape[1] : -1;
-    if (mb->ndim != 2 || mb->itemsize != 1 || mb->shape[0] != T || kb->shape[0] != (perq ? T * Km : Km)) {
-        PyErr_SetString(PyExc_ValueError, "attention: a mask must be uint8 [T, K] and its keys [K or T * K, D]");
-        PyBuffer_Release(kb);
-        PyBuffer_Release(mb);
-        return -1;
+    const int has_idx = io != Py_None;
+    if (mb->ndim != 2 || mb->itemsize != 1 || mb->shape[0] != T ||
+        (!has_idx && kb->shape[0] != (perq ? T * Km : Km)) || (has_idx && perq)) {
+        PyErr_SetString(PyExc_ValueError, "attention: a mask must be uint8 [T, K] and its keys [K or T * K, D] "
+                                          "(with idx: [N, D], not per query)");
+        goto fail;
     }
-    *seg = (attn_seg){(const float *)kb->buf, (const uint8_t *)mb->buf, Km, perq};
+    const int64_t *idx = NULL;
+    if (has_idx) {
+        if (PyObject_GetBuffer(io, ib, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto fail;
+        if (ib->ndim != 2 || ib->itemsize != 8 || (!fmt_is(ib, 'q') && !fmt_is(ib, 'l')) || ib->shape[0] != T ||
+            ib->shape[1] != Km) {
+            PyErr_SetString(PyExc_ValueError, "attention: idx must be int64 [T, K], the mask's shape");
+            PyBuffer_Release(ib);
+            goto fail;
+        }
+        idx = (const int64_t *)ib->buf;
+        const int64_t N = kb->shape[0];
+        for (int64_t i = 0; i < T * Km; i++)
+            if (idx[i] < 0 || idx[i] >= N) {
+                PyErr_Format(PyExc_ValueError, "attention: idx %lld is not a row of the %lld keys",
+                             (long long)idx[i], (long long)N);
+                PyBuffer_Release(ib);
+                goto fail;
+            }
+    }
+    *seg = (attn_seg){(const float *)kb->buf, (const uint8_t *)mb->buf, Km, perq, idx};
     return 0;
+fail:
+    PyBuffer_Release(kb);
+    PyBuffer_Release(mb);
+    return -1;
 }
 
 /* attention(q, sinks, out, segments, scale[, threads]): ops_attention; a segment is (keys, mask,
@@ -604,7 +630,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     }
     const int64_t D = qb.shape[1], T = H > 0 ? qb.shape[0] / H : 0;
     PyObject *segf = NULL, *ret = NULL;
-    Py_buffer *kb = NULL, *mb = NULL;
+    Py_buffer *kb = NULL, *mb = NULL, *ib = NULL;
     attn_seg *segs = NULL;
     Py_ssize_t nseg = 0, held = 0;
     if (H < 1 || qb.shape[0] != T * H) {
@@ -623,14 +649,16 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     nseg = PySequence_Fast_GET_SIZE(segf);
     kb = (Py_buffer *)calloc((size_t)nseg + 1, sizeof(Py_buffer));
     mb = (Py_buffer *)calloc((size_t)nseg + 1, sizeof(Py_buffer));
+    ib = (Py_buffer *)calloc((size_t)nseg + 1, sizeof(Py_buffer));
     segs = (attn_seg *)calloc((size_t)nseg + 1, sizeof(attn_seg));
-    if (!kb || !mb || !segs) {
+    if (!kb || !mb || !ib || !segs) {
         PyErr_NoMemory();
         goto done;
     }
     int64_t nmax = 0;
     for (; held < nseg; held++) {
-        if (get_segment(PySequence_Fast_GET_ITEM(segf, held), T, D, &kb[held], &mb[held], &segs[held]) < 0) goto done;
+        if (get_segment(PySequence_Fast_GET_ITEM(segf, held), T, D, &kb[held], &mb[held], &ib[held], &segs[held]) < 0)
+            goto done;
         nmax += segs[held].K;
     }
     {
@@ -650,9 +678,11 @@ done:
     for (Py_ssize_t i = 0; i < held; i++) {
         PyBuffer_Release(&kb[i]);
         PyBuffer_Release(&mb[i]);
+        if (segs[i].idx) PyBuffer_Release(&ib[i]);
     }
     free(kb);
     free(mb);
+    free(ib);
     free(segs);
     Py_XDECREF(segf);
     PyBuffer_Release(&qb);

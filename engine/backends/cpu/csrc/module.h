@@ -83,12 +83,14 @@ void ops_hc_pre_mix(const float *P, const float *X, int64_t T, int64_t n, int64_
 void ops_store_kv(const float *x, int64_t R, int64_t D, int64_t n_nope, float *out, int threads);
 
 /* one segment of attention's keys: keys [K or T * K, D] (per_query: each query its own K rows),
- * mask uint8 [T, K] */
+ * mask uint8 [T, K]; with idx (int64 [T, K]) key k of query t is row idx[t, k] of keys [N, D]
+ * (the indexer's picks read in place: no [T, K, D] gather) */
 typedef struct {
     const float *keys;
     const uint8_t *mask;
     int64_t K;
     int per_query;
+    const int64_t *idx;
 } attn_seg;
 
 int ops_attention(const kern_isa *K, const float *q, const float *sinks, double scale, int64_t T, int64_t H,

@@ -287,7 +287,7 @@ void ops_store_kv(const float *x, int64_t R, int64_t D, int64_t n_nope, float *o
 
 /* attention(q, sinks, out, segments, scale[, threads]): NumpyOps.attention in C (float64 inside).
  * q and out [T * H, D] (queries not scaled), sinks [1, H]; segments: (keys [K or T * K, D], mask uint8 [T, K],
- * per_query) triples. Units of (query, hu heads) are split over the threads: hu is 16 where that
+ * per_query) triples, or with idx rows of keys picked per query (attn_seg). Units of (query, hu heads) are split over the threads: hu is 16 where that
  * leaves two units a thread, else 8 or 4 (a unit reads its keys twice whatever its heads: larger
  * units read them less often). A head's arithmetic depends on neither hu, T nor the split. */
 int ops_attention(const kern_isa *K, const float *q, const float *sinks, double scale, int64_t T, int64_t H,
@@ -315,6 +315,12 @@ int ops_attention(const kern_isa *K, const float *q, const float *sinks, double 
                 const int64_t Kn = segs[s].K;
                 const uint8_t *mrow = segs[s].mask + t * Kn;
                 const float *keys = segs[s].keys + (segs[s].per_query ? t * Kn * D : 0);
+                if (segs[s].idx) {
+                    const int64_t *irow = segs[s].idx + t * Kn;
+                    for (int64_t k = 0; k < Kn; k++)
+                        if (mrow[k]) ptrs[n++] = keys + irow[k] * D;
+                    continue;
+                }
                 for (int64_t k = 0; k < Kn; k++)
                     if (mrow[k]) ptrs[n++] = keys + k * D;
             }
