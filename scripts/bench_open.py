@@ -8,6 +8,15 @@ and prints them as ratios against the budgets of the foundation issue (1 s, 64 M
 also times `gguf.GGUFReader` on the same file.
 
     python scripts/bench_open.py [--path /tmp/bench-4g.gguf] [--keep]
+
+With --engine FILE it times `Engine.open` itself (cpu backend, 2 threads) on an existing file, in
+each paging mode, one open per fresh process (the first call's lazy imports count, the imports
+before it do not), wall clock and the calling thread's CPU time. With --baseline DIR (a worktree
+of another commit, its extension built) each round runs the two trees alternately, baseline
+first on even rounds, so a busy minute hits both; each child runs from its tree's root with that
+tree first on sys.path.
+
+    python scripts/bench_open.py --engine /tmp/f4.gguf --baseline /tmp/wt-c0 --rounds 5
 """
 from __future__ import annotations
 
@@ -40,6 +49,51 @@ print(json.dumps({'seconds': dt, 'rss_growth': rss() - r0, 'tensors': n}))
 """
 
 
+ENGINE_CHILD = r"""
+import json, sys, time, warnings
+warnings.simplefilter("ignore")
+import numpy, gguf, tokenizers  # imports are not part of opening a file
+from engine import Engine, EngineOptions
+path, paging = sys.argv[1], sys.argv[2]
+opts = EngineOptions(backend="cpu", paging=paging, threads=2)
+t0, c0 = time.perf_counter(), time.thread_time()
+eng = Engine.open(path, opts)
+dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+print(json.dumps({"seconds": dt, "cpu": dc, "paging": eng.paging}))
+eng.close()
+"""
+
+
+def engine_child(tree, path, paging):
+    env = dict(os.environ, PYTHONPATH=tree)
+    out = subprocess.run([sys.executable, "-c", ENGINE_CHILD, path, paging], capture_output=True, text=True,
+                         check=True, cwd=tree, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_engine(a):
+    """Engine.open in each paging mode, this tree against --baseline, alternating."""
+    import statistics
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = [("new", here)] + ([("old", os.path.abspath(a.baseline))] if a.baseline else [])
+    modes = a.modes.split(",")
+    got = {(t, m): [] for t, _ in trees for m in modes}
+    for r in range(a.rounds):
+        order = trees if r % 2 else trees[::-1]
+        for m in modes:
+            for name, tree in order:
+                got[name, m].append(engine_child(tree, a.engine, m))
+    print(f"Engine.open({a.engine}), {a.rounds} rounds, one open per process; seconds min / median")
+    print("| paging | tree | wall min | wall median | CPU min | CPU median |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for m in modes:
+        for name, _ in trees:
+            w = [x["seconds"] for x in got[name, m]]
+            c = [x["cpu"] for x in got[name, m]]
+            print(f"| {m} ({got[name, m][0]['paging']}) | {name} | {min(w):.3f} | {statistics.median(w):.3f} | "
+                  f"{min(c):.3f} | {statistics.median(c):.3f} |")
+
+
 def child(which, path):
     out = subprocess.run([sys.executable, "-c", CHILD, which, path], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
@@ -49,7 +103,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--path", default="/tmp/ds4-bench-4g.gguf")
     ap.add_argument("--keep", action="store_true", help="keep the file afterwards")
+    ap.add_argument("--engine", metavar="FILE", help="time Engine.open on this existing file instead")
+    ap.add_argument("--baseline", metavar="DIR", help="with --engine: a worktree to alternate with")
+    ap.add_argument("--modes", default="resident,prefault,none,lowmem,auto", help="with --engine: paging modes")
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
+    if a.engine:
+        return bench_engine(a)
     from engine.gguf.synth import config_for, write_synthetic
     if not os.path.exists(a.path):
         cfg, vocab = config_for("flash", n_layer=2, ratios=[4, 128], n_expert=160, n_hash_layer=1)

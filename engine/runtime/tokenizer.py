@@ -15,13 +15,16 @@ verbatim, anything else is GPT-2 byte-decoded.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
+import gc
 import re
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ..errors import ModelFileError
+from ..gguf.config import check_merge_table, split_merges
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -60,23 +63,48 @@ def pre_tokenizer():
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-class Tokenizer:
-    def __init__(self, tokens: list[str], merges: list[str]):
-        self.tokens = list(tokens)
-        self.id_of = {s: i for i, s in enumerate(self.tokens)}
-        missing = [m for m in (BOS, EOS) if m not in self.id_of]
-        if missing:
-            raise ValueError(f"the vocabulary lacks {missing[0]!r}")
+@contextlib.contextmanager
+def _no_gc():
+    """The cyclic collector off while the merge table's 128k pairs live: each tuple counts as a
+    new container, and a few hundred of them start a collection, so building them ran dozens of
+    collections over every object of the process, a full one among them (~7 ms alone, more in a
+    process with a large heap), to free none. Off and on again only if it was on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _bpe(id_of: dict, merges: list):
+    flat = split_merges(merges)
+    if flat is not None:        # (every merge "a b": the pairs in C-level passes)
+        pairs = list(zip(flat[::2], flat[1::2]))
+    else:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         bad = next((m for m in pairs if len(m) != 2), None)
         if bad is not None:
             raise ValueError(f"merge {' '.join(bad)!r} is not two tokens separated by a space")
-        try:
-            bpe = models.BPE(vocab=dict(self.id_of), merges=pairs, fuse_unk=False)
-        except Exception as e:   # the library raises a bare Exception ("Token `x` out of vocabulary")
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ValueError(f"the BPE tables do not load: {first}") from None
-        self._hf = _HFTokenizer(bpe)
+    try:
+        # (the library copies the vocabulary into its own tables: id_of needs no copy)
+        return models.BPE(vocab=id_of, merges=pairs, fuse_unk=False)
+    except Exception as e:   # the library raises a bare Exception ("Token `x` out of vocabulary")
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"the BPE tables do not load: {first}") from None
+
+
+class Tokenizer:
+    def __init__(self, tokens: list[str], merges: list[str], id_of: dict[str, int] | None = None):
+        """id_of: {token: id} of these tokens when the caller has it (read_tokenizer_metadata)."""
+        self.tokens = list(tokens)
+        self.id_of = dict(zip(self.tokens, range(len(self.tokens)))) if id_of is None else id_of
+        missing = [m for m in (BOS, EOS) if m not in self.id_of]
+        if missing:
+            raise ValueError(f"the vocabulary lacks {missing[0]!r}")
+        with _no_gc():
+            self._hf = _HFTokenizer(_bpe(self.id_of, merges))
         self._hf.pre_tokenizer = pre_tokenizer()
         self._hf.decoder = decoders.ByteLevel()
         present = [m for m in MARKERS if m in self.id_of]
@@ -88,11 +116,18 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, meta: dict) -> "Tokenizer":
-        """From read_tokenizer_metadata's dict; a table that does not build is the file's error."""
+        """From read_tokenizer_metadata's dict; a table that does not build is the file's error.
+        The BPE library checks the merge table as it builds it (every piece and every result in
+        the vocabulary), but its message names neither the file nor the merge: when it refuses
+        one in a table read_tokenizer_metadata did not check ("merges_checked" False: Engine.open),
+        check_merge_table names it in the words it would have used there."""
         try:
-            return cls(meta["tokens"], meta["merges"])
+            return cls(meta["tokens"], meta["merges"], meta.get("id_of"))
         except ValueError as e:
-            raise ModelFileError(meta.get("path", "model"), f"tokenizer metadata: {e}") from None
+            path = meta.get("path", "model")
+            if meta.get("merges_checked") is False:
+                check_merge_table(path, meta["merges"], set(meta["tokens"]))
+            raise ModelFileError(path, f"tokenizer metadata: {e}") from None
 
     @classmethod
     def from_gguf(cls, path) -> "Tokenizer":
