@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ os.environ.setdefault("DS4_BACKEND", "numpy")
 # and the memory tests measure what a forward pass itself maps in: no prefault at open
 os.environ.setdefault("DS4_PAGING", "none")
 
+from engine import Engine
 from engine.gguf.synth import config_for, write_synthetic
+from helpers_git import add_user_work, make_repo
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 ORACLE = SHARED / "ds4-oracle"
@@ -63,3 +66,73 @@ def agent_model(models_dir) -> Path:
     16k-entry vocabulary, so the ~11k characters of tool schemas are ~3k tokens and a turn is fast."""
     cfg, vocab = config_for("tiny", n_layer=2, ratios=[0, 128], vocab=16000)
     return Path(write_synthetic(models_dir / "agent-q2.gguf", cfg, recipe="q2", vocab=vocab, seed=9).path)
+
+
+# -- engines and folders that many modules open the same way ----------------------------------------
+# Module scope, as each module had its own copy: an engine (and the KV state its sessions leave) is
+# never shared between modules, so a module's tests see the same isolation as before.
+
+@pytest.fixture(scope="module")
+def agent_engine(agent_model):
+    """The engine on `agent_model` for one module's agent, serve and checkpoint tests."""
+    with Engine.open(agent_model) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def small_engine(small_model):
+    """The engine on `small_model` for one module's session, KV-file and prefix-cache tests."""
+    with Engine.open(small_model) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def sessions_root(tmp_path_factory):
+    """One session folder for the module: its sysprompt.kv makes every agent after the first
+    start without prefilling the ~3.7k-token tool prompt."""
+    return tmp_path_factory.mktemp("sessions")
+
+
+@pytest.fixture
+def git_project(tmp_path):
+    """An empty project folder in a fresh git repository (no commits)."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    return root
+
+
+@pytest.fixture
+def hello_project(git_project):
+    """`git_project` with an untracked hello.py for the agent to read and edit."""
+    (git_project / "hello.py").write_text("def greet(name):\n    return 'hi ' + name\n")
+    return git_project
+
+
+@pytest.fixture
+def user_repo(tmp_path):
+    """A project in git mid-work, as a user leaves it: history, a branch, a stash, a staged change,
+    an untracked file (for the checkpoint tests: none of it may change)."""
+    root = make_repo(tmp_path / "proj", {"hello.py": "def greet(name):\n    return 'hi ' + name\n",
+                                         "gone.txt": "bash deletes me\n", ".gitignore": "*.log\n"})
+    return add_user_work(root, stashed={"gone.txt": "stashed\n"},
+                         staged={"hello.py": "def greet(name):\n    return 'hi ' + name  # staged\n"},
+                         unstaged={"notes.md": "untracked\n"})
+
+
+@pytest.fixture(scope="module")
+def tui_env(tiny_q2, tmp_path_factory):
+    """One engine, one git project, one session store for a module's TUI tests; the system prefix
+    prefilled once (helpers_tui.start_env)."""
+    # imported here, not at the top: the agent and its tools load only for the modules that use them
+    from helpers_tui import start_env
+    return start_env(tiny_q2, tmp_path_factory.mktemp("app"))
+
+
+@pytest.fixture
+def tui_project(tui_env):
+    """The module's project, reset to its committed tree before and after the test."""
+    from helpers_tui import reset_project
+    reset_project(tui_env["proj"])
+    yield tui_env["proj"]
+    reset_project(tui_env["proj"])

@@ -7,8 +7,6 @@ so the KV state stays real); everything else is the real loop.
 from __future__ import annotations
 
 import io
-import json
-import subprocess
 
 import pytest
 
@@ -16,79 +14,19 @@ import prompts
 from ds4agent import events as E
 from ds4agent.agent import Agent, AgentConfig
 from ds4agent.headless import run_headless
-from engine import Engine, SamplingParams
+from engine import SamplingParams
+from helpers_agent import SYSTEM, call, start_agent, timeline
 from sessions import SessionStore
 
 
-SYSTEM = "You are ds4-agent under test."
-
-
-@pytest.fixture(scope="module")
-def engine(agent_model):
-    with Engine.open(agent_model) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def sessions_root(tmp_path_factory):
-    """One session folder for the module: its sysprompt.kv makes every agent after the first
-    start without prefilling the ~3.7k-token tool prompt."""
-    return tmp_path_factory.mktemp("sessions")
-
-
 @pytest.fixture
-def project(tmp_path):
-    root = tmp_path / "proj"
-    root.mkdir()
-    (root / "hello.py").write_text("def greet(name):\n    return 'hi ' + name\n")
-    subprocess.run(["git", "init", "-q", str(root)], check=True)
-    return root
-
-
-class Recorder:
-    def __init__(self, answer="y"):
-        self.events, self.answer, self.agent = [], answer, None
-
-    def __call__(self, ev):
-        self.events.append(ev)
-        if isinstance(ev, E.ApprovalNeeded):
-            self.agent.answer_approval(self.answer)
-
-    def of(self, kind):
-        return [e for e in self.events if isinstance(e, kind)]
-
-    def text(self):
-        return "".join(e.text for e in self.of(E.TextDelta))
-
-
-@pytest.fixture
-def make(engine, project, sessions_root):
+def make(agent_engine, hello_project, sessions_root):
     def build(answer="y", **cfg):
-        return _make(engine, project, sessions_root, answer, **cfg)
+        return start_agent(agent_engine, hello_project, sessions_root, answer, **cfg)
     return build
 
 
-def _make(engine, project, root, answer="y", **cfg):
-    rec = Recorder(answer)
-    conf = AgentConfig(ctx=cfg.pop("ctx", 16384), think_mode=cfg.pop("think_mode", "none"),
-                       max_turn_tokens=cfg.pop("max_turn_tokens", 24), chunk=cfg.pop("chunk", 2048),
-                       sampling=SamplingParams(seed=1), **cfg)
-    store = SessionStore(root=root, project_dir=project)
-    agent = Agent(engine, project, config=conf, store=store, emit=rec, system=SYSTEM)
-    rec.agent = agent
-    agent.start()
-    return agent, rec
-
-
-def call(name, **args):
-    return prompts.render_tool_calls([prompts.ToolCall(None, name, json.dumps(args))])
-
-
-def timeline(agent):
-    return agent.tok.decode(agent.session.tokens)
-
-
-def test_plain_turn_streams_and_only_appends(make, engine, project):
+def test_plain_turn_streams_and_only_appends(make, agent_engine, hello_project):
     agent, rec = make()
     sys_tokens = agent.session.pos
     stats0 = dict(agent.session.stats)
@@ -105,7 +43,7 @@ def test_plain_turn_streams_and_only_appends(make, engine, project):
     assert rec.of(E.Status)[-1].ctx_used == agent.session.pos
 
 
-def test_forced_edit_call_is_approved_applied_and_answered(make, engine, project):
+def test_forced_edit_call_is_approved_applied_and_answered(make, agent_engine, hello_project):
     agent, rec = make(answer="y")
     agent.force("I will edit it." + call("edit", path="hello.py", old="'hi '", new="'hello '"), "Done.")
     fin = agent.submit("say hello instead of hi")
@@ -113,7 +51,7 @@ def test_forced_edit_call_is_approved_applied_and_answered(make, engine, project
     assert rec.of(E.ApprovalNeeded)[0].name == "edit"
     done = rec.of(E.ToolFinished)[0]
     assert done.ok and done.approved and "+    return 'hello ' + name" in done.diff
-    assert "'hello '" in (project / "hello.py").read_text()
+    assert "'hello '" in (hello_project / "hello.py").read_text()
     roles = [m.role for m in agent.transcript]
     assert roles == ["system", "user", "assistant", "tool", "assistant"]
     text = timeline(agent)
@@ -121,16 +59,16 @@ def test_forced_edit_call_is_approved_applied_and_answered(make, engine, project
     assert agent.transcript[2].tool_calls[0].name == "edit"
 
 
-def test_refused_approval_leaves_the_file(make, engine, project):
+def test_refused_approval_leaves_the_file(make, agent_engine, hello_project):
     agent, rec = make(answer="n")
     agent.force(call("write", path="new.txt", content="x"), "ok")
     agent.submit("write a file")
     done = rec.of(E.ToolFinished)[0]
     assert not done.ok and not done.approved and "did not approve" in done.text
-    assert not (project / "new.txt").exists()
+    assert not (hello_project / "new.txt").exists()
 
 
-def test_path_escape_and_bad_arguments_become_error_results(make, engine, project):
+def test_path_escape_and_bad_arguments_become_error_results(make, agent_engine, hello_project):
     agent, rec = make()
     agent.force(call("read", path="../../../../etc/passwd") + "", "x")
     agent.submit("read it")
@@ -144,7 +82,7 @@ def test_path_escape_and_bad_arguments_become_error_results(make, engine, projec
     assert "unknown tool" in rec.of(E.ToolFinished)[2].text
 
 
-def test_bash_timeout_becomes_a_background_job(make, engine, project):
+def test_bash_timeout_becomes_a_background_job(make, agent_engine, hello_project):
     agent, rec = make(yolo=True)
     agent.force(call("bash", command="sleep 3; echo late", timeout=1), "waiting")
     agent.submit("run it")
@@ -153,7 +91,7 @@ def test_bash_timeout_becomes_a_background_job(make, engine, project):
     assert not rec.of(E.ApprovalNeeded)          # --yolo asks nothing
 
 
-def test_interrupt_mid_generation_keeps_the_timeline_usable(make, engine, project):
+def test_interrupt_mid_generation_keeps_the_timeline_usable(make, agent_engine, hello_project):
     agent, rec = make(max_turn_tokens=400)
     n = {"k": 0}
     orig = rec.__call__
@@ -177,7 +115,7 @@ def test_interrupt_mid_generation_keeps_the_timeline_usable(make, engine, projec
     assert "<｜end▁of▁sentence｜><｜User｜>now briefly" in text and agent.session.pos > before
 
 
-def test_interrupt_mid_prefill_cancels_the_message(make, engine, project):
+def test_interrupt_mid_prefill_cancels_the_message(make, agent_engine, hello_project):
     agent, rec = make(chunk=16)
     before_tokens, before_msgs = agent.session.tokens, len(agent.transcript)
     orig = rec.__call__
@@ -192,7 +130,7 @@ def test_interrupt_mid_prefill_cancels_the_message(make, engine, project):
     assert agent.session.tokens == before_tokens and len(agent.transcript) == before_msgs
 
 
-def test_autosave_save_list_switch_without_prefill(make, engine, project, monkeypatch):
+def test_autosave_save_list_switch_without_prefill(make, agent_engine, hello_project, monkeypatch):
     agent, rec = make()
     agent.force("first answer")
     agent.submit("first question")
@@ -210,12 +148,12 @@ def test_autosave_save_list_switch_without_prefill(make, engine, project, monkey
     assert f"* {agent.current_sha[:8]}" in listed and "mywork: first question" in listed
     assert f"  {snapshot}" in listed and "(earlier save of mywork)" in listed
     calls = {"n": 0}
-    real = engine.model.forward
+    real = agent_engine.model.forward
 
     def counting(*a, **k):
         calls["n"] += 1
         return real(*a, **k)
-    monkeypatch.setattr(engine.model, "forward", counting)
+    monkeypatch.setattr(agent_engine.model, "forward", counting)
     out = agent.command(f"/switch {snapshot}")
     assert out.startswith("switched to session") and calls["n"] == 0
     assert agent.session.tokens == saved
@@ -227,7 +165,7 @@ def test_autosave_save_list_switch_without_prefill(make, engine, project, monkey
     assert "first question" in timeline(agent) and "second question" not in timeline(agent)
 
 
-def test_compaction_keeps_summary_and_recent_tail(make, engine, project):
+def test_compaction_keeps_summary_and_recent_tail(make, agent_engine, hello_project):
     agent, rec = make()
     for i in range(3):
         agent.force(f"answer {i}")
@@ -244,7 +182,7 @@ def test_compaction_keeps_summary_and_recent_tail(make, engine, project):
     assert agent.submit("go on").finish_reason == "stop"
 
 
-def test_think_and_ctx_commands(make, engine, project):
+def test_think_and_ctx_commands(make, agent_engine, hello_project):
     agent, rec = make()
     assert agent.command("/think on") == "thinking: high"
     assert "runs as high" in agent.command("/think max")
@@ -252,11 +190,11 @@ def test_think_and_ctx_commands(make, engine, project):
     assert "unknown command" in agent.command("/nope")
 
 
-def test_headless_runs_a_task(engine, project, sessions_root):
+def test_headless_runs_a_task(agent_engine, hello_project, sessions_root):
     def make_agent(emit):
-        agent = Agent(engine, project, config=AgentConfig(ctx=16384, think_mode="none", max_turn_tokens=16,
-                                                          sampling=SamplingParams(seed=2)),
-                      store=SessionStore(root=sessions_root, project_dir=project), emit=emit, system=SYSTEM)
+        conf = AgentConfig(ctx=16384, think_mode="none", max_turn_tokens=16, sampling=SamplingParams(seed=2))
+        agent = Agent(agent_engine, hello_project, config=conf,
+                      store=SessionStore(root=sessions_root, project_dir=hello_project), emit=emit, system=SYSTEM)
         agent.force(call("read", path="hello.py"), "It greets.")
         return agent
     out, err = io.StringIO(), io.StringIO()
@@ -265,7 +203,7 @@ def test_headless_runs_a_task(engine, project, sessions_root):
     assert "1 tool call(s)" in err.getvalue() and "read: ok" in err.getvalue()
 
 
-def test_a_turn_cut_at_the_token_cap_says_length(engine, project, sessions_root):
+def test_a_turn_cut_at_the_token_cap_says_length(agent_engine, hello_project, sessions_root):
     """A turn the cap cuts ends "length" (the TUI shows "stopped at the token limit", headless exits
     1), not "stop" as if the model had finished its answer."""
     seen = []
@@ -274,9 +212,9 @@ def test_a_turn_cut_at_the_token_cap_says_length(engine, project, sessions_root)
         def both(ev):
             seen.append(ev)
             emit(ev)
-        return Agent(engine, project, config=AgentConfig(ctx=16384, think_mode="none", max_turn_tokens=3,
-                                                         sampling=SamplingParams(seed=2)),
-                     store=SessionStore(root=sessions_root, project_dir=project), emit=both, system=SYSTEM)
+        conf = AgentConfig(ctx=16384, think_mode="none", max_turn_tokens=3, sampling=SamplingParams(seed=2))
+        return Agent(agent_engine, hello_project, config=conf,
+                     store=SessionStore(root=sessions_root, project_dir=hello_project), emit=both, system=SYSTEM)
     out, err = io.StringIO(), io.StringIO()
     rc = run_headless(make_agent, "write a long essay", out=out, err=err)
     fin = [e for e in seen if isinstance(e, E.TurnFinished)][-1]
@@ -284,7 +222,7 @@ def test_a_turn_cut_at_the_token_cap_says_length(engine, project, sessions_root)
     assert "finished: length" in err.getvalue()
 
 
-def test_resume_continues_the_session_the_user_left(make, engine, project):
+def test_resume_continues_the_session_the_user_left(make, agent_engine, hello_project):
     agent, rec = make()
     agent.force("a1")
     agent.submit("first")
@@ -311,8 +249,8 @@ def assert_consistent(agent):
     assert live == rendered
 
 
-def test_timeline_stays_consistent_on_every_path(make, engine, project):
-    (project / "big.txt").write_text("".join(f"line {i} of a long file\n" for i in range(300)))
+def test_timeline_stays_consistent_on_every_path(make, agent_engine, hello_project):
+    (hello_project / "big.txt").write_text("".join(f"line {i} of a long file\n" for i in range(300)))
     agent, rec = make(chunk=16)
     agent.force("plain answer")
     agent.submit("one")
@@ -357,7 +295,7 @@ def test_timeline_stays_consistent_on_every_path(make, engine, project):
     assert_consistent(agent)
 
 
-def test_compaction_before_a_tool_continuation_adds_results_once(make, engine, project):
+def test_compaction_before_a_tool_continuation_adds_results_once(make, agent_engine, hello_project):
     agent, rec = make(ctx=16384)
     agent.force("a")
     agent.submit("q")

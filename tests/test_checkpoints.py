@@ -10,65 +10,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import uuid
-
-import pytest
 
 from ds4agent import events as E
 from ds4agent.checkpoints import Checkpoints
-from tests.test_agent import SYSTEM, Recorder, call, timeline
-from tests.test_checkpoints_git import files_of, git, user_state
-from ds4agent.agent import Agent, AgentConfig
-from engine import Engine, SamplingParams
-from sessions import SessionStore
-
-
-@pytest.fixture(scope="module")
-def engine(agent_model):
-    with Engine.open(agent_model) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def sessions_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("sessions")
-
-
-@pytest.fixture
-def repo(tmp_path):
-    """A project in git with history, a branch, a stash and a staged change."""
-    root = tmp_path / "proj"
-    root.mkdir()
-    git(root, "init", "-q", "-b", "main")
-    (root / "hello.py").write_text("def greet(name):\n    return 'hi ' + name\n")
-    (root / "gone.txt").write_text("bash deletes me\n")
-    (root / ".gitignore").write_text("*.log\n")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "first")
-    git(root, "branch", "side")
-    (root / "gone.txt").write_text("stashed\n")
-    git(root, "stash", "-q")
-    (root / "hello.py").write_text("def greet(name):\n    return 'hi ' + name  # staged\n")
-    git(root, "add", "hello.py")
-    (root / "notes.md").write_text("untracked\n")
-    return root
-
-
-def make(engine, project, root, answer="y", **cfg):
-    rec = Recorder(answer)
-    conf = AgentConfig(ctx=16384, think_mode="none", max_turn_tokens=24, sampling=SamplingParams(seed=1), **cfg)
-    agent = Agent(engine, project, config=conf, store=SessionStore(root=root, project_dir=project),
-                  emit=rec, system=SYSTEM)
-    rec.agent = agent
-    agent.start()
-    return agent, rec
-
-
-def say(agent, text: str, *forced: str):
-    """A turn whose text no other test's timeline has (tests/test_checkpoints_timelines.py checks
-    that a save of the same text by another timeline leaves each its own branch and checkpoints)."""
-    agent.force(*forced)
-    return agent.submit(f"{text} [{uuid.uuid4().hex[:8]}]")
+from helpers_agent import call, say, start_agent, timeline
+from helpers_git import files_of, git, user_state
 
 
 def edit_and_delete(agent):
@@ -76,25 +22,25 @@ def edit_and_delete(agent):
                call("bash", command="rm gone.txt && echo removed"), "Done.")
 
 
-def test_undo_restores_files_and_kv_without_prefill_and_leaves_git_alone(engine, repo, sessions_root):
-    agent, rec = make(engine, repo, sessions_root)
+def test_undo_restores_files_and_kv_without_prefill_and_leaves_git_alone(agent_engine, user_repo, sessions_root):
+    agent, rec = start_agent(agent_engine, user_repo, sessions_root)
     say(agent, "hello", "Hi.")                       # a turn before: the undo comes back to its end
     pos0, tokens0, n_msgs = agent.session.pos, agent.session.tokens, len(agent.transcript)
-    files0, git0 = files_of(repo), user_state(repo)
+    files0, git0 = files_of(user_repo), user_state(user_repo)
     fin = edit_and_delete(agent)
     assert fin.tool_calls == 2 and all(ev.ok for ev in rec.of(E.ToolFinished))
-    assert not (repo / "gone.txt").exists() and "'hello '" in (repo / "hello.py").read_text()
+    assert not (user_repo / "gone.txt").exists() and "'hello '" in (user_repo / "hello.py").read_text()
     steps = agent.checkpoints._steps
     assert [s.meta["start"]["pos"] for s in steps.values()] == [pos0, pos0]   # the turn's start
     assert steps[1].files == ["hello.py"] and steps[2].files == ["gone.txt"]
     prefill = agent.session.stats["prefill_tokens"]
     out = agent.command("/undo")
     assert "undid steps 1-2" in out and "no prefill" in out, out
-    assert files_of(repo) == files0                                   # byte for byte
+    assert files_of(user_repo) == files0                                   # byte for byte
     assert agent.session.pos == pos0 and agent.session.tokens == tokens0
     assert agent.session.stats["prefill_tokens"] == prefill           # nothing re-prefilled
     assert len(agent.transcript) == n_msgs and agent.transcript[-1].content == "Hi."
-    assert user_state(repo) == git0                                    # index, HEAD, refs, stash, status
+    assert user_state(user_repo) == git0                                    # index, HEAD, refs, stash, status
     diff = [n.text for n in rec.of(E.Notice) if n.text.startswith("/undo:")][0]
     assert "gone.txt" in diff and "-    return 'hello ' + name" in diff
     # the conversation goes on from there, consistently
@@ -106,29 +52,29 @@ def test_undo_restores_files_and_kv_without_prefill_and_leaves_git_alone(engine,
     assert "hello.py" in listing and "gone.txt" in listing and "(undone)" in listing
 
 
-def test_redo_puts_files_and_conversation_back(engine, repo, sessions_root):
-    agent, rec = make(engine, repo, sessions_root)
+def test_redo_puts_files_and_conversation_back(agent_engine, user_repo, sessions_root):
+    agent, rec = start_agent(agent_engine, user_repo, sessions_root)
     edit_and_delete(agent)
-    after_files, after_tokens = files_of(repo), agent.session.tokens
+    after_files, after_tokens = files_of(user_repo), agent.session.tokens
     agent.command("/undo")
-    assert (repo / "gone.txt").exists()
+    assert (user_repo / "gone.txt").exists()
     prefill = agent.session.stats["prefill_tokens"]
     out = agent.command("/redo")
     assert "loaded, no prefill" in out, out
-    assert files_of(repo) == after_files and agent.session.tokens == after_tokens
+    assert files_of(user_repo) == after_files and agent.session.tokens == after_tokens
     assert agent.session.stats["prefill_tokens"] == prefill
     assert agent.transcript[-1].content == "Done."
     assert agent.command("/redo").startswith("nothing to redo")
     # and undo works again from there
     assert "undid steps 1-2" in agent.command("/undo")
-    assert (repo / "gone.txt").read_text() == "bash deletes me\n"
+    assert (user_repo / "gone.txt").read_text() == "bash deletes me\n"
 
 
-def test_outside_git_a_shadow_repository(engine, tmp_path, sessions_root):
+def test_outside_git_a_shadow_repository(agent_engine, tmp_path, sessions_root):
     proj = tmp_path / "plain"
     proj.mkdir()
     (proj / "a.txt").write_text("original\n")
-    agent, rec = make(engine, proj, sessions_root)
+    agent, rec = start_agent(agent_engine, proj, sessions_root)
     say(agent, "work", call("write", path="b.txt", content="new file\n"),
         call("edit", path="a.txt", old="original", new="edited"), "ok")
     assert (proj / "b.txt").exists()
@@ -138,27 +84,27 @@ def test_outside_git_a_shadow_repository(engine, tmp_path, sessions_root):
     assert list((sessions_root.parent / "checkpoints").glob("*.git"))
 
 
-def test_a_file_changed_by_someone_else_is_asked_about(engine, repo, sessions_root):
-    agent, rec = make(engine, repo, sessions_root, answer="y")
+def test_a_file_changed_by_someone_else_is_asked_about(agent_engine, user_repo, sessions_root):
+    agent, rec = start_agent(agent_engine, user_repo, sessions_root, answer="y")
     say(agent, "write two files", call("write", path="x.txt", content="agent\n"),
         call("write", path="y.txt", content="agent\n"), "ok")
-    (repo / "x.txt").write_text("the user's\n")          # after the agent left it
+    (user_repo / "x.txt").write_text("the user's\n")          # after the agent left it
     rec.answer = "n"
     n_asked = len(rec.of(E.ApprovalNeeded))
     out = agent.command("/undo")
     asked = rec.of(E.ApprovalNeeded)[n_asked:]
     assert [a.name for a in asked] == ["undo"] and "x.txt" in asked[0].summary and "y.txt" not in asked[0].summary
-    assert (repo / "x.txt").read_text() == "the user's\n" and not (repo / "y.txt").exists()
+    assert (user_repo / "x.txt").read_text() == "the user's\n" and not (user_repo / "y.txt").exists()
     assert "kept as they are" in out and "x.txt" in out
 
 
-def test_undo_n_in_the_middle_of_a_turn_tells_the_model(engine, repo, sessions_root):
-    agent, rec = make(engine, repo, sessions_root, yolo=True)
+def test_undo_n_in_the_middle_of_a_turn_tells_the_model(agent_engine, user_repo, sessions_root):
+    agent, rec = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
     pos0 = agent.session.pos
     say(agent, "three files", *(call("write", path=f"{c}.txt", content=c) for c in "abc"), "ok")
     out = agent.command("/undo 1")
     assert "undid step 3" in out and "step(s) 1, 2 of that turn stay in the files" in out, out
-    assert (repo / "a.txt").exists() and (repo / "b.txt").exists() and not (repo / "c.txt").exists()
+    assert (user_repo / "a.txt").exists() and (user_repo / "b.txt").exists() and not (user_repo / "c.txt").exists()
     assert agent.session.pos == pos0                                  # the turn boundary
     say(agent, "go on", "fine")
     text = timeline(agent)
@@ -168,11 +114,11 @@ def test_undo_n_in_the_middle_of_a_turn_tells_the_model(engine, repo, sessions_r
     assert agent.command("/undo x").startswith("usage")
 
 
-def test_undo_falls_back_to_the_saved_turn_start(engine, repo, sessions_root, monkeypatch):
+def test_undo_falls_back_to_the_saved_turn_start(agent_engine, user_repo, sessions_root, monkeypatch):
     """When the state cannot be cut back in place, the session saved at the turn's start is
     loaded (no prefill), even though the store pruned it when the turn's own save continued it;
     when there is none, only the files go back, after asking."""
-    agent, rec = make(engine, repo, sessions_root)
+    agent, rec = start_agent(agent_engine, user_repo, sessions_root)
     say(agent, "hello", "Hi.")
     start_sha, tokens0 = agent.current_sha, agent.session.tokens
     edit_and_delete(agent)
@@ -183,24 +129,24 @@ def test_undo_falls_back_to_the_saved_turn_start(engine, repo, sessions_root, mo
     assert "(loaded, no prefill)" in out, out
     assert agent.session.tokens == tokens0 and agent.session.stats["prefill_tokens"] == prefill
     # again, with nothing saved to load: the files only, after asking
-    agent2, rec2 = make(engine, repo, sessions_root, autosave=False)
+    agent2, rec2 = start_agent(agent_engine, user_repo, sessions_root, autosave=False)
     edit_and_delete(agent2)
     monkeypatch.setattr(agent2.session.state, "can_truncate", lambda *a: False)
     tokens = agent2.session.tokens
     rec2.answer = "n"
     assert agent2.command("/undo").startswith("undo cancelled")
-    assert not (repo / "gone.txt").exists() and agent2.session.tokens == tokens
+    assert not (user_repo / "gone.txt").exists() and agent2.session.tokens == tokens
     rec2.answer = "y"
     out = agent2.command("/undo")
-    assert "the conversation was not rewound" in out and (repo / "gone.txt").exists()
+    assert "the conversation was not rewound" in out and (user_repo / "gone.txt").exists()
     assert agent2.session.tokens == tokens
 
 
-def test_a_failed_checkpoint_does_not_block_the_tool(engine, repo, sessions_root, monkeypatch):
-    agent, rec = make(engine, repo, sessions_root, yolo=True)
-    monkeypatch.setenv("PATH", str(repo / "no-git-here"))
+def test_a_failed_checkpoint_does_not_block_the_tool(agent_engine, user_repo, sessions_root, monkeypatch):
+    agent, rec = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
+    monkeypatch.setenv("PATH", str(user_repo / "no-git-here"))
     say(agent, "write", call("write", path="w.txt", content="written\n"), call("write", path="v.txt", content="v\n"), "ok")
-    assert (repo / "w.txt").read_text() == "written\n" and (repo / "v.txt").exists()
+    assert (user_repo / "w.txt").read_text() == "written\n" and (user_repo / "v.txt").exists()
     warnings = [n.text for n in rec.of(E.Notice) if "no checkpoint" in n.text]
     assert len(warnings) == 1 and "git is not installed" in warnings[0]      # said once
     # git past its time limit: one warning, and no more checkpoints this session (each would wait)
@@ -208,21 +154,21 @@ def test_a_failed_checkpoint_does_not_block_the_tool(engine, repo, sessions_root
     agent.checkpoints = Checkpoints(agent)
     agent.checkpoints._load()[0].git.timeout = 1e-4
     say(agent, "again", call("write", path="w.txt", content="1\n"), call("write", path="w.txt", content="2\n"), "ok")
-    assert (repo / "w.txt").read_text() == "2\n"
+    assert (user_repo / "w.txt").read_text() == "2\n"
     warnings = [n.text for n in rec.of(E.Notice) if "no checkpoint" in n.text][1:]
     assert len(warnings) == 1 and "checkpoints are off for this session" in warnings[0], warnings
     assert agent.command("/undo").startswith("checkpoints are off")
 
 
-def test_checkpoints_off_and_restart(engine, repo, sessions_root):
-    agent, rec = make(engine, repo, sessions_root, yolo=True, checkpoints=False)
+def test_checkpoints_off_and_restart(agent_engine, user_repo, sessions_root):
+    agent, rec = start_agent(agent_engine, user_repo, sessions_root, yolo=True, checkpoints=False)
     say(agent, "write", call("write", path="w.txt", content="x"), "ok")
-    assert b"ds4-agent" not in git(repo, "for-each-ref")
+    assert b"ds4-agent" not in git(user_repo, "for-each-ref")
     assert "off" in agent.command("/undo")
-    agent, rec = make(engine, repo, sessions_root, yolo=True)
+    agent, rec = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
     say(agent, "write", call("write", path="w.txt", content="y"), "ok")
     agent.checkpoints = Checkpoints(agent)      # a restart on the same branch: read from the refs
     assert "w.txt" in agent.command("/checkpoints")
     assert "undid step 1" in agent.command("/undo")
-    assert (repo / "w.txt").read_text() == "x"
-    assert subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True).returncode == 0
+    assert (user_repo / "w.txt").read_text() == "x"
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=user_repo, capture_output=True).returncode == 0

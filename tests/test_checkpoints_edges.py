@@ -11,22 +11,14 @@ import stat
 import pytest
 
 import tools.checkpoints as tc
-from tests.test_checkpoints_git import BRANCH, files_of, git
+from helpers_git import BRANCH, files_of, git, make_repo
 from tools.checkpoints import CheckpointRepo
 
 
 @pytest.fixture
 def mono(tmp_path):
     """A repository with two projects side by side and a file at its top."""
-    root = tmp_path / "mono"
-    for d in ("app", "lib"):
-        (root / d).mkdir(parents=True)
-        (root / d / "main.py").write_text(f"{d} = 1\n")
-    (root / "top.txt").write_text("top\n")
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "first")
-    return root
+    return make_repo(tmp_path / "mono", {"app/main.py": "app = 1\n", "lib/main.py": "lib = 1\n", "top.txt": "top\n"})
 
 
 def test_a_subfolder_project_restores_only_its_folder(mono, tmp_path):
@@ -138,11 +130,7 @@ def test_a_folder_it_cannot_write_is_one_error(repo_ro, tmp_path, monkeypatch):
 
 @pytest.fixture
 def repo_ro(tmp_path):
-    root = tmp_path / "ro"
-    root.mkdir()
-    git(root, "init", "-q", "-b", "main")
-    (root / "a.txt").write_text("a\n")
-    return root
+    return make_repo(tmp_path / "ro", {"a.txt": "a\n"}, commit=False)
 
 
 def test_copied_refs_are_the_same_commits_and_independent(mono, tmp_path):

@@ -9,63 +9,21 @@ objects; a repository's config cannot make the checkpoint run a program.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from helpers_git import BRANCH, add_user_work, files_of, git, make_repo, user_state
 from tools.checkpoints import CheckpointError, CheckpointRepo
-
-BRANCH = "0123456789ab"
-GIT_ID = ["-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgSign=false"]
-
-
-def git(root, *args):
-    return subprocess.run(["git", *GIT_ID, *args], cwd=root, check=True, capture_output=True).stdout
-
-
-def files_of(root: Path) -> dict[str, bytes]:
-    out = {}
-    for dirpath, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d != ".git"]
-        for n in names:
-            p = Path(dirpath) / n
-            out[p.relative_to(root).as_posix()] = p.read_bytes()
-    return out
-
-
-def user_state(root: Path) -> dict:
-    """Everything of the user's that a checkpoint must not touch."""
-    refs = [r for r in git(root, "for-each-ref", "--format=%(refname) %(objectname)").decode().splitlines()
-            if not r.startswith("refs/ds4-agent/")]
-    return {"index": (root / ".git" / "index").read_bytes(), "HEAD": (root / ".git" / "HEAD").read_bytes(),
-            "refs": refs, "stash": git(root, "stash", "list"), "config": (root / ".git" / "config").read_bytes(),
-            "status": git(root, "status", "--porcelain")}
 
 
 @pytest.fixture
 def repo(tmp_path):
     """A repository with history, a branch, a stash, a staged change, an untracked and an ignored file."""
-    root = tmp_path / "repo"
-    root.mkdir()
-    git(root, "init", "-q", "-b", "main")
-    (root / ".gitignore").write_text("*.log\nbuild/\n")
-    (root / "a.txt").write_text("one\n")
-    (root / "src").mkdir()
-    (root / "src" / "m.py").write_text("x = 1\n")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "first")
-    git(root, "branch", "side")
-    (root / "a.txt").write_text("stashed\n")
-    git(root, "stash", "-q")
-    (root / "a.txt").write_text("staged\n")
-    git(root, "add", "a.txt")
-    (root / "a.txt").write_text("staged then edited\n")
-    (root / "new.txt").write_text("untracked\n")
-    (root / "run.log").write_text("ignored\n")
-    (root / "build").mkdir()
-    (root / "build" / "out.bin").write_bytes(b"\0\1")
-    return root
+    root = make_repo(tmp_path / "repo", {".gitignore": "*.log\nbuild/\n", "a.txt": "one\n", "src/m.py": "x = 1\n"})
+    return add_user_work(root, stashed={"a.txt": "stashed\n"}, staged={"a.txt": "staged\n"},
+                         unstaged={"a.txt": "staged then edited\n", "new.txt": "untracked\n",
+                                   "run.log": "ignored\n", "build/out.bin": b"\0\1"})
 
 
 def test_checkpoint_and_restore_leave_the_users_git_alone(repo, tmp_path):

@@ -11,18 +11,17 @@ import pytest
 
 from ds4agent.mcp_client import McpManager, McpTool, _tool
 from ds4agent.mcp_config import McpConfig
-from tests.test_agent import call
-from tests.test_checkpoints import engine, make, repo, say, sessions_root  # noqa: F401 (fixtures)
+from helpers_agent import SYSTEM, call, say, start_agent
 import tools
 
 
-def test_the_same_text_saved_by_another_timeline_keeps_this_ones_checkpoints(engine, repo, sessions_root):
-    first, _ = make(engine, repo, sessions_root, yolo=True)
-    second, _ = make(engine, repo, sessions_root, yolo=True)
+def test_the_same_text_saved_by_another_timeline_keeps_this_ones_checkpoints(agent_engine, user_repo, sessions_root):
+    first, _ = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
+    second, _ = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
     step = (call("write", path="same.txt", content="x\n"), "ok")
     first.force(*step)
     first.submit("the very same turn")
-    os.remove(repo / "same.txt")
+    os.remove(user_repo / "same.txt")
     b2 = second.branch
     second.force(*step)
     second.submit("the very same turn")
@@ -30,13 +29,13 @@ def test_the_same_text_saved_by_another_timeline_keeps_this_ones_checkpoints(eng
     assert second.branch == b2 != first.branch              # ... and `second` stays on its branch
     assert "same.txt" in second.command("/checkpoints")
     assert "undid step 1" in second.command("/undo")
-    assert not (repo / "same.txt").exists()
+    assert not (user_repo / "same.txt").exists()
     # the first timeline's checkpoint is untouched by the second's undo
     assert "undone" not in first.command("/checkpoints")
 
 
-def test_fork_switch_and_undo_keep_each_branch_to_itself(engine, repo, sessions_root):
-    agent, _ = make(engine, repo, sessions_root, yolo=True)
+def test_fork_switch_and_undo_keep_each_branch_to_itself(agent_engine, user_repo, sessions_root):
+    agent, _ = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
     say(agent, "on the parent", call("write", path="p.txt", content="parent\n"), "ok")
     parent = agent.branch
     assert agent.command("/fork side").startswith("forked")
@@ -45,17 +44,17 @@ def test_fork_switch_and_undo_keep_each_branch_to_itself(engine, repo, sessions_
     say(agent, "on the fork", call("write", path="f.txt", content="fork\n"), "ok")
     fork_tokens = agent.session.tokens
     assert "undid step 2" in agent.command("/undo")
-    assert not (repo / "f.txt").exists() and (repo / "p.txt").exists()   # the parent's step stays
+    assert not (user_repo / "f.txt").exists() and (user_repo / "p.txt").exists()   # the parent's step stays
     assert "undid step 1" in agent.command("/undo")                      # the shared one, on the fork's refs
-    assert not (repo / "p.txt").exists()
-    (repo / "p.txt").write_text("parent\n")                             # (files are shared: put it back)
+    assert not (user_repo / "p.txt").exists()
+    (user_repo / "p.txt").write_text("parent\n")                             # (files are shared: put it back)
     agent.command("/switch " + agent.store.info(agent.timelines.left[parent].current_sha).id)
     assert agent.branch == parent and agent.session is parent_session    # the pool's Session
     listing = agent.command("/checkpoints")
     assert "p.txt" in listing and "f.txt" not in listing and "undone" not in listing
     out = agent.command("/undo")
     assert "undid step 1" in out and "no prefill" in out, out
-    assert not (repo / "p.txt").exists()
+    assert not (user_repo / "p.txt").exists()
     assert agent.session.tokens != fork_tokens
 
 
@@ -66,7 +65,7 @@ def manager_with(tmp_path, *tools_):
     return m
 
 
-def test_an_mcp_tool_that_may_write_gets_a_checkpoint(engine, repo, sessions_root, tmp_path):
+def test_an_mcp_tool_that_may_write_gets_a_checkpoint(agent_engine, user_repo, sessions_root, tmp_path):
     write = _tool("fs", {"name": "write_file", "inputSchema": {"type": "object"}})
     read = _tool("fs", {"name": "read_file", "annotations": {"readOnlyHint": True}})
     odd = _tool("fs", {"name": "odd", "annotations": {"readOnlyHint": "yes"}})   # not a bool: may write
@@ -75,20 +74,20 @@ def test_an_mcp_tool_that_may_write_gets_a_checkpoint(engine, repo, sessions_roo
 
     def fake_call(name, args, emit=None, should_stop=None):
         if name == write.name:
-            (repo / "mcp.txt").write_text("written by a server\n")
+            (user_repo / "mcp.txt").write_text("written by a server\n")
         return tools.ToolResult("done")
     m.call = fake_call
-    agent, _ = make(engine, repo, sessions_root, yolo=True)
+    agent, _ = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
     agent.mcp = m
     say(agent, "use the server", call(read.name), call(write.name, path="mcp.txt"), "ok")
     steps = agent.checkpoints._steps
     assert [s.meta["tool"] for s in steps.values()] == [write.name]       # the read-only one: none
     assert steps[1].files == ["mcp.txt"]
-    assert "undid step 1" in agent.command("/undo") and not (repo / "mcp.txt").exists()
+    assert "undid step 1" in agent.command("/undo") and not (user_repo / "mcp.txt").exists()
 
 
-def test_the_redo_save_goes_once_redo_is_impossible(engine, repo, sessions_root):
-    agent, _ = make(engine, repo, sessions_root, yolo=True)
+def test_the_redo_save_goes_once_redo_is_impossible(agent_engine, user_repo, sessions_root):
+    agent, _ = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
     say(agent, "hello", "Hi.")
     say(agent, "work", call("write", path="w.txt", content="w\n"), "ok")
     before_undo = agent.current_sha
@@ -100,8 +99,8 @@ def test_the_redo_save_goes_once_redo_is_impossible(engine, repo, sessions_root)
     assert before_undo not in {e.sha for e in agent.store.list("all")}
 
 
-def test_a_named_redo_save_is_kept(engine, repo, sessions_root):
-    agent, _ = make(engine, repo, sessions_root, yolo=True)
+def test_a_named_redo_save_is_kept(agent_engine, user_repo, sessions_root):
+    agent, _ = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
     say(agent, "work", call("write", path="n.txt", content="n\n"), "ok")
     agent.command("/save keepme")
     named = agent.current_sha
@@ -110,8 +109,9 @@ def test_a_named_redo_save_is_kept(engine, repo, sessions_root):
     assert os.path.exists(agent.store.kv_path(named))                  # the user named it
 
 
-def test_undo_across_a_compaction_restores_files_and_says_the_conversation_cannot(engine, repo, sessions_root):
-    agent, rec = make(engine, repo, sessions_root, yolo=True)
+def test_undo_across_a_compaction_restores_files_and_says_the_conversation_cannot(agent_engine, user_repo,
+                                                                                 sessions_root):
+    agent, rec = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
     say(agent, "one", "a")
     say(agent, "work", call("write", path="c.txt", content="c\n"), "ok")
     say(agent, "two", "b")
@@ -120,27 +120,26 @@ def test_undo_across_a_compaction_restores_files_and_says_the_conversation_canno
     tokens = agent.session.tokens
     out = agent.command("/undo")
     assert "undid step 1" in out and "the conversation was not rewound" in out and "compacted" in out, out
-    assert not (repo / "c.txt").exists() and agent.session.tokens == tokens     # the compacted one stays
+    assert not (user_repo / "c.txt").exists() and agent.session.tokens == tokens  # the compacted one stays
 
 
-def test_headless_takes_checkpoints_and_never_waits(engine, repo, sessions_root):
+def test_headless_takes_checkpoints_and_never_waits(agent_engine, user_repo, sessions_root):
     import io
     from ds4agent.agent import Agent, AgentConfig
     from ds4agent.headless import run_headless
     from engine import SamplingParams
     from sessions import SessionStore
-    from tests.test_agent import SYSTEM
     made = []
 
     def make_agent(emit):
-        agent = Agent(engine, repo, config=AgentConfig(ctx=16384, think_mode="none", max_turn_tokens=16, yolo=True,
-                                                       sampling=SamplingParams(seed=2)),
-                      store=SessionStore(root=sessions_root, project_dir=repo), emit=emit, system=SYSTEM)
+        conf = AgentConfig(ctx=16384, think_mode="none", max_turn_tokens=16, yolo=True, sampling=SamplingParams(seed=2))
+        agent = Agent(agent_engine, user_repo, config=conf,
+                      store=SessionStore(root=sessions_root, project_dir=user_repo), emit=emit, system=SYSTEM)
         agent.force(call("write", path="h.txt", content="headless\n"), "Done.")
         made.append(agent)
         return agent
     out, err = io.StringIO(), io.StringIO()
     assert run_headless(make_agent, "write h.txt", out=out, err=err) == 0, err.getvalue()
-    assert (repo / "h.txt").exists()
+    assert (user_repo / "h.txt").exists()
     steps = made[0].checkpoints._steps
     assert [s.meta["tool"] for s in steps.values()] == ["write"] and steps[1].files == ["h.txt"]

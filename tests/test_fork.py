@@ -7,25 +7,16 @@ import io
 import json
 import os
 import re
-import subprocess
 
 import pytest
 
 from ds4agent import sessions_cli
 from ds4agent.agent import Agent, AgentConfig
 from ds4agent.session_views import list_text, tree
-from engine import Engine, SamplingParams
+from engine import SamplingParams
+from helpers_agent import SYSTEM
 from sessions import SessionInfo, SessionStore
 from sessions.records import check_meta
-
-SYSTEM = "You are ds4-agent under test."
-
-
-@pytest.fixture(scope="module")
-def engine(agent_model):
-    with Engine.open(agent_model) as e:
-        yield e
-
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
@@ -35,20 +26,12 @@ def home(tmp_path_factory):
 
 
 @pytest.fixture
-def project(tmp_path):
-    root = tmp_path / "proj"
-    root.mkdir()
-    subprocess.run(["git", "init", "-q", str(root)], check=True)
-    return root
-
-
-@pytest.fixture
-def make(engine, project, home):
+def make(agent_engine, git_project, home):
     def build(**cfg):
         conf = AgentConfig(ctx=4096 + 2048, think_mode="none", max_turn_tokens=24,
                            sampling=SamplingParams(seed=1), **cfg)
-        store = SessionStore(root=home / "sessions", project_dir=project)
-        agent = Agent(engine, project, config=conf, store=store, system=SYSTEM)
+        store = SessionStore(root=home / "sessions", project_dir=git_project)
+        agent = Agent(agent_engine, git_project, config=conf, store=store, system=SYSTEM)
         agent.start()
         return agent
     return build
@@ -140,7 +123,7 @@ def test_fork_then_switch_each_branch_continues_its_own_tokens(make):
     assert fork3[:len(fork2)] == fork2 and store.resolve("try-regex").branch == fork_branch
 
 
-def test_a_fork_not_yet_continued_is_kept_found_and_named(make, project):
+def test_a_fork_not_yet_continued_is_kept_found_and_named(make, git_project):
     agent = make()
     store = agent.store
     base = turn(agent, "summarize the log", "Summary: two errors.")
@@ -176,7 +159,7 @@ def test_a_fork_not_yet_continued_is_kept_found_and_named(make, project):
     assert sessions_cli.choose_resume(store, name) == f1.sha
 
 
-def test_list_and_sessions_list_show_the_lineage_tree(make, project, home, monkeypatch):
+def test_list_and_sessions_list_show_the_lineage_tree(make, git_project, home, monkeypatch):
     agent = make()
     turn(agent, "root question", "Root answer.")
     root = agent.current_sha
@@ -197,7 +180,7 @@ def test_list_and_sessions_list_show_the_lineage_tree(make, project, home, monke
     assert len(lines) == 4
     # the command line shows the same tree (its * is the session --resume continues)
     monkeypatch.setenv("DS4_AGENT_HOME", str(home))
-    monkeypatch.chdir(project)
+    monkeypatch.chdir(git_project)
     out = io.StringIO()
     assert sessions_cli.main(["list"], out=out) == 0
     cli = out.getvalue().splitlines()

@@ -5,8 +5,6 @@ before anything starts."""
 from __future__ import annotations
 
 import io
-import json
-import subprocess
 
 import pytest
 
@@ -15,32 +13,9 @@ from ds4agent import cli
 from ds4agent import events as E
 from ds4agent.agent import Agent, AgentConfig
 from ds4agent.headless import DIM, run_headless
-from engine import Engine, SamplingParams
+from engine import SamplingParams
+from helpers_agent import SYSTEM, call
 from sessions import SessionStore
-
-SYSTEM = "You are ds4-agent under test."
-
-
-@pytest.fixture(scope="module")
-def engine(agent_model):
-    with Engine.open(agent_model) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def sessions_root(tmp_path_factory):
-    # one folder for the module: its sysprompt cache spares every agent after the first a prefill
-    return tmp_path_factory.mktemp("sessions")
-
-
-@pytest.fixture
-def project(tmp_path):
-    root = tmp_path / "proj"
-    root.mkdir()
-    (root / "hello.py").write_text("def greet(name):\n    return 'hi ' + name\n")
-    subprocess.run(["git", "init", "-q", str(root)], check=True)
-    return root
-
 
 class TTY(io.StringIO):
     def isatty(self):
@@ -63,38 +38,35 @@ def agent_factory(engine, project, root, *forced, store_cls=SessionStore, seen=N
     return make_agent
 
 
-def call(name, **args):
-    return prompts.render_tool_calls([prompts.ToolCall(None, name, json.dumps(args))])
-
-
 # -- 1. reasoning on stderr ----------------------------------------------------------------------
-def test_reasoning_streams_to_stderr_and_the_answer_to_stdout(engine, project, sessions_root):
+def test_reasoning_streams_to_stderr_and_the_answer_to_stdout(agent_engine, hello_project, sessions_root):
     out, err = io.StringIO(), io.StringIO()
-    rc = run_headless(agent_factory(engine, project, sessions_root, "weighing the options</think>The answer."),
-                      "think first", out=out, err=err)
+    make_agent = agent_factory(agent_engine, hello_project, sessions_root, "weighing the options</think>The answer.")
+    rc = run_headless(make_agent, "think first", out=out, err=err)
     assert rc == 0
     assert out.getvalue().strip() == "The answer."
     assert "weighing the options" in err.getvalue() and DIM not in err.getvalue()   # not a terminal: no colour
     assert "weighing" not in out.getvalue()
 
 
-def test_reasoning_is_dimmed_on_a_terminal_and_quiet_hides_it(engine, project, sessions_root):
+def test_reasoning_is_dimmed_on_a_terminal_and_quiet_hides_it(agent_engine, hello_project, sessions_root):
     out, err = io.StringIO(), TTY()
-    run_headless(agent_factory(engine, project, sessions_root, "pondering</think>Yes."), "q", out=out, err=err)
+    run_headless(agent_factory(agent_engine, hello_project, sessions_root, "pondering</think>Yes."), "q",
+                 out=out, err=err)
     e = err.getvalue()
     start = e.index(DIM)
     assert e.index("pondering") > start and "\x1b[0m" in e[e.index("pondering"):]   # dim on, then off again
     out, err = io.StringIO(), TTY()
-    rc = run_headless(agent_factory(engine, project, sessions_root, "pondering</think>Yes."), "q",
+    rc = run_headless(agent_factory(agent_engine, hello_project, sessions_root, "pondering</think>Yes."), "q",
                       quiet=True, out=out, err=err)
     assert rc == 0 and out.getvalue().strip() == "Yes."
     assert "pondering" not in err.getvalue() and DIM not in err.getvalue()
 
 
 # -- 2. the per-turn token cap --------------------------------------------------------------------
-def test_token_cap_through_the_agent_api_ends_the_turn_clearly(engine, project, sessions_root):
+def test_token_cap_through_the_agent_api_ends_the_turn_clearly(agent_engine, hello_project, sessions_root):
     seen = []
-    agent = agent_factory(engine, project, sessions_root, seen=seen, think_mode="none",
+    agent = agent_factory(agent_engine, hello_project, sessions_root, seen=seen, think_mode="none",
                           max_turn_tokens=1000)(seen.append)
     agent.start()
     pos0 = agent.session.pos
@@ -114,11 +86,11 @@ def test_token_cap_through_the_agent_api_ends_the_turn_clearly(engine, project, 
         agent.submit("x", max_tokens=0)
 
 
-def test_token_cap_spent_by_a_tool_call_runs_the_tool_and_stops(engine, project, sessions_root):
+def test_token_cap_spent_by_a_tool_call_runs_the_tool_and_stops(agent_engine, hello_project, sessions_root):
     """The cap is over all of a turn's rounds: a tool call that spends it still runs (its result
     goes into the timeline), but the model is not asked to continue."""
     seen = []
-    agent = agent_factory(engine, project, sessions_root, call("read", path="hello.py"), "It greets.",
+    agent = agent_factory(agent_engine, hello_project, sessions_root, call("read", path="hello.py"), "It greets.",
                           seen=seen, think_mode="none")(seen.append)
     agent.start()
     fin = agent.submit("what does hello.py do?", max_tokens=4)
@@ -185,9 +157,9 @@ class ReadOnlyStore(SessionStore):
         raise OSError(30, "Read-only file system")
 
 
-def test_a_session_that_cannot_be_saved_is_said_once_and_fails_the_run(engine, project, sessions_root):
+def test_a_session_that_cannot_be_saved_is_said_once_and_fails_the_run(agent_engine, hello_project, sessions_root):
     out, err = io.StringIO(), io.StringIO()
-    rc = run_headless(agent_factory(engine, project, sessions_root, "done", think_mode="none",
+    rc = run_headless(agent_factory(agent_engine, hello_project, sessions_root, "done", think_mode="none",
                                     store_cls=ReadOnlyStore), "task", out=out, err=err)
     assert rc == 1 and out.getvalue().strip() == "done"
     assert err.getvalue().count("save failed") == 1, err.getvalue()
@@ -248,9 +220,9 @@ class ExitSaveFails(SessionStore):
         return super().save(*a, **k)
 
 
-def test_an_exit_save_that_fails_fails_the_run_too(engine, project, sessions_root):
+def test_an_exit_save_that_fails_fails_the_run_too(agent_engine, hello_project, sessions_root):
     out, err = io.StringIO(), io.StringIO()
-    rc = run_headless(agent_factory(engine, project, sessions_root, "done", think_mode="none",
+    rc = run_headless(agent_factory(agent_engine, hello_project, sessions_root, "done", think_mode="none",
                                     store_cls=ExitSaveFails), "task", out=out, err=err)
     assert ExitSaveFails.saves == 2 and rc == 1
     assert err.getvalue().count("save failed") == 1

@@ -23,11 +23,7 @@ from ds4agent import events as E
 from ds4agent import mcp_client, mcp_config
 from ds4agent.mcp_client import McpManager, check_arguments, result_of, start_servers, tool_name
 
-from ds4agent.agent import Agent, AgentConfig
-from engine import SamplingParams
-from sessions import SessionStore
-from test_agent import Recorder, call, timeline
-from test_agent import engine, sessions_root  # noqa: F401  (the agent tests' module fixtures, reused)
+from helpers_agent import call, start_agent, timeline
 
 SERVER = r'''
 import os, sys
@@ -66,17 +62,6 @@ app.run()
 '''
 
 
-def _make(engine, project, root, answer="y", mcp=None):
-    """test_agent's _make, with the MCP manager handed to the Agent as the CLI does."""
-    rec = Recorder(answer)
-    conf = AgentConfig(ctx=16384, think_mode="none", max_turn_tokens=24, sampling=SamplingParams(seed=1))
-    agent = Agent(engine, project, config=conf, store=SessionStore(root=root, project_dir=project), emit=rec,
-                  system="You are ds4-agent under test.", mcp=mcp)
-    rec.agent = agent
-    agent.start()
-    return agent, rec
-
-
 def _server_file(d: Path) -> Path:
     p = d / "mcp_test_server.py"
     p.write_text(SERVER)
@@ -112,14 +97,6 @@ def mgr(mcp_home):
     m.start_notices = notices
     yield m
     m.close()
-
-
-@pytest.fixture
-def project(tmp_path):
-    root = tmp_path / "proj"
-    root.mkdir()
-    subprocess.run(["git", "init", "-q", str(root)], check=True)
-    return root
 
 
 # -- configuration (no server started) --------------------------------------------------------------
@@ -207,8 +184,8 @@ def test_a_server_failing_at_start_is_one_notice(mgr, mcp_home):
     assert not any(t.startswith("mcp__broken__") for t in mgr._tools)
 
 
-def test_tools_are_in_the_system_prompt_after_the_builtin_ones(mgr, engine, project, sessions_root):
-    agent, rec = _make(engine, project, sessions_root, mcp=mgr)
+def test_tools_are_in_the_system_prompt_after_the_builtin_ones(mgr, agent_engine, git_project, sessions_root):
+    agent, rec = start_agent(agent_engine, git_project, sessions_root, mcp=mgr)
     prefix = agent.system_prefix()
     names = [json.loads(s)["function"]["name"] for s in agent.tool_schemas()]
     assert names[-4:] == ["mcp__demo__add", "mcp__demo__fail", "mcp__demo__nap", "mcp__demo__shout"] and names[0] == "read"
@@ -217,8 +194,8 @@ def test_tools_are_in_the_system_prompt_after_the_builtin_ones(mgr, engine, proj
     assert agent.system_prefix() == prefix                     # stable: the prompt cache matches
 
 
-def test_forced_call_is_approved_and_its_result_reaches_the_model(mgr, engine, project, sessions_root):
-    agent, rec = _make(engine, project, sessions_root, answer="y", mcp=mgr)
+def test_forced_call_is_approved_and_its_result_reaches_the_model(mgr, agent_engine, git_project, sessions_root):
+    agent, rec = start_agent(agent_engine, git_project, sessions_root, answer="y", mcp=mgr)
     agent.force("Adding." + call("mcp__demo__add", a=2, b=40), "Done.")
     fin = agent.submit("add 2 and 40")
     assert fin.tool_calls == 1 and fin.finish_reason == "stop"
@@ -229,8 +206,8 @@ def test_forced_call_is_approved_and_its_result_reaches_the_model(mgr, engine, p
     assert "<tool_result>the sum is 42 (from the MCP server)</tool_result>" in text and text.endswith("Done.")
 
 
-def test_refused_approval_and_allowed_tools(mgr, engine, project, sessions_root):
-    agent, rec = _make(engine, project, sessions_root, answer="n", mcp=mgr)
+def test_refused_approval_and_allowed_tools(mgr, agent_engine, git_project, sessions_root):
+    agent, rec = start_agent(agent_engine, git_project, sessions_root, answer="n", mcp=mgr)
     calls = [("mcp__demo__add", {"a": 1, "b": 1}), ("mcp__demo__shout", {"text": "hi"})]
     agent.force(prompts.render_tool_calls([prompts.ToolCall(None, n, json.dumps(a)) for n, a in calls]), "ok")
     assert agent.submit("go").tool_calls == 2
@@ -246,8 +223,8 @@ def test_refused_approval_and_allowed_tools(mgr, engine, project, sessions_root)
     assert mgr.call("mcp__demo__shout", {"text": 5}).text == "error: argument 'text' must be string, got 5"
 
 
-def test_mcp_command_lists_servers_and_tools(mgr, engine, project, sessions_root):
-    agent, rec = _make(engine, project, sessions_root, mcp=mgr)
+def test_mcp_command_lists_servers_and_tools(mgr, agent_engine, git_project, sessions_root):
+    agent, rec = start_agent(agent_engine, git_project, sessions_root, mcp=mgr)
     out = agent.command("/mcp")
     assert "demo (" in out and "): running" in out
     assert "mcp__demo__add [asks]  Add two whole numbers." in out
@@ -259,9 +236,10 @@ def test_mcp_command_lists_servers_and_tools(mgr, engine, project, sessions_root
 
 
 # -- servers that die, trust, shutdown ----------------------------------------------------------------
-def test_server_dying_mid_session_is_an_error_result_and_one_notice(mgr, mcp_home, engine, project, sessions_root):
+def test_server_dying_mid_session_is_an_error_result_and_one_notice(mgr, mcp_home, agent_engine, git_project,
+                                                                    sessions_root):
     """The module's demo server is killed here (the tests after this one expect it gone)."""
-    agent, rec = _make(engine, project, sessions_root, mcp=mgr)      # same prompt: from its cache file
+    agent, rec = start_agent(agent_engine, git_project, sessions_root, mcp=mgr)  # same prompt: from its cache file
     pid = int((mcp_home.parent / "demo.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     agent.force(call("mcp__demo__shout", text="a"), call("mcp__demo__shout", text="b"), "still here")
@@ -325,15 +303,15 @@ def test_hung_start_slow_call_and_esc_are_bounded(tmp_path):
         m.close()
 
 
-def test_project_server_starts_only_once_trusted(tmp_path, project):
+def test_project_server_starts_only_once_trusted(tmp_path, git_project):
     srv = _server_file(tmp_path)
     home = tmp_path / "home"
-    (project / ".mcp.json").write_text(json.dumps({"mcpServers": {"proj": {
+    (git_project / ".mcp.json").write_text(json.dumps({"mcpServers": {"proj": {
         "command": sys.executable, "args": [str(srv)], "env": {"PIDFILE": str(tmp_path / "proj.pid")}}}}))
     notices = []
-    m = start_servers(project, notices.append, home=home)
+    m = start_servers(git_project, notices.append, home=home)
     try:
-        assert [n.text for n in notices] == [f"mcp: {project / '.mcp.json'} server proj not started: a project's "
+        assert [n.text for n in notices] == [f"mcp: {git_project / '.mcp.json'} server proj not started: a project's "
                                              "servers run once you trust them (/mcp trust proj)"]
         assert m.schemas() == [] and not (tmp_path / "proj.pid").exists()
         assert "proj (" in mcp_client.command(m, "") and "not trusted" in mcp_client.command(m, "")
@@ -341,7 +319,7 @@ def test_project_server_starts_only_once_trusted(tmp_path, project):
         out = mcp_client.command(m, "trust proj")
         assert out.startswith(f"trusted proj: {sys.executable}") and "next /new" in out
         assert m.servers["proj"].status == "running" and "mcp__proj__add" in "".join(m.schemas())
-        assert mcp_config.load(project, home).servers["proj"].project      # remembered
+        assert mcp_config.load(git_project, home).servers["proj"].project  # remembered
     finally:
         m.close()
 
