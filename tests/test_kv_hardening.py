@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from engine import Engine, Session
+from engine import Session
 from sessions import safeio
 from sessions.kvfile import (EOS_TEXT, PREFIX_BYTES, KVFileError, is_subsequence, read_header, read_kv,
                              sha1_name, write_kv)
@@ -26,21 +26,15 @@ PROMPT = BOS + "You are a coding agent. Be brief.<｜User｜>Fix the bug in main
 
 
 @pytest.fixture(scope="module")
-def eng(small_model):
-    with Engine.open(small_model) as e:
-        yield e
+def ids(small_engine):
+    return small_engine.tokenizer.encode(PROMPT)
 
 
 @pytest.fixture(scope="module")
-def ids(eng):
-    return eng.tokenizer.encode(PROMPT)
-
-
-@pytest.fixture(scope="module")
-def snaps(eng, ids):
+def snaps(small_engine, ids):
     """Snapshots of the prompt, the prompt less 1 and 2 tokens, and one as long with another end,
     prefilled once (a restore is cheap, a prefill is not)."""
-    s = Session(eng, CTX)
+    s = Session(small_engine, CTX)
     s.sync(ids)
     out = {tuple(ids): s.snapshot()}
     for k in (1, 2, 3):
@@ -128,7 +122,7 @@ def swap_payloads(a, b):
 
 
 # -- the prefix cache folder ---------------------------------------------------------------------
-def test_fifo_in_the_cache_folder_is_skipped_with_one_warning(eng, ids, tmp_path):
+def test_fifo_in_the_cache_folder_is_skipped_with_one_warning(small_engine, ids, tmp_path):
     d = tmp_path / "kv"
     d.mkdir()
     fifos = [d / ("ab" * 20 + ".kv"), d / "stray-fifo"]
@@ -137,9 +131,9 @@ def test_fifo_in_the_cache_folder_is_skipped_with_one_warning(eng, ids, tmp_path
     logs = Logs()
     try:
         cache = finishes(lambda: PrefixCache(d, min_tokens=8, cold_max_tokens=0, log=logs))
-        s = session(eng, ids)
+        s = session(small_engine, ids)
         assert finishes(lambda: cache.store(s))
-        live = Session(eng, CTX)
+        live = Session(small_engine, CTX)
         assert finishes(lambda: cache.restore(live, token_text(s) + b"more")) is not None
     finally:
         for p in fifos:
@@ -149,8 +143,8 @@ def test_fifo_in_the_cache_folder_is_skipped_with_one_warning(eng, ids, tmp_path
     assert os.path.exists(fifos[0]) and live.tokens == list(ids)       # left alone, not evicted
 
 
-def test_symlink_to_an_outside_kv_file_is_never_followed_or_written(eng, ids, tmp_path):
-    s = session(eng, ids)
+def test_symlink_to_an_outside_kv_file_is_never_followed_or_written(small_engine, ids, tmp_path):
+    s = session(small_engine, ids)
     text = token_text(s)
     outside = PrefixCache(tmp_path / "outside", min_tokens=8, cold_max_tokens=0)
     assert outside.store(s)
@@ -163,7 +157,7 @@ def test_symlink_to_an_outside_kv_file_is_never_followed_or_written(eng, ids, tm
     os.symlink(target, d / (sha1_name(text) + ".tmp.1-ab"))       # shaped like a temp file
     logs = Logs()
     cache = PrefixCache(d, min_tokens=8, cold_max_tokens=0, log=logs)
-    live = Session(eng, CTX)
+    live = Session(small_engine, CTX)
     assert cache.find(text + b"more", live) is None and cache.restore(live, text + b"more") is None
     assert live.pos == 0 and any("symbolic link" in m for m in logs)
     assert cache.store(s, tool_map={"call_1": "x"})                 # a save to that very name
@@ -172,9 +166,9 @@ def test_symlink_to_an_outside_kv_file_is_never_followed_or_written(eng, ids, tm
     assert cache.restore(live, text + b"more") is not None and sha256(target) == before
 
 
-def test_swapped_payload_is_refused_with_a_warning_and_never_used(eng, ids, tmp_path):
+def test_swapped_payload_is_refused_with_a_warning_and_never_used(small_engine, ids, tmp_path):
     other = list(ids[:-3]) + [67, 68, 69]                            # same token count, other text
-    a, b = session(eng, ids), session(eng, other)
+    a, b = session(small_engine, ids), session(small_engine, other)
     d = tmp_path / "kv"
     cache = PrefixCache(d, min_tokens=8, cold_max_tokens=0)
     assert cache.store(a) and cache.store(b)
@@ -182,7 +176,7 @@ def test_swapped_payload_is_refused_with_a_warning_and_never_used(eng, ids, tmp_
     swap_payloads(pa, pb)
     logs = Logs()
     cache = PrefixCache(d, min_tokens=8, cold_max_tokens=0, log=logs)
-    live = Session(eng, CTX)
+    live = Session(small_engine, CTX)
     prompt = token_text(a) + b" and more"
     assert cache.find(prompt, live).path == str(pa)
     assert cache.restore(live, prompt) is None and live.pos == 0    # the old code loaded b's tokens
@@ -193,16 +187,16 @@ def test_swapped_payload_is_refused_with_a_warning_and_never_used(eng, ids, tmp_
         read_kv(pa, live)
 
 
-def test_visible_key_must_be_the_tokens_text_with_parts_left_out(eng, ids, tmp_path):
-    s = session(eng, ids)
+def test_visible_key_must_be_the_tokens_text_with_parts_left_out(small_engine, ids, tmp_path):
+    s = session(small_engine, ids)
     text = token_text(s)
     cut = text.index(b"Be brief.")
     ok = text[:cut] + text[cut + len(b"Be brief."):] + EOS_TEXT     # reasoning-like part dropped
     p = tmp_path / "v.kv"
     write_kv(p, s, ok, key_kind="thinking-visible")
-    assert read_kv(p, Session(eng, CTX)).text == ok
+    assert read_kv(p, Session(small_engine, CTX)).text == ok
     write_kv(p, s, ok.replace(b"main.py", b"other.py"), key_kind="responses-visible")
-    live = Session(eng, CTX)
+    live = Session(small_engine, CTX)
     with pytest.raises(KVFileError, match="do not match"):
         read_kv(p, live)
     assert live.pos == 0
@@ -211,7 +205,7 @@ def test_visible_key_must_be_the_tokens_text_with_parts_left_out(eng, ids, tmp_p
     assert is_subsequence(big[:70000] + big[90000:], big) and not is_subsequence(big + b"x", big)
 
 
-def test_unreadable_files_one_summary_warning(eng, ids, tmp_path, monkeypatch):
+def test_unreadable_files_one_summary_warning(small_engine, ids, tmp_path, monkeypatch):
     d = tmp_path / "kv"
     d.mkdir()
     (d / ("cd" * 20 + ".kv")).mkdir()                                # a directory with a cache name
@@ -236,7 +230,7 @@ def test_unreadable_files_one_summary_warning(eng, ids, tmp_path, monkeypatch):
     assert cache.entries() == [] and len(logs) == 1
     assert "skipped 2 unusable files" in logs[0] and "Permission denied" in logs[0] and "directory" in logs[0]
     monkeypatch.undo()
-    assert cache.store(session(eng, ids)) and len([m for m in logs if "unusable" in m]) == 1
+    assert cache.store(session(small_engine, ids)) and len([m for m in logs if "unusable" in m]) == 1
 
 
 def count_opens(fn) -> list[str]:
@@ -260,10 +254,10 @@ def count_opens(fn) -> list[str]:
     return seen
 
 
-def test_ten_thousand_junk_files_start_fast_and_lookups_read_no_headers(eng, ids, tmp_path):
+def test_ten_thousand_junk_files_start_fast_and_lookups_read_no_headers(small_engine, ids, tmp_path):
     d = tmp_path / "kv"
     seed = PrefixCache(d, min_tokens=8, cold_max_tokens=0)
-    s = session(eng, ids)
+    s = session(small_engine, ids)
     assert seed.store(s)
     good = str(d / sha1_name(token_text(s)))
     for i in range(5000):
@@ -276,7 +270,7 @@ def test_ten_thousand_junk_files_start_fast_and_lookups_read_no_headers(eng, ids
     assert start_s < 2.0, start_s
     assert len(logs) == 1 and "skipped 5000 unusable files" in logs[0] and "and 4997 more" in logs[0]
     prompt = token_text(s) + b" more"
-    live = Session(eng, CTX)
+    live = Session(small_engine, CTX)
     opened = count_opens(lambda: cache.restore(live, prompt))
     assert live.tokens == list(ids) and set(opened) <= {good}, sorted(set(opened))[:5]
     t0 = time.perf_counter()
@@ -285,17 +279,17 @@ def test_ten_thousand_junk_files_start_fast_and_lookups_read_no_headers(eng, ids
     per_find = (time.perf_counter() - t0) / 20
     assert per_find < 0.05, per_find
     # a store changes the folder: the next lookup re-lists it but opens none of the junk again
-    s2 = session(eng, ids[:-2])
+    s2 = session(small_engine, ids[:-2])
     assert cache.store(s2)
     opened = count_opens(lambda: cache.find(prompt, live))
     assert not [p for p in opened if "junk" in p or p.endswith(".kv")]
     assert len([m for m in logs if "unusable" in m]) == 1
 
 
-def test_temp_files_count_against_the_budget_and_dead_writers_are_cleaned(eng, ids, tmp_path):
+def test_temp_files_count_against_the_budget_and_dead_writers_are_cleaned(small_engine, ids, tmp_path):
     d = tmp_path / "kv"
     probe = PrefixCache(d, min_tokens=8, cold_max_tokens=0)
-    s = session(eng, ids)
+    s = session(small_engine, ids)
     assert probe.store(s)
     size = os.path.getsize(d / sha1_name(token_text(s)))
     os.unlink(d / sha1_name(token_text(s)))
@@ -312,13 +306,13 @@ def test_temp_files_count_against_the_budget_and_dead_writers_are_cleaned(eng, i
     assert not dead.exists() and not mine.exists() and live_other.exists() and nopid.exists()
     assert outside.read_bytes() == b"keep me" and os.path.islink(d / f"{'5' * 40}.kv.tmp.{dead_pid()}-link")
     assert cache.temp_bytes() == 2 * (size // 4)
-    assert cache.store(s) and cache.store(session(eng, ids[:-1]))
+    assert cache.store(s) and cache.store(session(small_engine, ids[:-1]))
     # 2 files + 2 live temp files do not fit 2.2 files: one file went (without the temps both fit)
     assert len(cache.entries()) == 1 and cache.total_bytes() <= cache.budget_bytes
 
 
-def test_writes_never_follow_a_symlink_at_the_final_name(eng, ids, tmp_path):
-    s = session(eng, ids)
+def test_writes_never_follow_a_symlink_at_the_final_name(small_engine, ids, tmp_path):
+    s = session(small_engine, ids)
     outside = tmp_path / "victim"
     outside.write_bytes(b"victim")
     d = tmp_path / "d"
@@ -339,20 +333,20 @@ def make_agent(eng, store, project):
     return Agent(eng, project, config=AgentConfig(ctx=CTX, chunk=64, think_mode="none"), store=store)
 
 
-def test_store_fifos_and_symlinks_are_damaged_never_opened(eng, ids, tmp_path):
+def test_store_fifos_and_symlinks_are_damaged_never_opened(small_engine, ids, tmp_path):
     clock = iter(range(1_700_000_000, 1_700_001_000, 10))
     root, project = tmp_path / "s", tmp_path / "p"
     project.mkdir()
     store = SessionStore(root, project_dir=project, now=lambda: next(clock))
-    a = store.save(session(eng, ids), think_mode="none")
+    a = store.save(session(small_engine, ids), think_mode="none")
     other = list(ids[:-3]) + [67, 68, 69]
-    b = store.save(session(eng, other), think_mode="none")
+    b = store.save(session(small_engine, other), think_mode="none")
     os.unlink(store.meta_path(b.sha))
     os.mkfifo(store.meta_path(b.sha))                               # a FIFO sidecar
     fifo = root / ("f" * 40 + ".kv")
     os.mkfifo(fifo)                                                  # a FIFO session file
     outside = SessionStore(tmp_path / "outside", project_dir=project)
-    c = outside.save(session(eng, ids[:-1]), think_mode="none")
+    c = outside.save(session(small_engine, ids[:-1]), think_mode="none")
     for p in (c.path, outside.meta_path(c.sha)):
         os.symlink(p, root / os.path.basename(p))                  # links to a valid session
     hashes = {p: sha256(p) for p in (c.path, outside.meta_path(c.sha))}
@@ -360,16 +354,16 @@ def test_store_fifos_and_symlinks_are_damaged_never_opened(eng, ids, tmp_path):
         every = {e.sha: e for e in finishes(lambda: store.list("all"))}
         assert every[a.sha].ok and "FIFO" in every[b.sha].error and "FIFO" in every["f" * 40].error
         assert "symbolic link" in every[c.sha].error
-        live = Session(eng, CTX)
+        live = Session(small_engine, CTX)
         for sha in (b.sha, "f" * 40, c.sha):
             with pytest.raises(SessionStoreError, match="unreadable"):
                 finishes(lambda: store.load(sha, live))
         assert live.pos == 0
-        agent = make_agent(eng, store, project)
+        agent = make_agent(small_engine, store, project)
         listing = finishes(lambda: agent.command("/list all"))
         assert listing.count("DAMAGED") == 3 and "FIFO" in listing
         assert "damaged session(s) of unknown project" in finishes(lambda: agent.command("/list"))
-        saved = store.save(session(eng, ids[:-1]), think_mode="none")   # the linked name, saved
+        saved = store.save(session(small_engine, ids[:-1]), think_mode="none")   # the linked name, saved
         assert saved.sha == c.sha and saved.ok and not os.path.islink(saved.path)
         assert {p: sha256(p) for p in hashes} == hashes
     finally:
@@ -377,16 +371,16 @@ def test_store_fifos_and_symlinks_are_damaged_never_opened(eng, ids, tmp_path):
         unblock(store.meta_path(b.sha))
 
 
-def test_resume_says_the_newest_session_is_damaged(eng, ids, tmp_path):
+def test_resume_says_the_newest_session_is_damaged(small_engine, ids, tmp_path):
     clock = iter(range(1_700_000_000, 1_700_001_000, 10))
     root, project = tmp_path / "s", tmp_path / "p"
     project.mkdir()
     store = SessionStore(root, project_dir=project, now=lambda: next(clock))
-    old = store.save(session(eng, ids[:-1]), think_mode="none")
-    new = store.save(session(eng, ids), think_mode="none")
+    old = store.save(session(small_engine, ids[:-1]), think_mode="none")
+    new = store.save(session(small_engine, ids), think_mode="none")
     with open(new.path, "r+b") as f:
         f.truncate(100)
-    agent = make_agent(eng, store, project)
+    agent = make_agent(small_engine, store, project)
     out = finishes(lambda: agent.command("/resume"))
     assert out.startswith(f"session {new.id} is damaged, not resumed: ") and "truncated" in out
     assert f"switched to session {old.id}" in out and agent.session.tokens == list(ids[:-1])
@@ -395,12 +389,12 @@ def test_resume_says_the_newest_session_is_damaged(eng, ids, tmp_path):
     assert "damaged" in out and "no saved session in this directory to resume" in out
 
 
-def test_store_refuses_a_payload_that_does_not_spell_the_text(eng, ids, tmp_path):
+def test_store_refuses_a_payload_that_does_not_spell_the_text(small_engine, ids, tmp_path):
     store = SessionStore(tmp_path / "s", project_dir=tmp_path)
-    a = store.save(session(eng, ids), think_mode="none")
-    b = store.save(session(eng, list(ids[:-3]) + [67, 68, 69]), think_mode="none")
+    a = store.save(session(small_engine, ids), think_mode="none")
+    b = store.save(session(small_engine, list(ids[:-3]) + [67, 68, 69]), think_mode="none")
     swap_payloads(a.path, b.path)
-    live = session(eng, ids[:-2])
+    live = session(small_engine, ids[:-2])
     with pytest.raises(SessionStoreError, match="do not match"):
         store.load(a.id, live)                    # the old code loaded b's tokens under a's text
     assert live.tokens == list(ids[:-2])
@@ -415,11 +409,11 @@ DEEP = 100_000
     ("tokens", str(2 ** 64)), ("tokens", "1e400"), ("tokens", "true"), ("created", '"x"'),
     ("updated", "NaN"), ("ancestors", '["not-a-sha"]'), ("parent", "7"), ("name", "123"),
     ("quant_bits", "3"), ("record", "[]"), ("huge", None)])
-def test_bad_sidecars_show_as_damaged(eng, ids, tmp_path, field, raw):
+def test_bad_sidecars_show_as_damaged(small_engine, ids, tmp_path, field, raw):
     root, project = tmp_path / "s", tmp_path / "p"
     project.mkdir()
     store = SessionStore(root, project_dir=project)
-    x = store.save(session(eng, ids), think_mode="none")
+    x = store.save(session(small_engine, ids), think_mode="none")
     meta = json.loads(open(store.meta_path(x.sha)).read())
     if field == "deep":
         text = json.dumps(meta)[:-1] + ', "x": ' + "[" * DEEP + "]" * DEEP + "}"
@@ -438,17 +432,17 @@ def test_bad_sidecars_show_as_damaged(eng, ids, tmp_path, field, raw):
         e = store.list("all")[0]
         assert e.error and "metadata" in e.error and isinstance(e.tokens, int)
         with pytest.raises(SessionStoreError):
-            store.load(x.id, Session(eng, CTX))
-        agent = make_agent(eng, store, project)
+            store.load(x.id, Session(small_engine, CTX))
+        agent = make_agent(small_engine, store, project)
         assert "DAMAGED" in agent.command("/list all") and "unknown project" in agent.command("/list")
         assert "no saved session" in agent.command("/resume")
 
 
-def test_ds4_kv_reports_a_fifo_without_blocking(eng, ids, tmp_path, capsys):
+def test_ds4_kv_reports_a_fifo_without_blocking(small_engine, ids, tmp_path, capsys):
     from sessions.kv_cli import main
     fifo = tmp_path / ("a" * 40 + ".kv")
     os.mkfifo(fifo)
-    s = session(eng, ids)
+    s = session(small_engine, ids)
     real = tmp_path / sha1_name(token_text(s))
     write_kv(real, s, token_text(s))
     link = tmp_path / "link.kv"

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from engine import Engine, Session
+from engine import Session
 from sessions.kvfile import pack_header, read_header, read_info, sha1_name, touch
 from sessions.prefix_cache import (HIT_HALF_LIFE_S, PrefixCache, budget_required, chat_anchor,
                                    cold_store_len, continued_step, eviction_score,
@@ -29,16 +29,10 @@ class Clock:
 
 
 @pytest.fixture(scope="module")
-def eng(small_model):
-    with Engine.open(small_model) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def prompt(eng):
+def prompt(small_engine):
     """The prompt's tokens, a snapshot of it prefilled, and its logits at every position."""
-    ids = eng.tokenizer.encode(PROMPT)
-    s = Session(eng, CTX)
+    ids = small_engine.tokenizer.encode(PROMPT)
+    s = Session(small_engine, CTX)
     logits = s.sync(ids, keep_logits=True)
     return ids, s.snapshot(), logits
 
@@ -103,20 +97,20 @@ def test_policy_math():
 
 
 # -- lookup and load -----------------------------------------------------------------------------
-def test_lookup_picks_longest_valid_prefix_and_load_restores_it(eng, prompt, tmp_path):
+def test_lookup_picks_longest_valid_prefix_and_load_restores_it(small_engine, prompt, tmp_path):
     ids, _, ref_logits = prompt
     clock = Clock()
     d = tmp_path / "kv"
-    full = token_text(eng, ids)
+    full = token_text(small_engine, ids)
     cache = PrefixCache(d, min_tokens=8, cold_max_tokens=1000, now=clock)
-    s = Session(eng, CTX)
+    s = Session(small_engine, CTX)
     stored = {}
     for n in (12, 20, 28):
         s.sync(ids[:n])
         assert cache.store(s, reason="continued")
         stored[n] = os.path.join(d, sha1_name(token_text(s)))
     # longer entries that must be skipped: a diverging branch, a bigger context, another quant
-    s.sync(ids[:24] + eng.tokenizer.encode(" and now some totally different text follows"))
+    s.sync(ids[:24] + small_engine.tokenizer.encode(" and now some totally different text follows"))
     assert cache.store(s, reason="evict") and s.pos > 28
     for n, field in ((31, dict(ctx=4096)), (30, dict(quant_bits=4))):
         s.sync(ids[:n])
@@ -129,19 +123,19 @@ def test_lookup_picks_longest_valid_prefix_and_load_restores_it(eng, prompt, tmp
     assert PrefixCache(d, min_tokens=4, cold_max_tokens=1000, now=clock).store(s)
     assert len(kv_names(d)) == 8
 
-    live = Session(eng, CTX)
+    live = Session(small_engine, CTX)
     reject = PrefixCache(d, min_tokens=8, cold_max_tokens=1000, reject_different_quant=True, now=clock)
     assert reject.find(full, live).path == stored[28]
     assert cache.find(full, live).path == stored[30]          # cross-quant allowed by default
     assert cache.find(full).path == stored[31]                 # no session: no context filter
     assert PrefixCache(d, min_tokens=29, cold_max_tokens=1000).find(full, live).path == stored[30]
-    assert cache.find(full[:len(token_text(eng, ids[:12])) - 1], live) is None
+    assert cache.find(full[:len(token_text(small_engine, ids[:12])) - 1], live) is None
     assert cache.find(b"unrelated", live) is None
 
     clock.t += 100
     info, suffix = reject.load(reject.find(full, live), live, full)
     assert live.tokens == ids[:28] and live.stats["prefill_tokens"] == 0
-    assert suffix == full[len(token_text(eng, ids[:28])):] and info.text + suffix == full
+    assert suffix == full[len(token_text(small_engine, ids[:28])):] and info.text + suffix == full
     assert same_bits(live.logits, ref_logits[27])                 # bit-identical restore
     h, _ = read_header(stored[28])
     assert h.hits == 1 and h.last_used == clock.t and reject.last_continued == 28
@@ -153,7 +147,7 @@ def test_lookup_picks_longest_valid_prefix_and_load_restores_it(eng, prompt, tmp
         f.write(b"XXXX")
     with open(os.path.join(d, sha1_name(full[:40])), "wb") as f:
         f.write(b"KVC garbage")
-    other = Session(eng, CTX)
+    other = Session(small_engine, CTX)
     logs = []
     reject._log = logs.append
     assert reject.load(reject.find(full, other), other, full) is None and other.pos == 0
@@ -163,9 +157,9 @@ def test_lookup_picks_longest_valid_prefix_and_load_restores_it(eng, prompt, tmp
 
 
 # -- save moments --------------------------------------------------------------------------------
-def test_cold_and_continued_save_moments(eng, prompt, tmp_path):
+def test_cold_and_continued_save_moments(small_engine, prompt, tmp_path):
     ids, blob, _ = prompt
-    tk = eng.tokenizer
+    tk = small_engine.tokenizer
     U, A = tk.special("<｜User｜>"), tk.special("<｜Assistant｜>")
     d = tmp_path / "kv"
     cache = PrefixCache(d, min_tokens=16, cold_max_tokens=1000, continued_interval=12, boundary_trim=4,
@@ -175,15 +169,15 @@ def test_cold_and_continued_save_moments(eng, prompt, tmp_path):
     # 1. the chat anchor: the system prefix, stored on the way to the full prompt
     anchor = ids.index(U)
     assert anchor >= 16 and cache.cold_store_target(ids, U, A) == anchor
-    s = Session(eng, CTX)
+    s = Session(small_engine, CTX)
     s.sync(ids[:anchor])
     assert cache.store(s, reason="cold")
     e = cache.entries()[0]
-    assert e.tokens == anchor and read_info(e.path).text == token_text(eng, ids[:anchor])
+    assert e.tokens == anchor and read_info(e.path).text == token_text(small_engine, ids[:anchor])
     assert cache.last_continued == anchor
     # another conversation with the same system prompt reuses it
     other = tk.encode(PROMPT.split("<｜User｜>")[0] + "<｜User｜>Explain the tests<｜Assistant｜>")
-    hit = cache.find(token_text(eng, other), s)
+    hit = cache.find(token_text(small_engine, other), s)
     assert hit is not None and hit.path == e.path
 
     # 2. no anchor: trim 4 then align 8 (37 tokens -> 33 -> 32), a continued frontier at once
@@ -192,7 +186,7 @@ def test_cold_and_continued_save_moments(eng, prompt, tmp_path):
     plain = ids[anchor + 1:] * 6
     target = cache2.cold_store_target(plain[:37], U, A)
     assert target == 32
-    s2 = Session(eng, CTX)
+    s2 = Session(small_engine, CTX)
     s2.sync(plain[:target])
     assert cache2.should_store_continued(s2.pos)                  # 32 is a continued frontier too
     assert cache2.store(s2, reason="cold")
@@ -211,9 +205,9 @@ def test_cold_and_continued_save_moments(eng, prompt, tmp_path):
     assert cache2.should_store_continued(48)
 
 
-def test_store_skips_and_checks(eng, prompt, tmp_path):
+def test_store_skips_and_checks(small_engine, prompt, tmp_path):
     ids, blob, _ = prompt
-    s = Session(eng, CTX)
+    s = Session(small_engine, CTX)
     s.restore(blob)
     cache = PrefixCache(tmp_path / "kv", min_tokens=len(ids) + 1, cold_max_tokens=0)
     assert not cache.store(s) and kv_names(tmp_path / "kv") == []          # below min
@@ -230,12 +224,12 @@ def test_store_skips_and_checks(eng, prompt, tmp_path):
 
 
 # -- eviction ------------------------------------------------------------------------------------
-def test_eviction_under_budget_with_decaying_hits(eng, prompt, tmp_path):
+def test_eviction_under_budget_with_decaying_hits(small_engine, prompt, tmp_path):
     ids, blob, _ = prompt
     clock = Clock()
     t0 = clock.t
     d = tmp_path / "kv"
-    s = Session(eng, CTX)
+    s = Session(small_engine, CTX)
     s.restore(blob)
     s.eval(67)
     letters = dict(zip("ABCDE", range(67, 72)))     # one-byte tokens: equal sizes and token counts
@@ -279,19 +273,19 @@ def test_eviction_under_budget_with_decaying_hits(eng, prompt, tmp_path):
 
 
 # -- tool maps, refresh, single use --------------------------------------------------------------
-def test_tool_map_round_trip_and_same_name_refresh(eng, prompt, tmp_path):
+def test_tool_map_round_trip_and_same_name_refresh(small_engine, prompt, tmp_path):
     ids, blob, _ = prompt
     clock = Clock()
     d = tmp_path / "kv"
     cache = PrefixCache(d, min_tokens=8, cold_max_tokens=1000, now=clock)
-    s = Session(eng, CTX)
+    s = Session(small_engine, CTX)
     s.restore(blob)
     text = token_text(s)
     path = os.path.join(d, sha1_name(text))
     m1 = {"call_1": "<｜DSML｜invoke name=\"bash\">ls</｜DSML｜invoke>"}
     assert cache.store(s, reason="evict", tool_map=m1)
     assert read_info(path).tool_map == m1
-    live = Session(eng, CTX)
+    live = Session(small_engine, CTX)
     info, suffix = cache.load(cache.find(text + b"more", live), live, text + b"more")
     assert info.tool_map == m1 and suffix == b"more"
     body = open(path, "rb").read()
@@ -316,17 +310,17 @@ def test_tool_map_round_trip_and_same_name_refresh(eng, prompt, tmp_path):
     assert h3.quant_bits == 2 and h3.hits == 0 and read_info(path).tool_map == m1
 
 
-def test_big_checkpoints_are_single_use(eng, prompt, tmp_path):
+def test_big_checkpoints_are_single_use(small_engine, prompt, tmp_path):
     ids, blob, _ = prompt
     d = tmp_path / "kv"
     cache = PrefixCache(d, min_tokens=8, cold_max_tokens=len(ids) - 1)
-    s = Session(eng, CTX)
+    s = Session(small_engine, CTX)
     s.restore(blob)
     full = token_text(s)
     assert cache.store(s, reason="evict")                              # tokens > cold_max
     s.sync(ids[:len(ids) - 1])
     assert cache.store(s, reason="evict")                              # tokens == cold_max
-    live = Session(eng, CTX)
+    live = Session(small_engine, CTX)
     big = cache.find(full, live)
     assert big.tokens == len(ids)
     assert cache.load(big, live, full) is not None and not os.path.exists(big.path)   # consumed

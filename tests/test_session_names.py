@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from engine import Engine, Session
+from engine import Session
+from helpers_sessions import prefix_snapshots
 from sessions.kvfile import read_header
 from sessions.prefix_cache import token_text
 from sessions.store import SessionStore, SessionStoreError
@@ -29,18 +30,9 @@ class Clock:
 
 
 @pytest.fixture(scope="module")
-def eng(small_model):
-    with Engine.open(small_model) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def base(eng):
-    s = Session(eng, CTX)
-    s.sync(eng.tokenizer.encode(SYSTEM))
-    sys_blob = s.snapshot()
-    s.sync(eng.tokenizer.encode(SYSTEM + USER))
-    return sys_blob, s.snapshot()
+def base(small_engine):
+    """(system-prefix snapshot, conversation snapshot): prefilled once."""
+    return prefix_snapshots(small_engine, CTX, SYSTEM, USER)
 
 
 def restored(eng, blob, *more) -> Session:
@@ -61,13 +53,13 @@ def on_disk(store) -> set[str]:
     return {e.sha for e in store.list("all")}
 
 
-def test_a_name_follows_its_continuation_and_the_named_snapshot_stays(eng, base, tmp_path):
+def test_a_name_follows_its_continuation_and_the_named_snapshot_stays(small_engine, base, tmp_path):
     store = SessionStore(tmp_path / "s", project_dir=tmp_path, now=Clock())
-    s = restored(eng, base[1])
+    s = restored(small_engine, base[1])
     named = store.save(s, think_mode="high", name="work")           # /save work
     assert (named.name, named.pinned, named.earlier_of) == ("work", "work", None)
     # /switch work in another agent, one more turn, autosave
-    live = Session(eng, CTX)
+    live = Session(small_engine, CTX)
     store.load("work", live)
     c = store.save(extend(live, 67, 68), think_mode="high")
     assert c.name == "work" and c.parent == named.sha and c.pinned is None
@@ -84,13 +76,13 @@ def test_a_name_follows_its_continuation_and_the_named_snapshot_stays(eng, base,
     assert store.resolve("work").sha == named.sha and store.info(named.id).name == "work"
 
 
-def test_an_explicit_name_moves_only_along_its_own_lineage(eng, base, tmp_path):
+def test_an_explicit_name_moves_only_along_its_own_lineage(small_engine, base, tmp_path):
     store = SessionStore(tmp_path / "s", project_dir=tmp_path, now=Clock())
-    s = restored(eng, base[1])
+    s = restored(small_engine, base[1])
     a = store.save(s, think_mode="high", name="work")
-    other = store.save(restored(eng, base[1], 90), think_mode="high")    # not a's lineage
+    other = store.save(restored(small_engine, base[1], 90), think_mode="high")    # not a's lineage
     with pytest.raises(SessionStoreError, match="already used by session"):
-        store.save(restored(eng, base[1], 91), think_mode="high", name="work")
+        store.save(restored(small_engine, base[1], 91), think_mode="high", name="work")
     assert store.rename(other.id, "side").name == "side"
     # an unsaved continuation named with the name its ancestor holds takes it (and pins itself)
     b = store.save(extend(s, 67), think_mode="high", name="work")
@@ -101,20 +93,20 @@ def test_an_explicit_name_moves_only_along_its_own_lineage(eng, base, tmp_path):
     assert c.name == "fresh" and store.resolve("work").sha == b.sha
 
 
-def test_continues_carries_the_name_over_a_rebuilt_timeline(eng, base, tmp_path):
+def test_continues_carries_the_name_over_a_rebuilt_timeline(small_engine, base, tmp_path):
     """After a compaction the text no longer extends the saved one: the agent says which it
     continues, and only the name follows (no lineage, nothing pruned)."""
     store = SessionStore(tmp_path / "s", project_dir=tmp_path, now=Clock())
-    a = store.save(restored(eng, base[1], 67), think_mode="high", name="work")
-    rebuilt = restored(eng, base[0], 70, 71)
+    a = store.save(restored(small_engine, base[1], 67), think_mode="high", name="work")
+    rebuilt = restored(small_engine, base[0], 70, 71)
     b = store.save(rebuilt, think_mode="high", continues=a.sha)
     assert b.name == "work" and b.parent is None and on_disk(store) == {a.sha, b.sha}
     assert store.info(a.id).earlier_of == "work"
 
 
-def test_two_holders_after_a_crash_resolve_to_the_descendant(eng, base, tmp_path):
+def test_two_holders_after_a_crash_resolve_to_the_descendant(small_engine, base, tmp_path):
     store = SessionStore(tmp_path / "s", project_dir=tmp_path, now=Clock())
-    s = restored(eng, base[1])
+    s = restored(small_engine, base[1])
     a = store.save(s, think_mode="high", name="work")
     b = store.save(extend(s, 67), think_mode="high")
     meta = json.loads(open(store.meta_path(a.sha)).read())
@@ -123,10 +115,10 @@ def test_two_holders_after_a_crash_resolve_to_the_descendant(eng, base, tmp_path
     assert store.resolve("work").sha == b.sha
 
 
-def test_records_from_before_pinning_keep_their_names_safe(eng, base, tmp_path):
+def test_records_from_before_pinning_keep_their_names_safe(small_engine, base, tmp_path):
     """A record written before `pinned` existed: its name was the user's, so it is pinned."""
     store = SessionStore(tmp_path / "s", project_dir=tmp_path, now=Clock())
-    s = restored(eng, base[1])
+    s = restored(small_engine, base[1])
     a = store.save(s, think_mode="high", name="old")
     meta = json.loads(open(store.meta_path(a.sha)).read())
     del meta["pinned"]
@@ -135,11 +127,11 @@ def test_records_from_before_pinning_keep_their_names_safe(eng, base, tmp_path):
     assert b.name == "old" and store.info(a.id).earlier_of == "old" and on_disk(store) == {a.sha, b.sha}
 
 
-def test_system_prefixes_are_cached_per_text_within_the_budget(eng, base, tmp_path):
+def test_system_prefixes_are_cached_per_text_within_the_budget(small_engine, base, tmp_path):
     clock = Clock()
     store = SessionStore(tmp_path / "s", project_dir=tmp_path, now=clock, sysprompt_keep=2)
     open(os.path.join(store.root, LEGACY_SYSPROMPT), "wb").write(b"old single slot")
-    prefixes = [restored(eng, base[0], *extra) for extra in ((), (67,), (68,))]
+    prefixes = [restored(small_engine, base[0], *extra) for extra in ((), (67,), (68,))]
     texts = [token_text(p) for p in prefixes]
     paths = [store.sysprompt_path(p, t) for p, t in zip(prefixes, texts)]
     assert len(set(paths)) == 3 and all(os.path.basename(p).startswith("sysprompt-") for p in paths)
@@ -147,13 +139,13 @@ def test_system_prefixes_are_cached_per_text_within_the_budget(eng, base, tmp_pa
     store.save_system_prefix(prefixes[1], texts[1])             # "proj2"
     assert not os.path.exists(os.path.join(store.root, LEGACY_SYSPROMPT))
     for i in (0, 1, 0):                                          # proj, proj2, proj: no prefill
-        fresh = Session(eng, CTX)
+        fresh = Session(small_engine, CTX)
         assert store.load_system_prefix(fresh, texts[i]) and fresh.tokens == prefixes[i].tokens
     assert store.list("all") == []                               # cached prefixes are not sessions
     # a third one: the least recently used (proj2) goes, the count is 2
     store.save_system_prefix(prefixes[2], texts[2])
     assert [os.path.exists(p) for p in paths] == [True, False, True]
-    assert not store.load_system_prefix(Session(eng, CTX), texts[1])
+    assert not store.load_system_prefix(Session(small_engine, CTX), texts[1])
     # the disk budget: room for one file only keeps the newest
     size = read_header(paths[0])[1]
     small = SessionStore(tmp_path / "s", project_dir=tmp_path, now=clock,

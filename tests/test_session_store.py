@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from engine import Engine, Session
+from engine import Session
+from helpers_sessions import prefix_snapshots
 from sessions.kvfile import read_header, read_info
 from sessions.prefix_cache import token_text
 from sessions.store import (AmbiguousSession, SessionNotFound, SessionStore, SessionStoreError,
@@ -35,19 +36,9 @@ class Clock:
 
 
 @pytest.fixture(scope="module")
-def eng(small_model):
-    with Engine.open(small_model) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def base(eng):
+def base(small_engine):
     """(system-prefix snapshot, conversation snapshot): prefilled once."""
-    s = Session(eng, CTX)
-    s.sync(eng.tokenizer.encode(SYSTEM))
-    sys_blob = s.snapshot()
-    s.sync(eng.tokenizer.encode(SYSTEM + USER))
-    return sys_blob, s.snapshot()
+    return prefix_snapshots(small_engine, CTX, SYSTEM, USER)
 
 
 def session_from(eng, blob) -> Session:
@@ -87,14 +78,14 @@ def test_title_from_rendered_text():
 
 
 # -- save / list / load --------------------------------------------------------------------------
-def test_save_list_load_without_prefill(eng, base, tmp_path, monkeypatch):
+def test_save_list_load_without_prefill(small_engine, base, tmp_path, monkeypatch):
     clock = Clock()
     root = tmp_path / "sessions"
     a_store = SessionStore(root, project_dir=tmp_path / "projA", now=clock)
     b_store = SessionStore(root, project_dir=tmp_path / "projB", now=clock)
     assert (os.stat(root).st_mode & 0o777) == 0o700
 
-    s = session_from(eng, base[1])
+    s = session_from(small_engine, base[1])
     a = a_store.save(s, think_mode="think")
     assert a.title == "Fix the bug in main.py" and a.tokens == s.pos and a.ok
     assert a.think_mode == "think" and a.project_dir == os.path.realpath(tmp_path / "projA")
@@ -105,7 +96,8 @@ def test_save_list_load_without_prefill(eng, base, tmp_path, monkeypatch):
     assert json.loads(open(a_store.meta_path(a.sha)).read())["title"] == a.title
 
     clock.tick()
-    s2 = extend(session_from(eng, base[0]), eng.tokenizer.encode("<｜User｜>hello<｜Assistant｜>"))
+    hello = small_engine.tokenizer.encode("<｜User｜>hello<｜Assistant｜>")
+    s2 = extend(session_from(small_engine, base[0]), hello)
     b = b_store.save(s2, think_mode="nothink", title="  my   own\ttitle ")
     assert b.title == "my own title"
     assert shas(a_store, "project") == [a.sha]
@@ -117,29 +109,29 @@ def test_save_list_load_without_prefill(eng, base, tmp_path, monkeypatch):
     assert a_store.info(a.id).created == a.created
 
     # load into a fresh session: nothing is evaluated, the logits are the saved ones
-    fresh = Session(eng, CTX)
+    fresh = Session(small_engine, CTX)
 
     def no_forward(*args, **kw):
         raise AssertionError("load must not run the model")
-    monkeypatch.setattr(eng.model, "forward", no_forward)
+    monkeypatch.setattr(small_engine.model, "forward", no_forward)
     got = a_store.load(a.id, fresh)
     monkeypatch.undo()
     assert got.sha == a.sha and got.text == token_text(s)
     assert fresh.tokens == s.tokens and fresh.stats["prefill_tokens"] == 0
     assert same_bits(fresh.logits, s.logits)
-    for t in eng.tokenizer.encode(" Sure."):
+    for t in small_engine.tokenizer.encode(" Sure."):
         assert same_bits(fresh.eval(t), s.eval(t))
 
 
-def test_load_by_name_prefix_rename_delete_and_errors(eng, base, tmp_path):
+def test_load_by_name_prefix_rename_delete_and_errors(small_engine, base, tmp_path):
     clock = Clock()
     store = SessionStore(tmp_path / "s", project_dir=tmp_path, now=clock)
-    s = session_from(eng, base[1])
+    s = session_from(small_engine, base[1])
     txt = token_text(s)
     # two siblings whose ids share a first hex digit, found by hashing before saving
     by_digit = {}
     for t in range(67, 93):
-        sha = hashlib.sha1(txt + eng.tokenizer.token_bytes(t)).hexdigest()
+        sha = hashlib.sha1(txt + small_engine.tokenizer.token_bytes(t)).hexdigest()
         by_digit.setdefault(sha[0], []).append((t, sha))
     (t1, sha1), (t2, sha2) = next(v for v in by_digit.values() if len(v) >= 2)[:2]
     common = os.path.commonprefix([sha1, sha2])
@@ -152,7 +144,7 @@ def test_load_by_name_prefix_rename_delete_and_errors(eng, base, tmp_path):
     assert {one.sha, two.sha} == {sha1, sha2} and len(store.list()) == 2   # siblings: no pruning
 
     with pytest.raises(AmbiguousSession) as ex:
-        store.load(common, Session(eng, CTX))
+        store.load(common, Session(small_engine, CTX))
     assert one.id in str(ex.value) and two.id in str(ex.value)
     assert store.info(sha1[:len(common) + 1]).sha == sha1
     with pytest.raises(SessionNotFound):
@@ -166,7 +158,7 @@ def test_load_by_name_prefix_rename_delete_and_errors(eng, base, tmp_path):
         store.rename(two.id, "work")                          # names are unique
     with pytest.raises(SessionStoreError):
         store.rename(two.id, "bad\nname")
-    fresh = Session(eng, CTX)
+    fresh = Session(small_engine, CTX)
     assert store.load("work", fresh).sha == one.sha and fresh.tokens[-1] == t1
     store.rename("work", None)
     assert store.info(one.id).name is None
@@ -183,10 +175,10 @@ def test_load_by_name_prefix_rename_delete_and_errors(eng, base, tmp_path):
 
 
 # -- prefix pruning ------------------------------------------------------------------------------
-def test_linear_continuation_replaces_its_unnamed_ancestors(eng, base, tmp_path):
+def test_linear_continuation_replaces_its_unnamed_ancestors(small_engine, base, tmp_path):
     clock = Clock()
     store = SessionStore(tmp_path / "s", project_dir=tmp_path, now=clock)
-    s = session_from(eng, base[1])
+    s = session_from(small_engine, base[1])
     a = store.save(s, think_mode="think")
     extend(s, [67, 68])
     b = store.save(s, think_mode="think")
@@ -199,21 +191,21 @@ def test_linear_continuation_replaces_its_unnamed_ancestors(eng, base, tmp_path)
     d = store.save(s, think_mode="think")
     assert d.parent == c.sha and set(shas(store)) == {c.sha, d.sha}   # named: never pruned
     # a loaded session continues its lineage
-    other = Session(eng, CTX)
+    other = Session(small_engine, CTX)
     store.load(d.id, other)
     extend(other, [71])
     e = store.save(other, think_mode="think")
     assert e.parent == d.sha and set(shas(store)) == {c.sha, e.sha}
 
 
-def test_branch_points_stay_while_another_session_descends(eng, base, tmp_path):
+def test_branch_points_stay_while_another_session_descends(small_engine, base, tmp_path):
     clock = Clock()
     store = SessionStore(tmp_path / "s", project_dir=tmp_path, now=clock)
-    s1 = session_from(eng, base[1])
+    s1 = session_from(small_engine, base[1])
     a = store.save(s1, think_mode="think")
     # saved independently (restored from a snapshot, not loaded from A): shares A's text but is
     # not A's lineage, so it prunes nothing, and it makes A a branch point
-    d = store.save(extend(session_from(eng, base[1]), [90]), think_mode="think")
+    d = store.save(extend(session_from(small_engine, base[1]), [90]), think_mode="think")
     assert d.parent is None and set(shas(store)) == {a.sha, d.sha}
     b = store.save(extend(s1, [67]), think_mode="think")
     assert b.parent == a.sha and set(shas(store)) == {a.sha, b.sha, d.sha}   # D descends from A
@@ -222,7 +214,7 @@ def test_branch_points_stay_while_another_session_descends(eng, base, tmp_path):
 
     # a named branch point, two continuations of it
     store.rename(a.id, "base")
-    s2, s3 = Session(eng, CTX), Session(eng, CTX)
+    s2, s3 = Session(small_engine, CTX), Session(small_engine, CTX)
     store.load("base", s2)
     store.load("base", s3)
     b1 = store.save(extend(s2, [68]), think_mode="think")
@@ -241,10 +233,10 @@ def test_branch_points_stay_while_another_session_descends(eng, base, tmp_path):
 
 
 # -- damaged files -------------------------------------------------------------------------------
-def test_damaged_files_are_listed_and_fail_to_load_cleanly(eng, base, tmp_path):
+def test_damaged_files_are_listed_and_fail_to_load_cleanly(small_engine, base, tmp_path):
     clock = Clock()
     store = SessionStore(tmp_path / "s", project_dir=tmp_path, now=clock)
-    s = session_from(eng, base[1])
+    s = session_from(small_engine, base[1])
     saved = []
     for t in (67, 68, 69, 70):
         if saved:
@@ -272,7 +264,7 @@ def test_damaged_files_are_listed_and_fail_to_load_cleanly(eng, base, tmp_path):
     assert every[foreign.sha].title == "Fix the bug in main.py" and every[foreign.sha].project_dir is None
     assert set(shas(store, "project")) == {trunc.sha, badpayload.sha}
 
-    live = session_from(eng, base[0])
+    live = session_from(small_engine, base[0])
     before_tokens, before_logits = live.tokens, live.logits.copy()
     for bad in (trunc, badmeta, badpayload):
         with pytest.raises(SessionStoreError):
@@ -288,25 +280,25 @@ def test_damaged_files_are_listed_and_fail_to_load_cleanly(eng, base, tmp_path):
 
 
 # -- the system-prefix cache ----------------------------------------------------------------------
-def test_sysprompt_used_only_on_exact_text(eng, base, tmp_path):
+def test_sysprompt_used_only_on_exact_text(small_engine, base, tmp_path):
     store = SessionStore(tmp_path / "s", project_dir=tmp_path)
-    s = session_from(eng, base[0])
+    s = session_from(small_engine, base[0])
     text = token_text(s)
-    assert not store.load_system_prefix(Session(eng, CTX), text)      # no file yet
+    assert not store.load_system_prefix(Session(small_engine, CTX), text)      # no file yet
     store.save_system_prefix(s, text)
     h, _ = read_header(store.sysprompt_path(s, text))
     assert h.reason_name == "agent-system"
     assert store.list("all") == []                                     # not a session
 
-    fresh = Session(eng, CTX)
+    fresh = Session(small_engine, CTX)
     assert store.load_system_prefix(fresh, text)
     assert fresh.tokens == s.tokens and same_bits(fresh.logits, s.logits)
     for other in (text + b" ", text[:-1], text.replace(b"helpful", b"helpfull")):
-        t = Session(eng, CTX)
+        t = Session(small_engine, CTX)
         assert not store.load_system_prefix(t, other) and t.pos == 0
     with pytest.raises(SessionStoreError):
         store.save_system_prefix(s, text + b"!")
     with open(store.sysprompt_path(s, text), "r+b") as f:
         f.truncate(100)
-    t = Session(eng, CTX)
+    t = Session(small_engine, CTX)
     assert not store.load_system_prefix(t, text) and t.pos == 0
