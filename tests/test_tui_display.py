@@ -8,15 +8,13 @@ small agent model, and one pilot test runs the whole /save, /new, /switch path o
 """
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
-import time
 
 import pytest
 
 textual = pytest.importorskip("textual")
 
+import helpers_tui  # noqa: E402
 import prompts  # noqa: E402
 from ds4agent import agent as agent_mod  # noqa: E402
 from ds4agent import events as E  # noqa: E402
@@ -26,17 +24,11 @@ from ds4agent.tui_widgets import (StatusBar, SummaryView, Thinking, ToolView, Us
                                   fit_status, prefill_bar, status_fields)
 from engine import Engine  # noqa: E402
 from engine.backends.registry import available_names  # noqa: E402
+from helpers_tui import sync  # noqa: E402
 from prompts import Message, ToolCall  # noqa: E402
 from sessions import SessionStore  # noqa: E402
 
 LONG_MODEL = "DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2.gguf"
-
-
-def sync(fn):
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-        return asyncio.run(fn(*a, **k))
-    return wrapper
 
 
 def status(**kw) -> E.Status:
@@ -73,12 +65,9 @@ def scripted_app(**kw) -> AgentApp:
                     banner="ds4-agent · test banner", **kw)
 
 
-async def until(pilot, cond, what: str, timeout: float = 20.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.03)
+def until(pilot, cond, what: str, timeout: float = 20.0):
+    """helpers_tui.until, waiting 20 s by default, not 30: a scripted screen answers at once."""
+    return helpers_tui.until(pilot, cond, what, timeout)
 
 
 def shown(app, selector: str) -> str:

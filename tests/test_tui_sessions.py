@@ -1,7 +1,7 @@
 """Sessions in the TUI (issue 24 items 6, 8, 9): a name that follows /switch and the next turn,
 /list's mark on the current session, /delete, and the slash commands that cannot wait behind a
 running turn (/quit, /new, /switch, /resume, /think stop it first). Pilot tests over the real
-agent on the tiny model, with test_app's fixtures (one system-prefix prefill per module)."""
+agent on the tiny model, with the TUI fixtures of conftest.py (one system-prefix prefill per module)."""
 from __future__ import annotations
 
 import time
@@ -14,9 +14,8 @@ from ds4agent import app as app_mod  # noqa: E402
 from ds4agent import events as E  # noqa: E402
 from ds4agent.app import AgentApp  # noqa: E402
 from ds4agent.tui_widgets import NoticeLine  # noqa: E402
+from helpers_tui import idle, make_factory, running, send, sync, until  # noqa: E402
 from sessions import SessionStore  # noqa: E402
-from test_app import (SIZE, env, idle, make_factory, project, ready, send, shutdown, sync,  # noqa: E402,F401
-                      until)
 
 
 def notices(app) -> list[str]:
@@ -37,63 +36,55 @@ async def streaming(pilot, app, n: int = 3):
 
 
 @sync
-async def test_switch_then_a_turn_keeps_the_name_and_list_marks_it(env, project):
-    app = AgentApp(make_factory(env, max_turn_tokens=6))
-    store = SessionStore(root=env["store_root"], project_dir=env["proj"])
-    try:
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            agent = app.worker.agent
-            await send(pilot, "first session")
-            await idle(pilot, 1)
-            await send(pilot, "/save mysession")
-            await reply(pilot, app, "as mysession", "/save")
-            snapshot = agent.current_sha
-            await send(pilot, "/new")
-            await reply(pilot, app, "new session", "/new")
-            await send(pilot, "/switch mysession")
-            await reply(pilot, app, "switched to session", "/switch")
-            await send(pilot, "one more turn")
-            await idle(pilot, 2)
-            # the new turn carries the name; the named save stays as its snapshot
-            held = store.resolve("mysession")
-            assert held.sha == agent.current_sha != snapshot and held.parent == snapshot
-            assert app.status.session == "mysession"
-            newest = [r for r in store.list() if r.ok][0]
-            assert newest.sha == held.sha                     # what --resume continues
-            await send(pilot, "/list")
-            listing = await reply(pilot, app, "(earlier save of mysession)", "/list")
-            lines = listing.splitlines()
-            assert any(ln.startswith(f"* {held.id}") and "mysession: first session" in ln for ln in lines)
-            assert any(ln.startswith(f"  {snapshot[:8]}") for ln in lines)
-            # /delete: in /help, by id; the snapshot goes, the named conversation stays
-            await send(pilot, "/help")
-            assert "/delete ID|NAME" in await reply(pilot, app, "/delete", "/help")
-            await send(pilot, f"/delete {snapshot[:8]}")
-            assert "deleted session" in await reply(pilot, app, "deleted session", "/delete")
-            assert snapshot not in {r.sha for r in store.list("all")}
-            await send(pilot, "/delete nosuchsession")
-            assert "no session 'nosuchsession'" in await reply(pilot, app, "delete failed", "/delete error")
-    finally:
-        shutdown(app)
+async def test_switch_then_a_turn_keeps_the_name_and_list_marks_it(tui_env, tui_project):
+    app = AgentApp(make_factory(tui_env, max_turn_tokens=6))
+    store = SessionStore(root=tui_env["store_root"], project_dir=tui_env["proj"])
+    async with running(app) as pilot:
+        agent = app.worker.agent
+        await send(pilot, "first session")
+        await idle(pilot, 1)
+        await send(pilot, "/save mysession")
+        await reply(pilot, app, "as mysession", "/save")
+        snapshot = agent.current_sha
+        await send(pilot, "/new")
+        await reply(pilot, app, "new session", "/new")
+        await send(pilot, "/switch mysession")
+        await reply(pilot, app, "switched to session", "/switch")
+        await send(pilot, "one more turn")
+        await idle(pilot, 2)
+        # the new turn carries the name; the named save stays as its snapshot
+        held = store.resolve("mysession")
+        assert held.sha == agent.current_sha != snapshot and held.parent == snapshot
+        assert app.status.session == "mysession"
+        newest = [r for r in store.list() if r.ok][0]
+        assert newest.sha == held.sha                     # what --resume continues
+        await send(pilot, "/list")
+        listing = await reply(pilot, app, "(earlier save of mysession)", "/list")
+        lines = listing.splitlines()
+        assert any(ln.startswith(f"* {held.id}") and "mysession: first session" in ln for ln in lines)
+        assert any(ln.startswith(f"  {snapshot[:8]}") for ln in lines)
+        # /delete: in /help, by id; the snapshot goes, the named conversation stays
+        await send(pilot, "/help")
+        assert "/delete ID|NAME" in await reply(pilot, app, "/delete", "/help")
+        await send(pilot, f"/delete {snapshot[:8]}")
+        assert "deleted session" in await reply(pilot, app, "deleted session", "/delete")
+        assert snapshot not in {r.sha for r in store.list("all")}
+        await send(pilot, "/delete nosuchsession")
+        assert "no session 'nosuchsession'" in await reply(pilot, app, "delete failed", "/delete error")
 
 
 @sync
-async def test_quit_during_a_long_turn_stops_it_saves_and_says_how_to_resume(env, project):
-    app = AgentApp(make_factory(env, max_turn_tokens=4000))
-    try:
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            agent = app.worker.agent
-            await send(pilot, "write a very long story")
-            await streaming(pilot, app)
-            t0 = time.monotonic()
-            await send(pilot, "/quit")
-            await until(pilot, lambda: not app.worker._thread.is_alive(), "the worker to stop", timeout=20)
-            assert time.monotonic() - t0 < 15                 # not the ~4000 tokens the turn had left
-            await pilot.pause(0.3)                            # the stopped turn's last events arrive
-    finally:
-        shutdown(app)
+async def test_quit_during_a_long_turn_stops_it_saves_and_says_how_to_resume(tui_env, tui_project):
+    app = AgentApp(make_factory(tui_env, max_turn_tokens=4000))
+    async with running(app) as pilot:
+        agent = app.worker.agent
+        await send(pilot, "write a very long story")
+        await streaming(pilot, app)
+        t0 = time.monotonic()
+        await send(pilot, "/quit")
+        await until(pilot, lambda: not app.worker._thread.is_alive(), "the worker to stop", timeout=20)
+        assert time.monotonic() - t0 < 15                 # not the ~4000 tokens the turn had left
+        await pilot.pause(0.3)                            # the stopped turn's last events arrive
     assert not app.return_code, "the app ended with an error (events drawn after exit?)"
     assert agent.last_finish.interrupted             # (the screen had gone before it could show it)
     assert not agent.modified and agent.exit_save is not None and agent.exit_save.sha == agent.current_sha
@@ -102,31 +93,27 @@ async def test_quit_during_a_long_turn_stops_it_saves_and_says_how_to_resume(env
 
 
 @sync
-async def test_new_and_think_typed_during_a_turn_stop_it_then_act(env, project):
-    app = AgentApp(make_factory(env, max_turn_tokens=4000))
-    try:
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            agent = app.worker.agent
-            await send(pilot, "write a very long story")
-            await streaming(pilot, app)
-            await send(pilot, "queued question")          # an ordinary message waits its turn
-            assert app.queue == ["queued question"]
-            await send(pilot, "/think on")                # goes first and stops the turn
-            await until(pilot, lambda: agent.cfg.think_mode == "high", "/think to run", timeout=20)
-            fin = [e for e in app.events_seen if isinstance(e, E.TurnFinished)]
-            assert fin[0].interrupted
-            await streaming(pilot, app)                   # the queued question runs next
-            users = [m.content for m in agent.transcript if m.role == "user"]
-            assert users == ["write a very long story", "queued question"]
-            before = agent.current_sha
-            await send(pilot, "/new")
-            await reply(pilot, app, "new session", "/new")
-            assert [e for e in app.events_seen if isinstance(e, E.TurnFinished)][-1].interrupted
-            assert not any(m.role == "user" for m in agent.transcript) and agent.current_sha is None
-            assert before is not None                     # the stopped turn was saved before /new
-    finally:
-        shutdown(app)
+async def test_new_and_think_typed_during_a_turn_stop_it_then_act(tui_env, tui_project):
+    app = AgentApp(make_factory(tui_env, max_turn_tokens=4000))
+    async with running(app) as pilot:
+        agent = app.worker.agent
+        await send(pilot, "write a very long story")
+        await streaming(pilot, app)
+        await send(pilot, "queued question")          # an ordinary message waits its turn
+        assert app.queue == ["queued question"]
+        await send(pilot, "/think on")                # goes first and stops the turn
+        await until(pilot, lambda: agent.cfg.think_mode == "high", "/think to run", timeout=20)
+        fin = [e for e in app.events_seen if isinstance(e, E.TurnFinished)]
+        assert fin[0].interrupted
+        await streaming(pilot, app)                   # the queued question runs next
+        users = [m.content for m in agent.transcript if m.role == "user"]
+        assert users == ["write a very long story", "queued question"]
+        before = agent.current_sha
+        await send(pilot, "/new")
+        await reply(pilot, app, "new session", "/new")
+        assert [e for e in app.events_seen if isinstance(e, E.TurnFinished)][-1].interrupted
+        assert not any(m.role == "user" for m in agent.transcript) and agent.current_sha is None
+        assert before is not None                     # the stopped turn was saved before /new
 
 
 def test_run_app_resumes_the_chosen_session_and_prints_the_way_back(monkeypatch, capsys):
@@ -170,8 +157,8 @@ def _agent(env, **kw):
     return agent
 
 
-def test_deleting_the_session_you_are_in_is_not_undone_by_leaving(env, project):
-    agent = _agent(env, max_turn_tokens=4)
+def test_deleting_the_session_you_are_in_is_not_undone_by_leaving(tui_env, tui_project):
+    agent = _agent(tui_env, max_turn_tokens=4)
     agent.force("a1")
     agent.submit("q1")                 # autosaved
     sha = agent.current_sha
@@ -187,10 +174,10 @@ def test_deleting_the_session_you_are_in_is_not_undone_by_leaving(env, project):
 
 
 @pytest.mark.slow
-def test_the_name_follows_a_compaction(env, project):
+def test_the_name_follows_a_compaction(tui_env, tui_project):
     """A compaction rebuilds the timeline (its text no longer extends the saved one): the agent
     tells the store which session it continues, so the name comes along."""
-    agent = _agent(env, max_turn_tokens=4)
+    agent = _agent(tui_env, max_turn_tokens=4)
     for i in range(2):
         agent.force(f"answer {i}")
         agent.submit(f"question {i}")
