@@ -28,6 +28,7 @@ import pytest
 from ds4agent.serve import ServeConfig, ServerThread, Shim
 from ds4agent.serve.events import Finish
 from engine import Engine
+from helpers_serve import NO_THINK, hold_slots, sse_event
 
 KEEPALIVE_S = 0.2
 TOOL = "get_weather"
@@ -56,7 +57,6 @@ def wait_idle(shim: Shim, timeout: float = 10.0) -> float:
 # ------------------------------------------------------------------------------------------
 # The eight requests
 
-NO_THINK = {"thinking": {"type": "disabled"}}
 CHAT_TOOLS = [{"type": "function", "function": {"name": TOOL, "description": "Weather forecast",
                                                  "parameters": {"type": "object", "properties": {
                                                      "city": {"type": "string"}}}}}]
@@ -101,19 +101,6 @@ def _frames(chunks):
             frame, buf = buf.split(b"\n\n", 1)
             yield frame.decode("utf-8")
     assert buf == b"", f"a partial SSE frame at the end: {buf[:200]!r}"
-
-
-def _event(frame: str):
-    """(name, data) of one frame; (":", comment) for a comment."""
-    if frame.startswith(":"):
-        return ":", frame
-    name, data = None, None
-    for line in frame.split("\n"):
-        if line.startswith("event: "):
-            name = line[7:]
-        elif line.startswith("data: "):
-            data = line[6:]
-    return name, (data if data == "[DONE]" else json.loads(data))
 
 
 class Summary:
@@ -257,7 +244,7 @@ class Client:
             self.error = e
 
     def events(self):
-        return [_event(f) for _, f in self.frames if not f.startswith(":")]
+        return [sse_event(f) for _, f in self.frames if not f.startswith(":")]
 
     def comments(self):
         return [(t, f) for t, f in self.frames if f.startswith(":")]
@@ -353,7 +340,7 @@ def test_disconnect_mid_stream_cancels_generation(srv):
         with c.stream("POST", "/v1/chat/completions", json=_long_chat(cap, "Tell me a very long story.")) as r:
             assert r.status_code == 200
             for f in _frames(r.iter_bytes()):
-                name, d = _event(f)
+                name, d = sse_event(f)
                 if name != ":" and d != "[DONE]" and d["choices"][0]["delta"].get("content"):
                     got += 1
                     if got == 3:
@@ -410,14 +397,14 @@ def test_queued_request_of_a_gone_client_is_skipped(srv, stream):
     url, shim = srv
     wait_idle(shim)
     others = threading.Event()            # with several slots, A takes the one left free
-    assert _hold_worker(shim, 60, len(shim.worker.slots) - 1, others).wait(10)
+    assert hold_slots(shim, 60, len(shim.worker.slots) - 1, others).wait(10)
     before = dict(shim.worker.stats)
     with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
         with c.stream("POST", "/v1/chat/completions", json=_long_chat(2000, "An endless list, please.")) as r:
             assert r.status_code == 200
             frames = _frames(r.iter_bytes())
             while True:                                   # A is generating
-                name, d = _event(next(frames))
+                name, d = sse_event(next(frames))
                 if name != ":" and d["choices"][0]["delta"].get("content"):
                     break
             # B queues behind A, then its client goes away
@@ -476,43 +463,11 @@ def _keepalive_checks(c: Client, wait_s: float):
     c.summary()
 
 
-def _hold_worker(shim, seconds: float, slots: int | None = None,
-                 release: threading.Event | None = None) -> threading.Event:
-    """Occupy `slots` inference slots (default: every one, so the next request queues) for
-    `seconds` of wall time, or until `release` is set, whatever the machine's speed: tiny jobs
-    whose first event blocks. Returns an event set once every hold began."""
-    began = threading.Event()
-    n = len(shim.worker.slots) if slots is None else slots
-    held = []
-    lock = threading.Lock()
-    release = release or threading.Event()
-
-    def hold():
-        state = {"held": False}
-
-        def emit(ev):
-            if not state["held"]:
-                state["held"] = True
-                with lock:
-                    held.append(1)
-                    if len(held) == n:
-                        began.set()
-                release.wait(seconds)
-        return emit
-
-    for i in range(n):
-        body = json.dumps({"messages": [{"role": "user", "content": f"hold {i}"}], "max_tokens": 1, **NO_THINK})
-        shim.worker.submit(shim.prepare("openai_chat", body.encode(), hold()))
-    if n == 0:
-        began.set()
-    return began
-
-
 def test_keepalive_while_queued_behind_another(srv):
     url, shim = srv
     wait_idle(shim)
     hold = 1.5
-    began = _hold_worker(shim, hold)
+    began = hold_slots(shim, hold)
     assert began.wait(10)
     b = Client(url, "/v1/messages", {"messages": [{"role": "user", "content": "And the mountains?"}],
                                      "max_tokens": 3, "temperature": 0, **NO_THINK})

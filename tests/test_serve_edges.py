@@ -22,33 +22,20 @@ import signal
 import socket
 import subprocess
 import threading
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-NO_THINK = {"thinking": {"type": "disabled"}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_cmd(model: Path, *args: str) -> list[str]:
-    exe = Path(sys.executable).with_name("ds4-agent")
-    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "ds4agent.cli"]
-    return head + ["--serve", "--model", str(model), "--ctx", "4096", *args]
+from helpers_serve import NO_THINK, ServeProc, free_port, serve_cmd, sse_event
 
 
 # ------------------------------------------------------------------------------------------
 # 1. Binding
 
 def _run_serve(model: Path, tmp: Path, *args: str) -> tuple[int, str]:
-    p = subprocess.run(_serve_cmd(model, *args), capture_output=True, text=True, timeout=120, cwd=tmp,
+    p = subprocess.run(serve_cmd(model, *args), capture_output=True, text=True, timeout=120, cwd=tmp,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     return p.returncode, p.stderr
 
@@ -68,7 +55,7 @@ def test_a_busy_port_is_one_line_and_no_banner(agent_model, tmp_path):
 @pytest.mark.parametrize("host, words", [("192.0.2.1", "not an address of this machine"),
                                          ("no-such-host.invalid", "does not resolve")])
 def test_a_host_that_cannot_be_bound_is_one_line(agent_model, tmp_path, host, words):
-    rc, err = _run_serve(agent_model, tmp_path, "--host", host, "--port", str(_free_port()))
+    rc, err = _run_serve(agent_model, tmp_path, "--host", host, "--port", str(free_port()))
     assert rc == 1, err
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: cannot serve on host {host}"), err
     assert words in err
@@ -81,44 +68,6 @@ def test_port_out_of_range_is_a_flag_error(agent_model, tmp_path):
 
 # ------------------------------------------------------------------------------------------
 # 2. A stop signal during a streamed answer
-
-class _Proc:
-    """`ds4-agent --serve` in a subprocess on a free port, its stderr in a file."""
-
-    def __init__(self, model: Path, tmp: Path, *args: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"serve-{self.port}.log"
-        self.p = subprocess.Popen(_serve_cmd(model, "--port", str(self.port), *args), cwd=tmp,
-                                  stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"),
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        t0 = time.monotonic()
-        while True:
-            assert self.p.poll() is None, self.text()
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                assert time.monotonic() - t0 < 60, "the server never listened"
-                time.sleep(0.1)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def signal(self, n: int):
-        for i in range(n):
-            if i:
-                time.sleep(0.3)
-            self.p.send_signal(signal.SIGINT)
-
-    def wait(self, timeout: float = 60) -> int:
-        try:
-            return self.p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-            pytest.fail(f"the server did not exit:\n{self.text()[-3000:]}")
-
 
 LONG = 3000          # tokens the answer may take: far more than the test waits for
 
@@ -178,7 +127,7 @@ def test_a_stop_signal_ends_a_stream_as_a_failed_answer(agent_model, tmp_path, c
     """One signal: the grace period (10 s) passes with the answer still running, then it is
     ended; two: at once. Either way the SDK sees an answer that did not complete, the process
     exits 0, and its log has no traceback."""
-    srv = _Proc(agent_model, tmp_path)
+    srv = ServeProc(agent_model, tmp_path)
     t0 = time.monotonic()
     try:
         client(srv.url, sigs, srv)
@@ -194,16 +143,10 @@ def test_a_stop_signal_ends_a_stream_as_a_failed_answer(agent_model, tmp_path, c
 # In-process servers (ServerThread) for the rest
 
 from ds4agent.serve import ServeConfig, ServerThread, Shim      # noqa: E402
-from engine import Engine                                       # noqa: E402
 
 TOOL = "get_weather"
 ANTH_TOOLS = [{"name": TOOL, "description": "Weather", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}}}}]
-
-
-@pytest.fixture(scope="module")
-def engine(agent_model):
-    return Engine.open(agent_model)
 
 
 def _server(engine, **kw) -> ServerThread:
@@ -213,18 +156,7 @@ def _server(engine, **kw) -> ServerThread:
 
 def _sse(r: httpx.Response) -> list[tuple[str | None, object]]:
     """(event name, data) of each frame of a streamed response; comments left out."""
-    out = []
-    for frame in r.text.split("\n\n"):
-        if not frame or frame.startswith(":"):
-            continue
-        name, data = None, None
-        for line in frame.split("\n"):
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = line[6:]
-        out.append((name, data if data == "[DONE]" else json.loads(data)))
-    return out
+    return [sse_event(frame) for frame in r.text.split("\n\n") if frame and not frame.startswith(":")]
 
 
 # ------------------------------------------------------------------------------------------
@@ -277,13 +209,13 @@ def _stream_fields(api: str, frames) -> tuple[str, str, str]:
 
 
 @pytest.mark.parametrize("api", list(THINKING_ASKS))
-def test_thinking_cut_by_the_token_limit_is_reasoning_streamed_or_not(engine, api):
+def test_thinking_cut_by_the_token_limit_is_reasoning_streamed_or_not(agent_engine, api):
     """ds4's parse returns a turn cut before `</think>` as content, which its non-streamed bodies
     sent (the cut reasoning as the answer, hidden Responses reasoning included) while the stream
     sent it as reasoning. Both are now the stream's: reasoning, empty content, the length end."""
     path, body = THINKING_ASKS[api]
     length = {"chat": "length", "anthropic": "max_tokens", "responses": "incomplete"}[api]
-    with _server(engine) as url, httpx.Client(base_url=url, timeout=60) as c:
+    with _server(agent_engine) as url, httpx.Client(base_url=url, timeout=60) as c:
         whole = c.post(path, json=body)
         assert whole.status_code == 200, whole.text
         streamed = c.post(path, json=dict(body, stream=True))
@@ -299,12 +231,12 @@ def test_thinking_cut_by_the_token_limit_is_reasoning_streamed_or_not(engine, ap
 # ------------------------------------------------------------------------------------------
 # 4b. A live-only continuation that loses its state while queued: a real 409
 
-def test_a_queued_stream_that_loses_its_live_state_gets_a_409_not_a_200(engine):
+def test_a_queued_stream_that_loses_its_live_state_gets_a_409_not_a_200(agent_engine):
     """An Anthropic tool result answering a call the client did not resend can only continue
     the live timeline. Queued behind another request on the one slot, it finds that timeline
     gone when it starts. Its headers now wait for that moment, so the refusal is an HTTP 409 in
     Anthropic's shape (it was a 200, keep-alives, then an error event)."""
-    server = _server(engine, keepalive_s=0.2, forced_tool_calls={TOOL: {"city": "Paris"}})
+    server = _server(agent_engine, keepalive_s=0.2, forced_tool_calls={TOOL: {"city": "Paris"}})
     first = {"model": "m", "max_tokens": 40, "tools": ANTH_TOOLS, **NO_THINK,
              "messages": [{"role": "user", "content": "Weather in Paris?"}]}
     with server as url, httpx.Client(base_url=url, timeout=60) as c:
@@ -350,7 +282,7 @@ def test_a_queued_stream_that_loses_its_live_state_gets_a_409_not_a_200(engine):
 # 4c. The context found full by the worker
 
 @pytest.fixture
-def overflowing(engine, monkeypatch):
+def overflowing(agent_engine, monkeypatch):
     """A server whose worker finds every prompt one context too long at its own check, as a
     text-prefix reuse whose tokens come out longer than the canonical ones does."""
     from ds4agent.serve import slot as S
@@ -359,7 +291,7 @@ def overflowing(engine, monkeypatch):
     def longer(self, job, target, **kw):
         return real(self, job, list(target) + [0] * self.session.ctx, **kw)
     monkeypatch.setattr(S.Slot, "_prefill", longer)
-    return engine
+    return agent_engine
 
 
 CONTEXT_ASKS = {
@@ -434,10 +366,10 @@ def test_context_full_after_the_headers_is_the_context_error_event(overflowing):
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": "a\\udc80b"}'},
         {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}),
 ])
-def test_a_lone_surrogate_in_tool_arguments_is_a_400(engine, path, body):
+def test_a_lone_surrogate_in_tool_arguments_is_a_400(agent_engine, path, body):
     """The body check sees `\\\\ud800` (an escaped backslash: plain text at the JSON level); the
     arguments string is JSON itself and decodes to a lone surrogate. It was a 500."""
-    with _server(engine) as url, httpx.Client(base_url=url, timeout=60) as c:
+    with _server(agent_engine) as url, httpx.Client(base_url=url, timeout=60) as c:
         r = c.post(path, json=dict(body, max_tokens=1, **NO_THINK))
         assert r.status_code == 400, r.text
         assert "surrogate" in r.json()["error"]["message"]
@@ -447,10 +379,10 @@ def test_a_lone_surrogate_in_tool_arguments_is_a_400(engine, path, body):
         assert c.post(path, json=dict(ok, max_tokens=1, **NO_THINK)).status_code == 200
 
 
-def test_a_non_ascii_api_key_can_match(engine):
+def test_a_non_ascii_api_key_can_match(agent_engine):
     """Headers arrive as bytes; a key compared with their latin-1 reading never matched a
     non-ASCII --api-key sent as UTF-8."""
-    with _server(engine, api_key="clé-ключ") as url, httpx.Client(base_url=url, timeout=60) as c:
+    with _server(agent_engine, api_key="clé-ключ") as url, httpx.Client(base_url=url, timeout=60) as c:
         key = "clé-ключ".encode()
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **NO_THINK}
         assert c.post("/v1/chat/completions", json=body, headers={"x-api-key": key}).status_code == 200
@@ -463,10 +395,10 @@ def test_a_non_ascii_api_key_can_match(engine):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a long story."}]}, None),
     ("/v1/messages", {"messages": [{"role": "user", "content": "Tell me a long story."}]}, "overloaded_error"),
 ])
-def test_a_stop_cuts_a_non_streamed_answer_with_a_503(engine, path, body, kind):
+def test_a_stop_cuts_a_non_streamed_answer_with_a_503(agent_engine, path, body, kind):
     """Two stop signals (as Ctrl-C twice) while a non-streamed answer is generated: a 503 in the
     API's shape at once, not a body that looks finished, and the job stops."""
-    server = _server(engine)
+    server = _server(agent_engine)
     got = {}
     with server as url:
         def post():

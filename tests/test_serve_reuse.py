@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 
 import pytest
 
@@ -20,7 +19,7 @@ openai = pytest.importorskip("openai")
 
 import prompts  # noqa: E402
 from ds4agent.serve import ServeConfig, ServerThread, Shim  # noqa: E402
-from engine import Engine  # noqa: E402
+from helpers_serve import Server  # noqa: E402
 from sessions.kvfile import read_info  # noqa: E402
 
 CAP = 128
@@ -45,45 +44,12 @@ def test_blocks_differ():
     assert parsed.dsml == SAMPLED
 
 
-@pytest.fixture(scope="module")
-def engine(agent_model):
-    with Engine.open(agent_model) as e:
-        yield e
-
-
-class Live:
-    def __init__(self, shim: Shim, url: str):
-        self.shim, self.url, self.worker = shim, url, shim.worker
-        self.oc = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-        self.ac = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
-        self.n = 0
-
-    def evaluated(self) -> int:
-        # every slot's session (with --slots N a request may run on any of them)
-        return sum(s.session.stats["prefill_tokens"] + s.session.stats["decode_tokens"]
-                   for s in self.worker.slots)
-
-    def last(self) -> dict:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with open(self.shim.cfg.trace, encoding="utf-8") as f:
-                    recs = [json.loads(line) for line in f]
-            except FileNotFoundError:
-                recs = []
-            if len(recs) > self.n:
-                self.n = len(recs)
-                return recs[-1]
-            assert time.monotonic() < deadline, "no trace record"
-            time.sleep(0.02)
-
-
 @contextlib.contextmanager
 def serving(engine, tmp_path, name: str, **kw):
     trace = tmp_path / f"{name}.jsonl"
     shim = Shim(engine, ServeConfig(ctx=8192, max_tokens=CAP, trace=str(trace), **kw))
     with ServerThread(shim) as url:
-        yield Live(shim, url)
+        yield Server(shim, url, one_record_each=False)
     # leaving the block stopped the shim: the shutdown moment has passed
     assert not shim.worker._forced
 
@@ -96,7 +62,7 @@ def disk_cfg(d) -> dict:
 # ------------------------------------------------------------------------------------------
 # per-API turn 1 (a forced tool call) and turn 2 (the tool result), each as its client sends it
 
-def turn1(s: Live, api: str) -> dict:
+def turn1(s: Server, api: str) -> dict:
     s.worker.force(SAMPLED)
     if api == "chat":
         r = s.oc.chat.completions.create(
@@ -134,7 +100,7 @@ def turn1(s: Live, api: str) -> dict:
     return out
 
 
-def turn2(s: Live, api: str, t1: dict) -> dict:
+def turn2(s: Server, api: str, t1: dict) -> dict:
     """Returns the trace record plus usage as (prompt, cached, completion)."""
     before = s.evaluated()
     if api == "chat":
@@ -178,8 +144,8 @@ def turn2(s: Live, api: str, t1: dict) -> dict:
 # ------------------------------------------------------------------------------------------
 # exact replay in memory
 
-def test_exact_replay_reuses_the_whole_tool_turn(engine, tmp_path):
-    with serving(engine, tmp_path, "on") as s:
+def test_exact_replay_reuses_the_whole_tool_turn(agent_engine, tmp_path):
+    with serving(agent_engine, tmp_path, "on") as s:
         t1 = turn1(s, "chat")
         assert s.worker.memory.get(t1["id"]) == SAMPLED
         rec = turn2(s, "chat", t1)
@@ -190,8 +156,8 @@ def test_exact_replay_reuses_the_whole_tool_turn(engine, tmp_path):
 
 
 @pytest.mark.parametrize("api", ["chat", "anthropic", "responses"])
-def test_without_exact_replay_the_block_is_canonical(engine, tmp_path, api):
-    with serving(engine, tmp_path, "off", exact_replay=False) as s:
+def test_without_exact_replay_the_block_is_canonical(agent_engine, tmp_path, api):
+    with serving(agent_engine, tmp_path, "off", exact_replay=False) as s:
         assert s.worker.memory is None
         t1 = turn1(s, api)
         rec = turn2(s, api, t1)
@@ -215,9 +181,9 @@ def test_without_exact_replay_the_block_is_canonical(engine, tmp_path, api):
 # exact replay across a restart, from the disk cache
 
 @pytest.mark.parametrize("api", ["chat", "anthropic", "responses"])
-def test_exact_replay_survives_restart(engine, tmp_path, api):
+def test_exact_replay_survives_restart(agent_engine, tmp_path, api):
     d = tmp_path / "kv"
-    with serving(engine, tmp_path, "first", **disk_cfg(d)) as s:
+    with serving(agent_engine, tmp_path, "first", **disk_cfg(d)) as s:
         t1 = turn1(s, api)
         cache = s.worker.cache
     # the shutdown moment saved the whole live session with its tool map
@@ -232,7 +198,7 @@ def test_exact_replay_survives_restart(engine, tmp_path, api):
     # a cold save of the stable prefix (tools + system) was made on the way
     assert any(i.header.reason_name == "cold" and i.tokens < t1["p"] for i in files.values())
 
-    with serving(engine, tmp_path, "second", **disk_cfg(d)) as s:
+    with serving(agent_engine, tmp_path, "second", **disk_cfg(d)) as s:
         assert t1["id"] not in s.worker.memory and s.worker.session.pos == 0
         rec = turn2(s, api, t1)
         assert s.worker.memory.source(t1["id"]) == "disk"
@@ -245,7 +211,7 @@ def test_exact_replay_survives_restart(engine, tmp_path, api):
         return
     # the same request to a shim without exact replay: canonical bytes, only the stable prefix
     # comes from disk
-    with serving(engine, tmp_path, "third", exact_replay=False, **disk_cfg(d)) as s:
+    with serving(agent_engine, tmp_path, "third", exact_replay=False, **disk_cfg(d)) as s:
         rec = turn2(s, "chat", t1)
     assert CANON + prompts.EOS in rec["prompt_text"] and SAMPLED not in rec["prompt_text"]
     assert rec["source"] == "disk-text"
@@ -253,22 +219,22 @@ def test_exact_replay_survives_restart(engine, tmp_path, api):
 
 
 @pytest.mark.slow
-def test_restart_without_disk_cache_is_cold(engine, tmp_path):
+def test_restart_without_disk_cache_is_cold(agent_engine, tmp_path):
     """Control: the same two turns across a restart with no disk folder reuse nothing, and the
     block is rendered canonically (the id is unknown to the new shim)."""
-    with serving(engine, tmp_path, "a") as s:
+    with serving(agent_engine, tmp_path, "a") as s:
         t1 = turn1(s, "chat")
-    with serving(engine, tmp_path, "b") as s:
+    with serving(agent_engine, tmp_path, "b") as s:
         rec = turn2(s, "chat", t1)
         assert t1["id"] not in s.worker.memory
     assert rec["source"] == "cold" and rec["cached"] == 0
     assert CANON in rec["prompt_text"] and SAMPLED not in rec["prompt_text"]
 
 
-def test_alternating_conversations_come_back_from_disk(engine, tmp_path):
+def test_alternating_conversations_come_back_from_disk(agent_engine, tmp_path):
     """Conversation B replaces A in the one live session; A's saved KV (the evict moment: saved
     whole before the live timeline was cut back) serves A's next turn from disk, in-process."""
-    with serving(engine, tmp_path, "alt", **disk_cfg(tmp_path / "kv")) as s:
+    with serving(agent_engine, tmp_path, "alt", **disk_cfg(tmp_path / "kv")) as s:
         t1 = turn1(s, "chat")
         r = s.oc.chat.completions.create(
             model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Other topic."}],
@@ -284,7 +250,7 @@ def test_alternating_conversations_come_back_from_disk(engine, tmp_path):
     assert SAMPLED + prompts.EOS in rec["prompt_text"]
 
 
-def test_parallel_calls_after_text_share_one_replayed_block(engine, tmp_path):
+def test_parallel_calls_after_text_share_one_replayed_block(agent_engine, tmp_path):
     """Text, then two calls in one block, streamed: the text arrives without the block's leading
     blank line, both ids map to the one sampled block, and resending both results reuses it all."""
     two = prompts.render_tool_calls([prompts.ToolCall(None, "get_weather", '{"where":{"city":"Paris"}}'),
@@ -292,7 +258,7 @@ def test_parallel_calls_after_text_share_one_replayed_block(engine, tmp_path):
     sampled = "Checking both." + two.replace('{"city":', '{ "city": ')
     msgs = [{"role": "user", "content": "Paris and Rome?"}]
     kw = dict(model="m", tools=CHAT_TOOLS, temperature=0, extra_body={"thinking": False})
-    with serving(engine, tmp_path, "par") as s:
+    with serving(agent_engine, tmp_path, "par") as s:
         s.worker.force(sampled)
         content, calls, finish, p1, c1 = "", {}, None, None, None
         for ch in s.oc.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True},

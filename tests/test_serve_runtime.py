@@ -19,26 +19,17 @@ import re
 import resource
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from ds4agent.serve import ServeConfig, ServerThread, Shim
 from ds4agent.serve import worker as W
-from engine import Engine
+from helpers_serve import NO_THINK, ServeProc, hold_slots
 
-NO_THINK = {"thinking": {"type": "disabled"}}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, **NO_THINK}
-
-
-@pytest.fixture(scope="module")
-def engine(agent_model):
-    return Engine.open(agent_model)
 
 
 def serve(engine, **kw) -> ServerThread:
@@ -99,8 +90,8 @@ def watch_all(*socks: tuple[socket.socket, bytes], limit: float = 5) -> list[tup
 # ------------------------------------------------------------------------------------------
 # Slow clients
 
-def test_slow_or_silent_headers_are_closed(engine):
-    with serve(engine, header_timeout_s=0.6) as url:
+def test_slow_or_silent_headers_are_closed(agent_engine):
+    with serve(agent_engine, header_timeout_s=0.6) as url:
         addr = hostport(url)
         silent = socket.create_connection(addr)
         partial = socket.create_connection(addr)
@@ -130,8 +121,8 @@ def test_slow_or_silent_headers_are_closed(engine):
         assert t < 1.5 and b"408" in got.split(b"\r\n", 1)[0], got
 
 
-def test_slow_body_is_closed_with_408(engine):
-    with serve(engine, body_timeout_s=0.6, body_min_rate=10 ** 9) as url:
+def test_slow_body_is_closed_with_408(agent_engine):
+    with serve(agent_engine, body_timeout_s=0.6, body_min_rate=10 ** 9) as url:
         addr = hostport(url)
         stalled = socket.create_connection(addr)
         stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
@@ -148,10 +139,10 @@ def test_slow_body_is_closed_with_408(engine):
             assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
-def test_a_long_body_that_keeps_up_the_rate_is_read(engine):
+def test_a_long_body_that_keeps_up_the_rate_is_read(agent_engine):
     """The body deadline grows with what arrived: a body slower than the base timeout but
     faster than the minimum rate is read whole."""
-    with serve(engine, body_timeout_s=0.5, body_min_rate=200) as url:
+    with serve(agent_engine, body_timeout_s=0.5, body_min_rate=200) as url:
         s = socket.create_connection(hostport(url))
         body = json.dumps(dict(CHAT, messages=[{"role": "user", "content": "x" * 250}])).encode()
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
@@ -166,10 +157,10 @@ def test_a_long_body_that_keeps_up_the_rate_is_read(engine):
         assert got.startswith(b"HTTP/1.1 200 "), got[:200]
 
 
-def test_a_client_that_reads_nothing_is_dropped_after_the_write_timeout(engine):
+def test_a_client_that_reads_nothing_is_dropped_after_the_write_timeout(agent_engine):
     """The transport's buffer full (asyncio pauses writing) for write_timeout_s: closed. Filling a
     loopback socket's buffers takes megabytes, so the pause is signalled directly."""
-    server = serve(engine, write_timeout_s=0.3)
+    server = serve(agent_engine, write_timeout_s=0.3)
     with server as url:
         s = socket.create_connection(hostport(url))
         t0 = time.monotonic()
@@ -198,8 +189,8 @@ def test_a_client_that_reads_nothing_is_dropped_after_the_write_timeout(engine):
 # ------------------------------------------------------------------------------------------
 # Connection cap
 
-def test_connection_cap_closes_the_oldest_idle(engine):
-    with serve(engine, max_connections=20) as url:
+def test_connection_cap_closes_the_oldest_idle(agent_engine):
+    with serve(agent_engine, max_connections=20) as url:
         addr = hostport(url)
         idle = [socket.create_connection(addr) for _ in range(40)]
         time.sleep(0.3)
@@ -220,9 +211,9 @@ def test_connection_cap_closes_the_oldest_idle(engine):
         assert still >= 10, still            # the newest ones were kept, not all dropped
 
 
-def test_connections_over_the_cap_with_none_idle_get_a_json_503(engine):
+def test_connections_over_the_cap_with_none_idle_get_a_json_503(agent_engine):
     """Every connection busy with a request: the next one is answered 503 in the API's shape."""
-    with serve(engine, max_connections=3, body_timeout_s=30) as url:
+    with serve(agent_engine, max_connections=3, body_timeout_s=30) as url:
         addr = hostport(url)
         busy = []
         for _ in range(3):                       # each sits in its body: not idle
@@ -240,34 +231,8 @@ def test_connections_over_the_cap_with_none_idle_get_a_json_503(engine):
 # ------------------------------------------------------------------------------------------
 # The queue bound
 
-def _hold_worker(shim, seconds: float) -> threading.Event:
-    """Occupy every inference slot for `seconds`: jobs whose first event blocks."""
-    began = threading.Event()
-    n = len(shim.worker.slots)
-    held = []
-    lock = threading.Lock()
-
-    def hold():
-        state = {"held": False}
-
-        def emit(ev):
-            if not state["held"]:
-                state["held"] = True
-                with lock:
-                    held.append(1)
-                    if len(held) == n:
-                        began.set()
-                time.sleep(seconds)
-        return emit
-
-    for i in range(n):
-        body = dict(CHAT, messages=[{"role": "user", "content": f"hold {i}"}])
-        shim.worker.submit(shim.prepare("openai_chat", json.dumps(body).encode(), hold()))
-    return began
-
-
-def test_queue_bound_counts_only_live_jobs(engine):
-    shim = Shim(engine, ServeConfig(ctx=4096, max_queue=2))     # not started: jobs stay queued
+def test_queue_bound_counts_only_live_jobs(agent_engine):
+    shim = Shim(agent_engine, ServeConfig(ctx=4096, max_queue=2))     # not started: jobs stay queued
     jobs = [shim.prepare("openai_chat", json.dumps(CHAT).encode(), lambda ev: None) for _ in range(4)]
     shim.worker.submit(jobs[0])
     shim.worker.submit(jobs[1])
@@ -280,11 +245,11 @@ def test_queue_bound_counts_only_live_jobs(engine):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_requests_past_the_queue_bound_get_503_with_retry_after(engine, stream):
-    server = serve(engine, max_queue=2)
+def test_requests_past_the_queue_bound_get_503_with_retry_after(agent_engine, stream):
+    server = serve(agent_engine, max_queue=2)
     with server as url:
         shim = server.shim
-        began = _hold_worker(shim, 2.5)
+        began = hold_slots(shim, 2.5, request=CHAT)
         assert began.wait(10)
         results = []
 
@@ -329,50 +294,7 @@ def test_requests_past_the_queue_bound_get_503_with_retry_after(engine, stream):
 # ------------------------------------------------------------------------------------------
 # Subprocess servers: fd limit, signals
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """`ds4-agent --serve` in a subprocess, its stderr in a file."""
-
-    def __init__(self, model: Path, tmp: Path, *args: str, nofile: int | None = None):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"serve-{self.port}.log"
-        exe = Path(sys.executable).with_name("ds4-agent")
-        cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "ds4agent.cli"]),
-               "--serve", "--model", str(model), "--ctx", "4096", "--port", str(self.port), *args]
-
-        def limit():
-            if nofile:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"),
-                                  preexec_fn=limit, env=env, cwd=tmp)
-        t0 = time.monotonic()
-        while True:
-            assert self.p.poll() is None, self.text()
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() - t0 < 60, "the server never listened"
-                time.sleep(0.1)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
-        self.p.send_signal(sig)
-        try:
-            return self.p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-            pytest.fail(f"the server did not exit on {sig!r}:\n{self.text()[-3000:]}")
+Proc = ServeProc          # test_mlx_user.py imports it from here
 
 
 def _post_or_503(url: str) -> int:
@@ -383,7 +305,7 @@ def _post_or_503(url: str) -> int:
 
 
 def test_idle_connections_under_a_low_fd_limit(agent_model, tmp_path):
-    srv = Proc(agent_model, tmp_path, nofile=256)
+    srv = ServeProc(agent_model, tmp_path, nofile=256)
     idle = []
     try:
         for _ in range(400):
@@ -407,7 +329,7 @@ def test_accept_at_the_fd_limit_logs_once(agent_model, tmp_path):
     """The limit lowered under a running server (prlimit) below what its cap allows: accept()
     fails with EMFILE. One warning, not one traceback per attempt; once connections close
     (header timeout), it serves again."""
-    srv = Proc(agent_model, tmp_path, "--header-timeout", "2")
+    srv = ServeProc(agent_model, tmp_path, "--header-timeout", "2")
     held = []
     try:
         fds = len(os.listdir(f"/proc/{srv.p.pid}/fd"))
@@ -435,7 +357,7 @@ def test_accept_at_the_fd_limit_logs_once(agent_model, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_the_session_and_exits_0(agent_model, tmp_path, sig):
     kv = tmp_path / "kv"
-    srv = Proc(agent_model, tmp_path, "--kv-disk-dir", str(kv), "--kv-cache-min-tokens", "4",
+    srv = ServeProc(agent_model, tmp_path, "--kv-disk-dir", str(kv), "--kv-cache-min-tokens", "4",
                "--kv-cache-cold-max-tokens", "0", "--kv-cache-continued-interval-tokens", "0")
     r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, timeout=60)
     assert r.status_code == 200, (r.text, srv.text()[-3000:])

@@ -10,7 +10,6 @@ evaluated. Exact DSML replay and disk-cache restarts live in test_serve_reuse.py
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -19,7 +18,7 @@ openai = pytest.importorskip("openai")
 
 import prompts  # noqa: E402
 from ds4agent.serve import ServeConfig, ServerThread, Shim  # noqa: E402
-from engine import Engine  # noqa: E402
+from helpers_serve import Server  # noqa: E402
 
 CAP = 96                 # the server's cap on generated tokens (a forced tool block is ~55 tokens)
 N = 6                    # what the plain requests ask for
@@ -38,54 +37,10 @@ ARGS = {"city": "Paris"}
 # ------------------------------------------------------------------------------------------
 # one engine, one server for the module
 
-class Server:
-    """A running shim: its url, SDK clients, and what the worker recorded per request."""
-
-    def __init__(self, shim: Shim, url: str):
-        self.shim, self.url = shim, url
-        self.worker = shim.worker
-        self.oc = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-        self.ac = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
-        self._seen = 0
-
-    def evaluated(self) -> int:
-        """Tokens the sessions have run through the model so far (prefill chunks and single steps)."""
-        # every slot's session (with --slots N a request may run on any of them)
-        return sum(s.session.stats["prefill_tokens"] + s.session.stats["decode_tokens"]
-                   for s in self.worker.slots)
-
-    def records(self) -> list[dict]:
-        path = self.shim.cfg.trace
-        try:
-            with open(path, encoding="utf-8") as f:
-                return [json.loads(line) for line in f]
-        except FileNotFoundError:
-            return []
-
-    def last(self) -> dict:
-        """The trace record of the request just answered (a stream's record is written when its
-        generator ends, which may be a moment after the SDK saw the last event)."""
-        deadline = time.monotonic() + 10
-        while True:
-            recs = self.records()
-            if len(recs) > self._seen:
-                assert len(recs) == self._seen + 1, "one trace record per request"
-                self._seen = len(recs)
-                return recs[-1]
-            assert time.monotonic() < deadline, "no trace record for the request"
-            time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
-def engine(agent_model):
-    with Engine.open(agent_model) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def srv(engine, tmp_path_factory):
+def srv(agent_engine, tmp_path_factory):
     trace = tmp_path_factory.mktemp("serve") / "trace.jsonl"
-    shim = Shim(engine, ServeConfig(ctx=8192, max_tokens=CAP, trace=str(trace)))
+    shim = Shim(agent_engine, ServeConfig(ctx=8192, max_tokens=CAP, trace=str(trace)))
     with ServerThread(shim) as url:
         yield Server(shim, url)
 

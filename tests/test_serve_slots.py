@@ -28,16 +28,10 @@ import pytest
 from ds4agent.serve import ServeConfig, ServerThread, Shim
 from ds4agent.serve.config import MAX_SLOTS
 from ds4agent.serve.sizing import default_slots, slot_kv_bytes
-from engine import Engine, Session
+from engine import Session
+from helpers_serve import NO_THINK
 
-NO_THINK = {"thinking": {"type": "disabled"}}
 TIMEOUT = 120.0
-
-
-@pytest.fixture(scope="module")
-def engine(agent_model):
-    with Engine.open(agent_model) as e:
-        yield e
 
 
 def _server(engine, tmp_path=None, **kw) -> ServerThread:
@@ -91,12 +85,12 @@ def _conversation(url: str, topic: str, turns: int) -> list[str]:
 # ------------------------------------------------------------------------------------------
 # Concurrency: 8 clients over 4 slots
 
-def test_eight_clients_over_four_slots_get_their_own_answers(engine):
+def test_eight_clients_over_four_slots_get_their_own_answers(agent_engine):
     topics = [f"topic{chr(97 + i)}" for i in range(8)]
     turns = 2
-    with _server(engine, slots=1) as url:
+    with _server(agent_engine, slots=1) as url:
         alone = {t: _conversation(url, t, turns) for t in topics}
-    srv = _server(engine, slots=4)
+    srv = _server(agent_engine, slots=4)
     got: dict[str, list[str]] = {}
     errors = []
     peak = {"busy": 0}
@@ -146,8 +140,8 @@ def _alternate(url: str) -> dict[str, list[dict]]:
     return out
 
 
-def test_alternating_conversations_each_continue_their_slot(engine, tmp_path):
-    srv = _server(engine, tmp_path, slots=2)
+def test_alternating_conversations_each_continue_their_slot(agent_engine, tmp_path):
+    srv = _server(agent_engine, tmp_path, slots=2)
     with srv as url:
         out = _alternate(url)
     assert srv.shim.cfg.kv_disk_dir is None
@@ -161,17 +155,17 @@ def test_alternating_conversations_each_continue_their_slot(engine, tmp_path):
     assert all(r["source"].startswith("memory-") for r in recs[2:]), recs
 
 
-def test_alternating_conversations_on_one_slot_evict_each_other(engine):
+def test_alternating_conversations_on_one_slot_evict_each_other(agent_engine):
     """The control: what the second slot saves (the same requests, one timeline)."""
-    with _server(engine, slots=1) as url:
+    with _server(agent_engine, slots=1) as url:
         out = _alternate(url)
     for c in out:
         cached, n = _cached(out[c][1])
         assert cached < 0.5 * n, (c, cached, n)
 
 
-def test_a_retried_prompt_is_cut_back_in_its_own_slot(engine, tmp_path):
-    srv = _server(engine, tmp_path, slots=3)
+def test_a_retried_prompt_is_cut_back_in_its_own_slot(agent_engine, tmp_path):
+    srv = _server(agent_engine, tmp_path, slots=3)
     with srv as url:
         _alternate(url)                                  # slots 0 and 1 hold alpha and beta
         again = [{"role": "system", "content": _system("alpha")}, {"role": "user", "content": "alpha question 0"}]
@@ -185,9 +179,9 @@ def test_a_retried_prompt_is_cut_back_in_its_own_slot(engine, tmp_path):
 # ------------------------------------------------------------------------------------------
 # The disk cache: eviction and shutdown
 
-def test_an_evicted_slot_comes_back_from_disk_without_prefill(engine, tmp_path):
+def test_an_evicted_slot_comes_back_from_disk_without_prefill(agent_engine, tmp_path):
     kv = tmp_path / "kv"
-    srv = _server(engine, tmp_path, slots=2, kv_disk_dir=str(kv), kv_cache_min_tokens=32,
+    srv = _server(agent_engine, tmp_path, slots=2, kv_disk_dir=str(kv), kv_cache_min_tokens=32,
                   kv_cache_cold_max_tokens=0, kv_cache_continued_interval_tokens=0)
     convs = {c: [{"role": "system", "content": _system(c)}] for c in ("alpha", "beta", "gamma")}
 
@@ -224,17 +218,17 @@ def _reasons(kv) -> list[str]:
 # ------------------------------------------------------------------------------------------
 # How many slots
 
-def test_slot_bytes_are_what_a_session_allocates(engine):
+def test_slot_bytes_are_what_a_session_allocates(agent_engine):
     for ctx in (64, 4096, 20000):
-        assert slot_kv_bytes(engine, ctx) == Session(engine, ctx).kv_bytes()
+        assert slot_kv_bytes(agent_engine, ctx) == Session(agent_engine, ctx).kv_bytes()
 
 
-def test_default_slots_from_memory(engine):
-    per = slot_kv_bytes(engine, 4096)
-    weights = 0 if engine.paging == "resident" else engine.file.gguf.size
-    assert default_slots(engine, 4096, avail=weights) == 1                # nothing left: still one
-    assert default_slots(engine, 4096, avail=weights + 6 * per) == 3      # half of six slots' worth
-    assert default_slots(engine, 4096, avail=weights + 1000 * per) == MAX_SLOTS
+def test_default_slots_from_memory(agent_engine):
+    per = slot_kv_bytes(agent_engine, 4096)
+    weights = 0 if agent_engine.paging == "resident" else agent_engine.file.gguf.size
+    assert default_slots(agent_engine, 4096, avail=weights) == 1                # nothing left: still one
+    assert default_slots(agent_engine, 4096, avail=weights + 6 * per) == 3      # half of six slots' worth
+    assert default_slots(agent_engine, 4096, avail=weights + 1000 * per) == MAX_SLOTS
 
 
 def _free_port() -> int:
@@ -261,9 +255,9 @@ def test_cli_prints_the_slots_and_refuses_bad_counts(agent_model):
         p.communicate(timeout=60)
 
 
-def test_max_queue_zero_refuses_only_when_every_slot_is_busy(engine):
+def test_max_queue_zero_refuses_only_when_every_slot_is_busy(agent_engine):
     from ds4agent.serve.worker import QueueFull
-    shim = Shim(engine, ServeConfig(ctx=4096, slots=2, max_queue=0))
+    shim = Shim(agent_engine, ServeConfig(ctx=4096, slots=2, max_queue=0))
     release = threading.Event()
 
     def holder(ev):                                  # each event blocks: the slot stays busy
@@ -287,11 +281,11 @@ def test_max_queue_zero_refuses_only_when_every_slot_is_busy(engine):
         shim.stop()
 
 
-def test_another_conversation_on_the_same_prefix_takes_its_own_slot(engine, tmp_path):
+def test_another_conversation_on_the_same_prefix_takes_its_own_slot(agent_engine, tmp_path):
     """A sub-agent's request shares the system prompt with the main conversation but not its
     turns: cutting the main slot back to the shared prefix would cost it its tail (and again at
     each turn of either), so it takes a free slot; the main conversation then continues."""
-    srv = _server(engine, tmp_path, slots=3)
+    srv = _server(agent_engine, tmp_path, slots=3)
     system = {"role": "system", "content": _system("shared", 30)}
     main = [system]
     with srv as url:
