@@ -288,6 +288,13 @@ class Swapper(threading.Thread):
         self.halt.set()
         self.join(5)
 
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
 
 class DirSwapper(Swapper):
     """Flips folder `name` between a real folder and a symlink to an outside folder."""
@@ -336,35 +343,23 @@ def _hammer(tool: str, args: dict, ctx, seconds: float, tries: int) -> tuple[int
 
 def test_read_never_returns_a_swapped_in_outside_file(ctx, proj, outside):
     (proj / "f.txt").write_text(INSIDE)
-    sw = Swapper(proj, "f.txt", outside / "secret.txt")
-    sw.start()
-    try:
+    with Swapper(proj, "f.txt", outside / "secret.txt"):
         leaks, good, n = _hammer("read", {"path": "f.txt"}, ctx, 6, 4000)
-    finally:
-        sw.stop()
     assert leaks == 0 and good > 0, (leaks, good, n)
 
 
 def test_read_never_follows_a_swapped_in_outside_folder(ctx, proj, outside):
     (proj / "sub").mkdir()
     (proj / "sub" / "f.txt").write_text(INSIDE)
-    sw = DirSwapper(proj, "sub", outside)
-    sw.start()
-    try:
+    with DirSwapper(proj, "sub", outside):
         leaks, good, n = _hammer("read", {"path": "sub/f.txt"}, ctx, 6, 4000)
-    finally:
-        sw.stop()
     assert leaks == 0 and good > 0, (leaks, good, n)
 
 
 def test_search_never_returns_a_swapped_in_outside_file(ctx, proj, outside):
     (proj / "f.txt").write_text(INSIDE)
-    sw = Swapper(proj, "f.txt", outside / "secret.txt")
-    sw.start()
-    try:
+    with Swapper(proj, "f.txt", outside / "secret.txt"):
         leaks, good, n = _hammer("search", {"pattern": "OUTSIDE|inside"}, ctx, 6, 1500)
-    finally:
-        sw.stop()
     assert leaks == 0 and good > 0, (leaks, good, n)
 
 
@@ -373,22 +368,15 @@ def test_outline_never_shows_a_swapped_in_outside_file(ctx, proj, outside):
     (proj / "f.py").write_text("def inside_function():\n    pass\n")
     sw = Swapper(proj, "f.py", outside / "secret.py")
     sw.INSIDE = "def inside_function():\n    pass\n"
-    sw.start()
-    try:
+    with sw:
         leaks, good, n = _hammer("outline", {"path": "."}, ctx, 6, 1500)
-    finally:
-        sw.stop()
     assert leaks == 0 and good > 0, (leaks, good, n)
 
 
 def test_write_never_lands_in_a_swapped_in_outside_folder(ctx, proj, outside):
     (proj / "sub").mkdir()
-    sw = DirSwapper(proj, "sub", outside)
-    sw.start()
-    try:
+    with DirSwapper(proj, "sub", outside):
         _, good, n = _hammer("write", {"path": "sub/new.txt", "content": "x\n"}, ctx, 6, 2000)
-    finally:
-        sw.stop()
     assert sorted(os.listdir(outside)) == ["f.txt", "secret.txt"], (good, n)
     assert (outside / "f.txt").read_text() == INSIDE + SECRET
     assert good > 0
@@ -397,14 +385,10 @@ def test_write_never_lands_in_a_swapped_in_outside_folder(ctx, proj, outside):
 def test_edit_never_reads_or_writes_a_swapped_in_outside_file(ctx, proj, outside):
     (proj / "sub").mkdir()
     (proj / "sub" / "f.txt").write_text(INSIDE)
-    sw = DirSwapper(proj, "sub", outside)
-    sw.start()
-    try:
+    with DirSwapper(proj, "sub", outside):
         for _ in range(1500):      # "text" occurs once in either file, so every edit could apply
             res = call("edit", {"path": "sub/f.txt", "old": "text", "new": "text!"}, ctx)
             assert "SECRET" not in res.text and "SECRET" not in (res.diff or "")
-    finally:
-        sw.stop()
     assert sorted(os.listdir(outside)) == ["f.txt", "secret.txt"]
     assert (outside / "f.txt").read_text() == INSIDE + SECRET
 
