@@ -57,6 +57,50 @@ def test_bulk_read_equals_one_at_a_time(tmp_path):
     assert [type(s) for s in bulk] == [str] * len(STRINGS)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_arrays_read_right_whichever_way_the_starts_are_found(tmp_path, seed):
+    """Strings built to fool the offsets found from zero runs (NUL runs of every length, empty
+    strings, lengths around 256 and 65536, zero bytes after the array): whatever path a table takes,
+    its strings come back exact."""
+    rng = np.random.default_rng(seed)
+    pieces = ["a", "Ġ", "ü", "日", "😀", "\x00", "\x00" * 6, "\x00" * 9, " "]
+    plain = seed < 2                # (these take the zero-run path; the others may not)
+    strs = []
+    for _ in range(300):
+        kind = 9 if plain else rng.integers(0, 10)
+        if kind == 0:
+            strs.append("")
+        elif kind == 1:
+            strs.append("z" * int(rng.choice([255, 256, 257, 65535, 65536])))
+        else:
+            strs.append("".join(rng.choice(pieces[:5] if plain or seed % 2 else pieces, int(rng.integers(1, 6)))))
+    path = _gguf_with_strings(tmp_path / "r.gguf", [x.encode() for x in strs])
+    with path.open("ab") as f:
+        f.write(b"\x00" * 64 + b"\x05" + b"\x00" * 64)     # zero runs after the array
+    with GGUFFile(path) as g:
+        assert g.fields[KEY].value == strs
+        first = 4 + 4 + 8 + 8 + 8 + len(KEY) + 4 + 4 + 8
+        if plain:
+            assert g._starts_by_zeros(first, len(strs)) is not None
+
+
+def test_starts_from_zero_runs_match_the_walk(tmp_path):
+    # (the first guess of the run's size is 32 bytes a string: short ones around a long one)
+    strs = ["ab", "Ġthe", "x" * 256, "日本", "c"] + [f"t{i}" for i in range(40)]   # ("x" * 256: 0, 1, 0 ...)
+    with GGUFFile(_gguf_with_strings(tmp_path / "z.gguf", [x.encode() for x in strs])) as g:
+        first = 4 + 4 + 8 + 8 + 8 + len(KEY) + 4 + 4 + 8
+        at, end = g._starts_by_zeros(first, len(strs))
+        want = np.cumsum([0] + [8 + len(x.encode()) for x in strs])
+        assert at.tolist() == want[:-1].tolist() and end == first + want[-1] == g.size
+        # a length of 65536 or more, an empty string before a length that is a multiple of 256:
+        # no answer (the walk finds them)
+        for bad in (["y" * 65536], [""]):
+            path = _gguf_with_strings(tmp_path / "b.gguf", [x.encode() for x in strs[:2] + bad + strs[2:]])
+            with GGUFFile(path) as g2:
+                assert g2._starts_by_zeros(first, len(strs) + 1) is None
+                assert g2.fields[KEY].value == strs[:2] + bad + strs[2:]
+
+
 def test_empty_array_and_single_empty_string(tmp_path):
     assert _both(_gguf_with_strings(tmp_path / "e.gguf", [])) == ([], [])
     assert _both(_gguf_with_strings(tmp_path / "one.gguf", [b""])) == ([""], [""])

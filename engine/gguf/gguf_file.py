@@ -31,10 +31,10 @@ SUPPORTED_VERSIONS = (3,)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 _U64 = struct.Struct("<Q")
-_SEP = "\x00" * 8   # what _read_strings leaves of each 8-byte length
 # A string array longer than this is read one string at a time: the bulk read copies the whole run
 # (the real vocabulary's two arrays: 2.3 and 2.9 MB), and a corrupt count could make it the file.
 _BULK_BYTES = 64 << 20
+_GUESS_BYTES = 32   # a vocabulary string's bytes with its length, at most, for the first guess (18, 23)
 
 # GGUF metadata value types (gguf spec numbering).
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL, T_STRING, T_ARRAY, \
@@ -467,37 +467,69 @@ class GGUFFile:
     def _read_strings(self, c: _Cursor, key: str, count: int) -> list[str]:
         """`count` length-prefixed strings from c.pos. The vocabulary is 257k of them, read on
         every open, so the common case runs in bulk: one Python pass finds where each string
-        starts (an int per string, no object made), then the 8-byte lengths are overwritten with
-        NUL bytes, the whole run is decoded as UTF-8 once, and split at the NUL runs. Anything
+        starts (an int per string, no object made), then each 8-byte length becomes one NUL byte,
+        the whole run is decoded as UTF-8 once, and split at the NULs. Anything
         that pass cannot vouch for (a length past the end, bad UTF-8, a NUL inside a string)
         goes to `_read_strings_each`, which finds and names the string as it always did."""
         mm, start, size = self._mm, c.pos, self.size
         if count == 0:
             return []
-        starts = array("q")
-        append, unpack, pos = starts.append, _U64.unpack_from, start
-        try:
-            for _ in range(count):
-                append(pos)
-                pos += 8 + unpack(mm, pos)[0]
-        except (struct.error, OverflowError, ValueError):
-            pos = size + 1                  # a length read past the end: the slow pass names it
-        if pos > size or pos - start > _BULK_BYTES:
-            return self._read_strings_each(c, key, count)
-        run = np.frombuffer(mm, np.uint8, count=pos - start, offset=start).copy()
-        at = np.frombuffer(starts, np.int64) - start
-        for k in range(8):
-            run[at + k] = 0
+        found = self._starts_by_zeros(start, count)
+        if found is not None:
+            at, pos = found
+        else:
+            starts = array("q")
+            append, unpack, pos = starts.append, _U64.unpack_from, start
+            try:
+                for _ in range(count):
+                    append(pos)
+                    pos += 8 + unpack(mm, pos)[0]
+            except (struct.error, OverflowError, ValueError):
+                pos = size + 1              # a length read past the end: the slow pass names it
+            if pos > size or pos - start > _BULK_BYTES:
+                return self._read_strings_each(c, key, count)
+            at = np.frombuffer(starts, np.int64) - start
+        # each length becomes one NUL: its other 7 bytes dropped (a one-character separator
+        # splits faster than a longer one), its first zeroed
+        keep = np.ones(pos - start, bool)
+        for k in range(1, 8):
+            keep[at + k] = False
+        run = np.frombuffer(mm, np.uint8, count=pos - start, offset=start)[keep]
+        run[at - 7 * np.arange(count)] = 0
         # a NUL inside a string would be taken for a separator: only the lengths may hold them
-        if count * 8 != len(run) - np.count_nonzero(run):
+        if count != len(run) - np.count_nonzero(run):
             return self._read_strings_each(c, key, count)
         try:
-            out = codecs.utf_8_decode(run, "strict", True)[0].split(_SEP)
+            out = codecs.utf_8_decode(run, "strict", True)[0].split("\x00")
         except UnicodeDecodeError:
             return self._read_strings_each(c, key, count)
         del out[0]                          # (the text before the first separator: none)
         c.pos = pos
         return out
+
+    def _starts_by_zeros(self, start: int, count: int):
+        """Where each of `count` strings from `start` begins (offsets from start) and where the
+        last ends (absolute), found without a Python loop, or None (the caller walks them). Each
+        length under 65536 has zero bytes 2..7, and its string's first byte is not zero, so it
+        ends a run of offsets whose next 6 bytes are zero. The run ends are only candidates (a
+        string may hold NULs or be empty, a long one has a longer length, text may follow the
+        array): the answer stands only if, from `start`, each candidate plus 8 plus its length is
+        the next one, the walk's own recurrence, so it is the walk's answer or None."""
+        w = min(self.size - start, _GUESS_BYTES * count + 64)
+        if _GUESS_BYTES * count > _BULK_BYTES or w < 16:
+            return None
+        a = np.frombuffer(self._mm, np.uint8, count=w, offset=start)
+        zero = a == 0
+        run = zero[2:w - 5].copy()          # run[p]: bytes p+2 .. p+7 all zero
+        for k in range(3, 8):
+            run &= zero[k:w - 7 + k]
+        at = np.flatnonzero(run[:-1] & ~run[1:])[:count]
+        if len(at) < count or at[0] != 0:
+            return None
+        nxt = at + 8 + (a[at].astype(np.int64) | a[at + 1].astype(np.int64) << 8)
+        if not np.array_equal(nxt[:-1], at[1:]) or nxt[-1] > w:
+            return None
+        return at, start + int(nxt[-1])
 
     def _read_strings_each(self, c: _Cursor, key: str, count: int) -> list[str]:
         """_read_strings one string at a time: the reference, and what names a bad string."""
