@@ -68,7 +68,8 @@ def _no_gc():
     """The cyclic collector off while the merge table's 128k pairs live: each tuple counts as a
     new container, and a few hundred of them start a collection, so building them ran dozens of
     collections over every object of the process, a full one among them (~7 ms alone, more in a
-    process with a large heap), to free none. Off and on again only if it was on."""
+    process with a large heap), to free none. The pairs are gone before it is back on (their
+    count with them), so no collection is merely put off. Off and on again only if it was on."""
     was = gc.isenabled()
     gc.disable()
     try:
