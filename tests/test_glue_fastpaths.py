@@ -71,10 +71,13 @@ def test_attention_index_errors_are_one_line_value_errors():
         cpu_ops.CpuOps.attention(q, [(keys, ok, idx[:, :5])], sinks, 0.125)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")     # (the worker threads' inf * 0)
 def test_swiglu_into_equals_fastops_swiglu():
     rng = np.random.default_rng(7)
     limit = np.float32(7.0)
-    for rows in (1, cpu_ops.SWIGLU_ROWS, cpu_ops.SWIGLU_ROWS + 3, 3 * cpu_ops.SWIGLU_ROWS - 1):
+    # (from 4 * SWIGLU_ROWS rows on the engine's threads share the rows)
+    for rows in (1, cpu_ops.SWIGLU_ROWS, cpu_ops.SWIGLU_ROWS + 3, 3 * cpu_ops.SWIGLU_ROWS - 1,
+                 4 * cpu_ops.SWIGLU_ROWS, 9 * cpu_ops.SWIGLU_ROWS + 5):
         g = (rng.standard_normal((rows, 96)) * 30).astype(np.float32)
         v = (rng.standard_normal((rows, 96)) * 30).astype(np.float32)
         g[0, :4] = [-200.0, np.nan, np.inf, -np.inf]     # exp overflow, NaN, the clamps
@@ -83,6 +86,14 @@ def test_swiglu_into_equals_fastops_swiglu():
             want = FastOps.swiglu(g, v, limit)
             got = cpu_ops._swiglu_into(g.copy(), v.copy(), limit)
         assert np.array_equal(_bits(got), _bits(want)), rows
+        # with routing weights from row w0 on (the shared expert's rows first): m[w0:] *= w
+        for w0 in (0, 1, rows // 2, rows - 1):
+            w = rng.random(rows - w0).astype(np.float32)
+            want_w = want.copy()
+            want_w[w0:] *= w[:, None]
+            with np.errstate(invalid="ignore"):
+                got_w = cpu_ops._swiglu_into(g.copy(), v.copy(), limit, w, w0)
+            assert np.array_equal(_bits(got_w), _bits(want_w)), (rows, w0)
 
 
 def test_stacked_experts_equal_the_expert_by_expert_form(small_model, monkeypatch):

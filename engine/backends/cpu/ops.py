@@ -18,7 +18,7 @@ import numpy as np
 from . import kernels as K
 from ...gguf import quants as Q
 from ...gguf.model_file import QTensor
-from .fast import FastOps
+from .fast import FastOps, _query_pool, _threads
 from ..numpy.ops import NumpyOps
 
 #: queries per attention call where the C kernel runs it (the model's QUERY_BLOCK bounds the
@@ -36,6 +36,8 @@ STACK_MIN = ROWS_MAX + 1
 #: rows of the SwiGLU's in-place passes at a time (a few hundred KB per operand: the eight
 #: elementwise passes run from the cache instead of DRAM)
 SWIGLU_ROWS = 32
+#: rows of a chunk's expert sums at a time (the k terms of 16 rows: 256 KB a term at width 4096)
+SUM_ROWS = 16
 
 _KERNEL_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
 
@@ -281,8 +283,7 @@ class CpuOps(FastOps, NumpyOps):
             gx += (x, x)
             gy += (G[h + a:h + b], V[h + a:h + b])
         K.matmul_q8_into(gt, gw, gx, gy)
-        m = _swiglu_into(G, V, limit)
-        m[h:] *= wsel.reshape(-1)[order][:, None]
+        m = _swiglu_into(G, V, limit, wsel.reshape(-1)[order], h)
         D = np.empty((h + len(es), n_out), dtype=np.float32)
         K.matmul_q8_into([w.type_id for w in sh[2:]] + [de.type_id] * len(spans),
                          [w.data for w in sh[2:]] + [de.expert_data(e) for e in experts],
@@ -293,6 +294,17 @@ class CpuOps(FastOps, NumpyOps):
         at[order] = np.arange(len(es))
         at = np.sort(at.reshape(B, k), axis=1) + h
         out = np.zeros_like(u)
+        if B > ROWS_MAX:
+            # SUM_ROWS rows at a time, each row's k terms and then its shared-expert row added
+            # while in the cache (the same additions in the same order as below)
+            d = np.empty((min(SUM_ROWS, B), u.shape[1]), dtype=np.float32)
+            for r0 in range(0, B, SUM_ROWS):
+                o, a = out[r0:r0 + SUM_ROWS], at[r0:r0 + SUM_ROWS]
+                for j in range(k):
+                    o += np.take(D, a[:, j], axis=0, out=d[:len(o)])
+                if shared:
+                    o += D[r0:r0 + len(o)]
+            return out
         for j in range(k):                                # as out[rows] += d, expert by expert
             out += D[at[:, j]]
         return out + D[:h] if shared else out
@@ -332,14 +344,30 @@ class CpuOps(FastOps, NumpyOps):
         return out + D[:1] if shared else out
 
 
-def _swiglu_into(g: np.ndarray, v: np.ndarray, limit) -> np.ndarray:
-    """FastOps.swiglu(g, v, limit) written into g (v is clobbered too): the same float32
+def _swiglu_into(g: np.ndarray, v: np.ndarray, limit, w: np.ndarray | None = None, w0: int = 0) -> np.ndarray:
+    """FastOps.swiglu(g, v, limit) written into g (v is clobbered too), then with w rows w0.. of
+    it multiplied by w[row - w0] (the routing weights: m[w0:] *= w[:, None]): the same float32
     operations in the same order, so bit-identical, with no [rows, n_ff] temporaries and
-    SWIGLU_ROWS rows at a time (g and v are scratch buffers of the caller's)."""
-    t = np.empty((min(SWIGLU_ROWS, len(g)), g.shape[1]), dtype=np.float32)
+    SWIGLU_ROWS rows at a time, each while in the cache (g and v are the caller's scratch). A
+    prefill chunk's rows are shared by the engine's threads (elementwise: the split changes no
+    bit; the kernels' threads are idle between their calls, and the exponentials and divisions
+    are most of the glue a layer's experts add)."""
+    wcol = None if w is None else np.asarray(w, dtype=np.float32)[:, None]
+    n = _threads() if len(g) >= 4 * SWIGLU_ROWS else 1
+    if n <= 1:
+        _swiglu_rows(g, v, limit, wcol, w0, 0, len(g))
+        return g
+    per = -(-len(g) // (n * SWIGLU_ROWS)) * SWIGLU_ROWS
+    cuts = [(r, min(len(g), r + per)) for r in range(0, len(g), per)]
+    list(_query_pool(n).map(lambda c: _swiglu_rows(g, v, limit, wcol, w0, *c), cuts))
+    return g
+
+
+def _swiglu_rows(g, v, limit, wcol, w0: int, lo: int, hi: int) -> None:
+    t = np.empty((min(SWIGLU_ROWS, hi - lo), g.shape[1]), dtype=np.float32)
     with np.errstate(over="ignore"):            # exp(-g) = inf for g < -88: sigmoid 0, as meant
-        for r0 in range(0, len(g), SWIGLU_ROWS):
-            gr, vr = g[r0:r0 + SWIGLU_ROWS], v[r0:r0 + SWIGLU_ROWS]
+        for r0 in range(lo, hi, SWIGLU_ROWS):
+            gr, vr = g[r0:min(hi, r0 + SWIGLU_ROWS)], v[r0:min(hi, r0 + SWIGLU_ROWS)]
             s = t[:len(gr)]
             np.minimum(gr, limit, out=gr)
             np.negative(gr, out=s)
@@ -349,7 +377,9 @@ def _swiglu_into(g: np.ndarray, v: np.ndarray, limit) -> np.ndarray:
             s *= gr                             # silu(g)
             np.clip(vr, -limit, limit, out=vr)
             np.multiply(s, vr, out=gr)
-    return g
+            if wcol is not None and r0 + len(gr) > w0:
+                a = max(w0 - r0, 0)
+                gr[a:] *= wcol[r0 + a - w0:r0 + len(gr) - w0]
 
 
 def _attention_c(q, segments, sinks, scale):
