@@ -17,6 +17,9 @@ first on even rounds, so a busy minute hits both; each child runs from its tree'
 tree first on sys.path.
 
     python scripts/bench_open.py --engine /tmp/f4.gguf --baseline /tmp/wt-c0 --rounds 5
+
+With --serve as well it times `ds4-agent --serve` instead, from the process's start (imports
+included) to the first request it answers (GET /v1/models), `--paging none`.
 """
 from __future__ import annotations
 
@@ -65,12 +68,43 @@ eng.close()
 """
 
 
-def engine_child(tree, path, paging):
+def _tree_env(tree, **extra):
     # compiled bytecode as an installed package has it (PYTHONDONTWRITEBYTECODE would compile every
     # module again in each child), cached per tree outside it
     env = dict(os.environ, PYTHONPATH=tree, PYTHONPYCACHEPREFIX=os.path.join(
-        tempfile.gettempdir(), "ds4-bench-open-pyc", tree.strip(os.sep).replace(os.sep, "+")))
+        tempfile.gettempdir(), "ds4-bench-open-pyc", tree.strip(os.sep).replace(os.sep, "+")), **extra)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def serve_child(tree, path, port):
+    """Seconds from starting `ds4-agent --serve` to its first answered request."""
+    import urllib.request
+    home = tempfile.mkdtemp(prefix="bench-open-home-")
+    argv = ["--serve", "--model", path, "--port", str(port), "--backend", "cpu", "-t", "2", "--paging", "none",
+            "--ctx", "4096"]
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-W", "ignore", "-c",
+                          "import sys; from ds4agent.cli import main; sys.exit(main(sys.argv[1:]))", *argv],
+                         cwd=tree, env=_tree_env(tree, DS4_AGENT_HOME=home), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    try:
+        while time.perf_counter() - t0 < 120:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1):
+                    return {"seconds": time.perf_counter() - t0, "cpu": float("nan"), "paging": "none"}
+            except OSError:
+                if p.poll() is not None:
+                    raise SystemExit(f"{tree}: ds4-agent --serve exited: {p.stderr.read().decode()[-300:]}")
+                time.sleep(0.01)
+        raise SystemExit(f"{tree}: ds4-agent --serve answered nothing in 120 s")
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def engine_child(tree, path, paging):
+    env = _tree_env(tree)
     out = subprocess.run([sys.executable, "-c", ENGINE_CHILD, path, paging], capture_output=True, text=True,
                          check=True, cwd=tree, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -82,23 +116,27 @@ def bench_engine(a):
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = [("new", here)] + ([("old", os.path.abspath(a.baseline))] if a.baseline else [])
     modes = a.modes.split(",")
+    if a.serve:
+        modes = ["serve"]
     got = {(t, m): [] for t, _ in trees for m in modes}
     for _, tree in trees:
         engine_child(tree, a.engine, "none")        # (writes the bytecode; not timed)
     for r in range(a.rounds):
         order = trees if r % 2 else trees[::-1]
         for m in modes:
-            for name, tree in order:
-                got[name, m].append(engine_child(tree, a.engine, m))
-    print(f"Engine.open({a.engine}), {a.rounds} rounds, one open per process; seconds min / median")
+            for i, (name, tree) in enumerate(order):
+                got[name, m].append(serve_child(tree, a.engine, a.port + i) if a.serve
+                                    else engine_child(tree, a.engine, m))
+    what = "ds4-agent --serve to its first answer" if a.serve else "Engine.open, one open per process"
+    print(f"{what} ({a.engine}), {a.rounds} rounds; seconds min / median")
     print("| paging | tree | wall min | wall median | CPU min | CPU median |")
     print("| --- | --- | --- | --- | --- | --- |")
     for m in modes:
         for name, _ in trees:
             w = [x["seconds"] for x in got[name, m]]
             c = [x["cpu"] for x in got[name, m]]
-            print(f"| {m} ({got[name, m][0]['paging']}) | {name} | {min(w):.3f} | {statistics.median(w):.3f} | "
-                  f"{min(c):.3f} | {statistics.median(c):.3f} |")
+            cpu = "- | -" if a.serve else f"{min(c):.3f} | {statistics.median(c):.3f}"   # (another process's)
+            print(f"| {m} ({got[name, m][0]['paging']}) | {name} | {min(w):.3f} | {statistics.median(w):.3f} | {cpu} |")
 
 
 def child(which, path):
@@ -114,6 +152,8 @@ def main():
     ap.add_argument("--baseline", metavar="DIR", help="with --engine: a worktree to alternate with")
     ap.add_argument("--modes", default="resident,prefault,none,lowmem,auto", help="with --engine: paging modes")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--serve", action="store_true", help="with --engine: time ds4-agent --serve's start instead")
+    ap.add_argument("--port", type=int, default=18231, help="with --serve: the first of two ports to use")
     a = ap.parse_args()
     if a.engine:
         return bench_engine(a)
