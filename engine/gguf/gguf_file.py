@@ -31,9 +31,10 @@ SUPPORTED_VERSIONS = (3,)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 _U64 = struct.Struct("<Q")
-# A string array longer than this is read one string at a time: the bulk read copies the whole run
-# (the real vocabulary's two arrays: 2.3 and 2.9 MB), and a corrupt count could make it the file.
-_BULK_BYTES = 64 << 20
+# A string array longer than this is read one string at a time: the bulk read makes a few copies
+# of the whole run (the real vocabulary's two arrays: 2.3 and 2.9 MB), and a corrupt count could
+# make it the file.
+_BULK_BYTES = 16 << 20
 _GUESS_BYTES = 32   # a vocabulary string's bytes with its length, at most, for the first guess (18, 23)
 
 # GGUF metadata value types (gguf spec numbering).
