@@ -467,11 +467,12 @@ class GGUFFile:
 
     def _read_strings(self, c: _Cursor, key: str, count: int) -> list[str]:
         """`count` length-prefixed strings from c.pos. The vocabulary is 257k of them, read on
-        every open, so the common case runs in bulk: one Python pass finds where each string
-        starts (an int per string, no object made), then each 8-byte length becomes one NUL byte,
-        the whole run is decoded as UTF-8 once, and split at the NULs. Anything
-        that pass cannot vouch for (a length past the end, bad UTF-8, a NUL inside a string)
-        goes to `_read_strings_each`, which finds and names the string as it always did."""
+        every open, so the common case runs in bulk: where each string starts comes from the
+        lengths' zero bytes (`_starts_by_zeros`), else from one Python pass (an int per string, no
+        object made); then each 8-byte length becomes one NUL byte, the whole run is decoded as
+        UTF-8 once, and split at the NULs. Anything the bulk read cannot vouch for (a length past
+        the end, bad UTF-8, a NUL inside a string, a run over _BULK_BYTES) goes to
+        `_read_strings_each`, which finds and names the string as it always did."""
         mm, start, size = self._mm, c.pos, self.size
         if count == 0:
             return []
