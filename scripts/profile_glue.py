@@ -1,7 +1,8 @@
 """The Python glue of one prefill on the cpu backend: cProfile with the main thread's CPU time as
 the timer (other processes' load does not inflate it), split into the C kernels' own time and the
-rest. One JSON line per prefill: wall, main-thread cpu, kernels, glue and the own time of the glue
-functions that mattered (docs/performance.md, "The prefill's Python glue").
+rest. One JSON line per prefill: wall, every thread's CPU (proc_cpu), main-thread cpu, kernels,
+glue and the own time of the glue functions that mattered (docs/performance.md, "The prefill's
+Python glue").
 
     python scripts/profile_glue.py MODEL [--tokens 512] [--reps 2] [--threads 2]
 
@@ -40,11 +41,11 @@ def main(argv=None) -> int:
     for _ in range(a.reps):
         s = Session(eng, 2 * a.tokens)
         pr = cProfile.Profile(timer=time.thread_time)
-        t0 = time.perf_counter()
+        t0, p0 = time.perf_counter(), time.process_time()
         pr.enable()
         s.sync(toks)
         pr.disable()
-        wall = time.perf_counter() - t0
+        wall, proc = time.perf_counter() - t0, time.process_time() - p0     # proc: every thread's CPU
         st = pstats.Stats(pr).stats
         total = sum(v[2] for v in st.values())
         kern = sum(v[2] for k, v in st.items() if "_kernels" in k[2])
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
             for g in GLUE:
                 if name in (g, f"<built-in method numpy.{g}>", f"<method '{g}' of 'numpy.ndarray' objects>"):
                     own[g] = round(own.get(g, 0.0) + v[2], 4)
-        print(json.dumps(dict(wall=round(wall, 3), cpu=round(total, 3), kernels=round(kern, 3),
+        print(json.dumps(dict(wall=round(wall, 3), proc_cpu=round(proc, 3), cpu=round(total, 3), kernels=round(kern, 3),
                               glue=round(total - kern, 3), own=own)), flush=True)
     return 0
 
