@@ -169,6 +169,7 @@ typedef struct {
     kern_q8g_fn q8g[KT_MAX]; /* NULL: no GEMM form; else used for T >= q8g_min_t (run-time adjustable) */
     int q8g_min_t[KT_MAX];
     int q8g_xu[KT_MAX];      /* the GEMM form reads xu (signed weight codes against x + 128); else xq only */
+    kern_arrange_fn q8g_arrange[KT_MAX]; /* where q8g_xu: writes xu in the form's own order (NULL: x + 128 in order) */
     int q8_cost[KT_MAX];     /* relative cost of a weight value for the work split; 0: the default */
     kern_scratch_fn q8g_scratch;
     kern_maxmag_fn q8_maxmag; /* the quantizers' loops (NULL: portable C) */
