@@ -380,6 +380,56 @@ KI void g_tile_iq2u(const gpanel *P, const int nh, const int nt, int64_t n, cons
 #define G_TILE_IQ2U(nh, nt) g_tile_iq2u(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 256), xs + t0 * (n / 16), yt, ldy, mk)
 G_KERNEL(iq2_xxs_vbmi, g_pack_iq2v(W, stride, n, p + 16 * h, (int)rows, &P[h]), G_TILE_IQ2U)
 
+/* Q2_K GEMM panels (this build: vpermb) in the AVX-512 row kernel's pair order (q2k_pair_x, the
+ * activations' arrangement here too): slot 16 j + d of a block = dword d of the block's 64 code
+ * bytes shifted right by 2 j, i.e. values 32 j + 4 d .. (d < 8) or 128 + 32 j + 4 (d - 8) .. --
+ * sub-block 8 (d / 8) + 2 j + (d % 8) / 4.  The 16 rows' code bytes are transposed once a block
+ * (to 16 dwords of 16 rows), so a slot is a shift, a mask and one vpermb through a 64-byte table of
+ * that sub-block: dword r = row r's [0, s, 2 s, 3 s] (the byte index 4 r + code).  The 16 rows'
+ * scales and minimums go through the same transpose (dword k of a row: sub-block k's table; minimum
+ * pairs as in g_row_q2_k).  The value-order form decoded a row into a buffer, then transposed 4
+ * dwords of codes per value byte; the integer block sums are the same (any order within a block),
+ * the minimums and float64 multiply-adds untouched: bit for bit. */
+IQ2V_T static void g_pack_q2kv(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int rows, gpanel *P) {
+    const __m512i zero = _mm512_setzero_si512(), m3 = _mm512_set1_epi8(3), m15 = _mm512_set1_epi32(15);
+    const __m512i tabm = _mm512_set1_epi32(0x03020100);
+    const __m512i lane4 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(0x04040404)); /* byte i <- 4 (i / 4) */
+    for (int64_t b = 0; b < n / 256; b++) {
+        __m512i qs[16], tb[16], mn[16];
+        for (int r = 0; r < 16; r++) {
+            if (r >= rows) {
+                qs[r] = tb[r] = mn[r] = zero;
+                P->sc[16 * b + r] = P->dm[16 * b + r] = 0.0; /* (missing rows' outputs are not stored) */
+                continue;
+            }
+            const uint8_t *blk = W + (r0 + r) * stride + 84 * b;
+            PF2(blk + 16 * stride - KERN_PF); /* the next panel's block (see g_pack_iq2v) */
+            const __m128i sb = _mm_loadu_si128((const __m128i *)blk);
+            tb[r] = _mm512_mullo_epi32(_mm512_and_si512(_mm512_cvtepu8_epi32(sb), m15), tabm);
+            mn[r] = _mm512_zextsi256_si512(_mm256_srli_epi16(_mm256_cvtepu8_epi16(sb), 4));
+            qs[r] = _mm512_loadu_si512((const void *)(blk + 16));
+            P->sc[16 * b + r] = KERN_F16(kern_rd16(blk + 80));
+            P->dm[16 * b + r] = KERN_F16(kern_rd16(blk + 82));
+        }
+        g_transpose16(qs);
+        g_transpose16(tb);
+        g_transpose16(mn);
+        for (int j = 0; j < 8; j++) _mm512_store_si512((void *)(P->mz + 16 * (8 * b + j)), mn[j]);
+        uint8_t *wq = P->wq + 64 * 64 * b;
+        for (int j = 0; j < 4; j++)
+            for (int d = 0; d < 16; d++) {
+                /* (code & 3) | 4 r: the ternary logic's 0xEA is (A & B) | C */
+                const __m512i idx = _mm512_ternarylogic_epi32(_mm512_srli_epi16(qs[d], 2 * j), m3, lane4, 0xEA);
+                _mm512_store_si512((void *)(wq + 64 * (16 * j + d)),
+                                   _mm512_permutexvar_epi8(idx, tb[8 * (d / 8) + 2 * j + (d % 8) / 4]));
+            }
+    }
+}
+
+#define G_TILE_Q2KV(nh, nt) g_tile_q2_k(P, nh, nt, n, (const int8_t *)xu + t0 * n, xd + t0 * (n / 256), xs + t0 * (n / 16), yt, ldy, mk)
+G_KERNEL(q2_k_vbmi, g_pack_q2kv(W, stride, n, p + 16 * h, (int)rows, &P[h]), G_TILE_Q2KV)
+
 /* the avx512 build with these IQ2_XXS kernels */
 static void fill_iq2_vbmi(kern_isa *k) {
     iq2v_init();
@@ -387,9 +437,17 @@ static void fill_iq2_vbmi(kern_isa *k) {
     k->q8_arrange[KT_IQ2_XXS] = iq2v_reorder;
     k->q8g[KT_IQ2_XXS] = KSUF(q8g_iq2_xxs_vbmi);
     k->q8g_arrange[KT_IQ2_XXS] = iq2v_gemm_arrange;
-    /* the faster row kernel moves the crossover to the GEMM form later (scripts/bench_kernels.py
-     * finds it: 9 tokens on a 2-thread Zen 4) */
-    k->q8g_min_t[KT_IQ2_XXS] = 9;
+    k->q8g[KT_Q2_K] = KSUF(q8g_q2_k_vbmi);
+    k->q8g_xu[KT_Q2_K] = 1; /* its own copy of the codes, in the row kernel's order */
+    k->q8g_arrange[KT_Q2_K] = KSUF(q2k_pair_x);
+    /* the crossover to the GEMM form: with the code-byte-order panels the GEMM costs a product of
+     * 2048 x 4096 about what the row kernel does at 3 tokens and 14 % less at 4 (one thread, weights
+     * from L3, Xeon with AVX-512 VBMI: scripts/bench_expert_forms.py; it was 9 tokens on a 2-thread
+     * Zen 4 with the value-order panels) */
+    k->q8g_min_t[KT_IQ2_XXS] = 4;
+    /* Q2_K likewise (4096 x 2048: the GEMM form ties the row kernel at 3 tokens, is 20 % cheaper
+     * at 4; the value-order panels needed 6-8) */
+    k->q8g_min_t[KT_Q2_K] = 4;
     /* the work split's relative costs of a value (Q8_0: the default 4), measured on a decode step's
      * two mixed calls (a layer's 12 routed gate/up matrices with the shared expert's 2, then 6 down
      * matrices with the shared down; 6 layers cycled from DRAM, 2 threads, Sapphire Rapids):
