@@ -275,13 +275,14 @@ IQ2V_T static void iq2v_q8k(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
  * values each), so no per-row code sums are packed.  The group sums are the same exact integers as
  * the value-order form's, and the group scales and float64 multiply-adds the same: bit for bit. */
 static uint8_t iq2v_gx[64] __attribute__((aligned(64))); /* byte 32 h + 4 s + l <- 32 h + 8 l + s / 2 + 4 (s % 2) */
-static uint8_t iq2v_sb[64] __attribute__((aligned(64))); /* byte p <- the sign byte of index p % 32 (iq2v_block's ks) */
+/* byte p < 32 <- the sign byte of index p (iq2v_block's ks), 32 + 4 g + l <- byte l of group g's aux word (the block's) */
+static uint8_t iq2v_sb[64] __attribute__((aligned(64)));
 
 static void iq2v_init_gemm(void) {
     for (int i = 0; i < 64; i++) {
         const int s = (i % 32) / 4, l = i % 4;
         iq2v_gx[i] = (uint8_t)(32 * (i / 32) + 8 * l + s / 2 + 4 * (s % 2));
-        iq2v_sb[i] = (uint8_t)(8 * ((i % 32) / 4) + i % 4);
+        iq2v_sb[i] = (uint8_t)(i < 32 ? 8 * (i / 4) + i % 4 : 64 + 8 * ((i - 32) / 4) + 4 + i % 4);
     }
 }
 
@@ -296,18 +297,18 @@ IQ2V_T static void iq2v_gemm_arrange(const int8_t *xq, int64_t n, int64_t T, int
  * block.  gf2p8affineqb maps every byte on its own, so the 16 rows' code bytes lh (iq2v_rows') are
  * transposed once to 16 dwords of 16 rows, and each of the 4 maps then gives 16 panel slots: one
  * transpose a block-row instead of one per vector.  The sign bytes go through the same transpose
- * (sb byte p = the sign byte of lh byte p's index), and a byte of vector j tests bit j (first
- * half) or 4 + j (second half); the raw blocks too, for the group scales as lane vectors (aux
- * word g: dword 2g + 1). */
+ * (sb dword g = the sign bytes of group g's indices): a byte of vector j tests bit j (first half)
+ * or 4 + j (second half) of its index's; sb's other half carries the aux words (dword 8 + g), so
+ * the group scales come out as lane vectors too. */
 IQ2V_T static void g_pack_iq2v(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int rows, gpanel *P) {
     const __m512i zero = _mm512_setzero_si512(), c128 = _mm512_set1_epi8((char)0x80), one = _mm512_set1_epi32(1);
     const __m512i map[4] = {iq2v_map(0), iq2v_map(1), iq2v_map(2), iq2v_map(3)};
     const __m512i l1 = _mm512_load_si512(iq2v_l1), sbc = _mm512_load_si512(iq2v_sb);
     for (int64_t b = 0; b < n / 256; b++) {
-        __m512i lh[16], sb[16], q[16];
+        __m512i lh[16], sb[16];
         for (int r = 0; r < 16; r++) {
             if (r >= rows) {
-                q[r] = lh[r] = sb[r] = zero;
+                lh[r] = sb[r] = zero;
                 P->sc[16 * b + r] = 0.0; /* (missing rows' outputs are not stored) */
                 continue;
             }
@@ -316,23 +317,22 @@ IQ2V_T static void g_pack_iq2v(const uint8_t *W, ptrdiff_t stride, int64_t n, in
              * the hardware prefetchers lose (the load took over half the time from L3) */
             PF2(blk + 16 * stride - KERN_PF);
             __m512i lc, hc, ks;
-            q[r] = _mm512_loadu_si512((const void *)(blk + 2));
-            iq2v_block(q[r], &lc, &hc, &ks);
+            const __m512i q = _mm512_loadu_si512((const void *)(blk + 2));
+            iq2v_block(q, &lc, &hc, &ks);
             lh[r] = _mm512_permutex2var_epi8(lc, l1, hc);
-            sb[r] = _mm512_permutexvar_epi8(sbc, ks);
+            sb[r] = _mm512_permutex2var_epi8(ks, sbc, q);
             P->sc[16 * b + r] = 0.125 * (double)KERN_F16(kern_rd16(blk)); /* d / 8: see g_iq2_scales */
         }
-        g_transpose16(q);
         g_transpose16(lh);
         g_transpose16(sb);
         for (int g = 0; g < 8; g++)
             _mm512_store_si512((void *)(P->gs + 16 * (8 * b + g)),
-                               _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(q[2 * g + 1], 28), 1), one));
+                               _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(sb[8 + g], 28), 1), one));
         uint8_t *wq = P->wq + 64 * 64 * b;
         for (int j = 0; j < 4; j++)
             for (int d = 0; d < 16; d++) {
                 const __m512i u = _mm512_gf2p8affine_epi64_epi8(lh[d], map[j], 0x48); /* |w| + 64 */
-                const __mmask64 neg = _mm512_test_epi8_mask(sb[d], _mm512_set1_epi8((char)(1 << (j + 4 * (d / 8)))));
+                const __mmask64 neg = _mm512_test_epi8_mask(sb[d % 8], _mm512_set1_epi8((char)(1 << (j + 4 * (d / 8)))));
                 _mm512_store_si512((void *)(wq + 64 * (8 * (d % 8) + 2 * j + d / 8)), _mm512_mask_sub_epi8(u, neg, c128, u)); /* w + 64 */
             }
     }
