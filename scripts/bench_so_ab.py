@@ -5,7 +5,7 @@ kernel thread) are timed in the calling thread's CPU time, so both builds see th
 load, caches and inputs.  Prints min and median per build and case, and each build's outputs are
 compared bit for bit.
 
-    .venv/bin/python scripts/bench_so_ab.py OLD.so NEW.so [--rounds 7] [--ts 1,4,12] [--form gemm|row]
+    .venv/bin/python scripts/bench_so_ab.py OLD.so NEW.so [--rounds 7] [--ts 1,4,12] [--form gemm|row|default]
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ts", default="1,4,12")
     ap.add_argument("--types", default="IQ2_XXS,Q2_K")
-    ap.add_argument("--form", default="gemm", choices=["gemm", "row"])
+    ap.add_argument("--form", default="gemm", choices=["gemm", "row", "default"])  # default: each build's crossover
     ap.add_argument("--pool", type=int, default=8)
     args = ap.parse_args()
     mods = {"old": load(args.old), "new": load(args.new)}
@@ -50,7 +50,8 @@ def main() -> None:
         pool = [Q.random_blocks(t, rng, rows * n // Q.FORMATS[t].block_elems, 0.05).reshape(rows, -1)
                 for _ in range(args.pool)]
         for m in mods.values():
-            m.q8_gemm_min_t(t, 1 if args.form == "gemm" else 10**6)
+            if args.form != "default":
+                m.q8_gemm_min_t(t, 1 if args.form == "gemm" else 10**6)
         for T in [int(v) for v in args.ts.split(",")]:
             x = rng.standard_normal((T, n)).astype(np.float32)
             ys = {k: [np.empty((T, rows), np.float32) for _ in pool] for k in mods}
