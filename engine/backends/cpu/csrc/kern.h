@@ -138,8 +138,9 @@ typedef uint32_t (*kern_maxmag_fn)(const float *x, int n);
 typedef void (*kern_codes_fn)(const float *x, int n, float scale, int8_t *q);
 
 /* integer-activation GEMM (many tokens, kern_gemm_body.h / kern_gemm_avx2.h): as kern_q8_fn, plus
- * the activation codes offset to unsigned (xu = xq + 128, where kern_isa.q8g_xu says the form reads
- * them) and a per-thread scratch of q8g_scratch(n) bytes */
+ * a second copy of the activation codes where kern_isa.q8g_xu says the form reads one (xu: xq + 128,
+ * or the codes in the form's own order where kern_isa.q8g_arrange writes it, kern_iq2_vbmi.h) and a
+ * per-thread scratch of q8g_scratch(n) bytes */
 typedef void (*kern_q8g_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
                             const uint8_t *xu, const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy,
                             uint8_t *scratch);
