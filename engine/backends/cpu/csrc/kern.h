@@ -138,8 +138,9 @@ typedef uint32_t (*kern_maxmag_fn)(const float *x, int n);
 typedef void (*kern_codes_fn)(const float *x, int n, float scale, int8_t *q);
 
 /* integer-activation GEMM (many tokens, kern_gemm_body.h / kern_gemm_avx2.h): as kern_q8_fn, plus
- * the activation codes offset to unsigned (xu = xq + 128, where kern_isa.q8g_xu says the form reads
- * them) and a per-thread scratch of q8g_scratch(n) bytes */
+ * a second copy of the activation codes where kern_isa.q8g_xu says the form reads one (xu: xq + 128,
+ * or the codes in the form's own order where kern_isa.q8g_arrange writes it, kern_iq2_vbmi.h) and a
+ * per-thread scratch of q8g_scratch(n) bytes */
 typedef void (*kern_q8g_fn)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
                             const uint8_t *xu, const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy,
                             uint8_t *scratch);
@@ -169,6 +170,7 @@ typedef struct {
     kern_q8g_fn q8g[KT_MAX]; /* NULL: no GEMM form; else used for T >= q8g_min_t (run-time adjustable) */
     int q8g_min_t[KT_MAX];
     int q8g_xu[KT_MAX];      /* the GEMM form reads xu (signed weight codes against x + 128); else xq only */
+    kern_arrange_fn q8g_arrange[KT_MAX]; /* where q8g_xu: writes xu in the form's own order (NULL: x + 128 in order) */
     int q8_cost[KT_MAX];     /* relative cost of a weight value for the work split; 0: the default */
     kern_scratch_fn q8g_scratch;
     kern_maxmag_fn q8_maxmag; /* the quantizers' loops (NULL: portable C) */

@@ -68,6 +68,7 @@ static void KSUF(gemm_panels)(uint8_t *scratch, int64_t n, gpanel *pa, uint8_t *
 
 static void KSUF(g_row_q8_0)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r) {
     for (int64_t b = 0; b < n / 32; b++) {
+        PF1(row + 34 * b); /* (the rows stream from L3 or DRAM: without it the copy waited on its loads) */
         memcpy(rm + 32 * b, row + 34 * b + 2, 32);
         P->sc[16 * b + r] = KERN_F16(kern_rd16(row + 34 * b));
     }
@@ -109,6 +110,7 @@ static void KSUF(g_row_q2_k)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel 
                                 _mm512_set_epi32(0, 0, 0, 15, 0, 0, 0, 14, 0, 0, 0, 7, 0, 0, 0, 6)};
     for (int64_t b = 0; b < n / 256; b++) {
         const uint8_t *blk = row + 84 * b;
+        PF2(blk); /* (a panel's rows stream from L3: the first load of a block waited a fifth of the time) */
         /* q * s for q = 0..3 as the bytes of s * 0x03020100 (3s <= 45: no carries), per sub-block */
         const __m512i tabs = _mm512_mullo_epi32(
             _mm512_cvtepu8_epi32(_mm_and_si128(_mm_loadu_si128((const __m128i *)blk), _mm_set1_epi8(15))),
@@ -151,21 +153,11 @@ KI void g_transpose16(__m512i *v) {
     }
 }
 
-typedef void (*g_row_fn)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r);
-
-/* decode rows [r0, r0 + rows) (rows <= 16; the others are zeros) and repack */
-static void KSUF(g_pack)(g_row_fn dec, int is_signed, const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0,
-                         int rows, uint8_t *rm, gpanel *P) {
-    const int64_t kp = g_kp(n), ng = n / 32;
-    for (int r = 0; r < 16; r++) {
-        if (r < rows) {
-            dec(W + (r0 + r) * stride, n, rm + r * kp, P, r);
-            memset(rm + r * kp + n, 0, (size_t)(kp - n));
-        } else {
-            memset(rm + r * kp, 0, (size_t)kp);
-        }
-    }
-    if (rows < 16) { /* scales of the missing rows: zero (their outputs are not stored) */
+/* a packed panel's missing rows' scales (zero: their outputs are not stored) and, for signed codes,
+ * each group's -128 * sum of its codes (any order of a group's 32 codes in wq[8g..8g+7] sums the same) */
+static void KSUF(g_pack_tail)(int64_t n, int rows, int is_signed, gpanel *P) {
+    const int64_t ng = n / 32;
+    if (rows < 16) {
         for (int64_t g = 0; g < ng; g++)
             for (int r = rows; r < 16; r++) P->sc[16 * g + r] = 0.0, P->gs[16 * g + r] = 0;
         for (int64_t b = 0; b < n / 256; b++)
@@ -173,12 +165,6 @@ static void KSUF(g_pack)(g_row_fn dec, int is_signed, const uint8_t *W, ptrdiff_
                 P->dm[16 * b + r] = 0.0;
                 for (int j = 0; j < 8; j++) P->mz[16 * (8 * b + j) + r] = 0;
             }
-    }
-    for (int64_t c = 0; c < kp / 64; c++) {
-        __m512i v[16];
-        for (int r = 0; r < 16; r++) v[r] = _mm512_loadu_si512((const void *)(rm + r * kp + 64 * c));
-        g_transpose16(v);
-        for (int j = 0; j < 16; j++) _mm512_store_si512((void *)(P->wq + 64 * (16 * c + j)), v[j]);
     }
     if (is_signed) {
         const __m512i ones = _mm512_set1_epi8(1);
@@ -189,6 +175,29 @@ static void KSUF(g_pack)(g_row_fn dec, int is_signed, const uint8_t *W, ptrdiff_
             _mm512_store_si512((void *)(P->nc + 16 * g), _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 7)));
         }
     }
+}
+
+typedef void (*g_row_fn)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r);
+
+/* decode rows [r0, r0 + rows) (rows <= 16; the others are zeros) and repack */
+static void KSUF(g_pack)(g_row_fn dec, int is_signed, const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0,
+                         int rows, uint8_t *rm, gpanel *P) {
+    const int64_t kp = g_kp(n);
+    for (int r = 0; r < 16; r++) {
+        if (r < rows) {
+            dec(W + (r0 + r) * stride, n, rm + r * kp, P, r);
+            memset(rm + r * kp + n, 0, (size_t)(kp - n));
+        } else {
+            memset(rm + r * kp, 0, (size_t)kp);
+        }
+    }
+    for (int64_t c = 0; c < kp / 64; c++) {
+        __m512i v[16];
+        for (int r = 0; r < 16; r++) v[r] = _mm512_loadu_si512((const void *)(rm + r * kp + 64 * c));
+        g_transpose16(v);
+        for (int j = 0; j < 16; j++) _mm512_store_si512((void *)(P->wq + 64 * (16 * c + j)), v[j]);
+    }
+    KSUF(g_pack_tail)(n, rows, is_signed, P);
 }
 
 /* f[0..1] (rows 0-7, 8-15 of a panel, float64) += the 16 int32 lanes of a times the rows' scales
@@ -329,7 +338,7 @@ KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, cons
 
 /* y[t*ldy + r] = W[r] . x_t, rows r0..r1-1, all T tokens: 32-row panels (the last may be 16 or
  * fewer rows), decoded and packed once, then every token tile over them */
-#define G_KERNEL(fmt, dec, is_signed, TILE)                                                                     \
+#define G_KERNEL(fmt, PACK, TILE)                                                                     \
     static void KSUF(q8g_##fmt)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,          \
                                 const int8_t *xq, const uint8_t *xu, const float *xd, const int16_t *xs,         \
                                 int64_t T, float *y, int64_t ldy, uint8_t *scratch) {                            \
@@ -344,7 +353,7 @@ KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, cons
             for (int h = 0; h < nh; h++) {                                                                       \
                 const int64_t rows = left - 16 * h >= 16 ? 16 : left - 16 * h;                                   \
                 mk[h] = (__mmask16)((1u << rows) - 1u);                                                          \
-                KSUF(g_pack)(KSUF(dec), is_signed, W, stride, n, p + 16 * h, (int)rows, rm, &P[h]);              \
+                PACK;                                                                                            \
             }                                                                                                    \
             for (int64_t t0 = 0; t0 < T; t0 += G_TT) {                                                           \
                 const int nt = T - t0 >= G_TT ? G_TT : (int)(T - t0);                                            \
@@ -361,9 +370,11 @@ KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, cons
 #define G_TILE_Q8_0(nh, nt) g_tile_signed(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 32), n / 32, 0, yt, ldy, mk)
 #define G_TILE_IQ2(nh, nt) g_tile_iq2(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 256), yt, ldy, mk)
 #define G_TILE_Q2K(nh, nt) g_tile_q2_k(P, nh, nt, n, xq + t0 * n, xd + t0 * (n / 256), xs + t0 * (n / 16), yt, ldy, mk)
-G_KERNEL(q8_0, g_row_q8_0, 1, G_TILE_Q8_0)
-G_KERNEL(iq2_xxs, g_row_iq2_xxs, 1, G_TILE_IQ2)
-G_KERNEL(q2_k, g_row_q2_k, 0, G_TILE_Q2K)
+/* PACK: decode rows p + 16 h .. (rows of them) into panel P[h] */
+#define G_PACK_ROWS(dec, is_signed) KSUF(g_pack)(KSUF(dec), is_signed, W, stride, n, p + 16 * h, (int)rows, rm, &P[h])
+G_KERNEL(q8_0, G_PACK_ROWS(g_row_q8_0, 1), G_TILE_Q8_0)
+G_KERNEL(iq2_xxs, G_PACK_ROWS(g_row_iq2_xxs, 1), G_TILE_IQ2)
+G_KERNEL(q2_k, G_PACK_ROWS(g_row_q2_k, 0), G_TILE_Q2K)
 
 static void KSUF(fill_gemm)(kern_isa *k) {
     k->q8g[KT_Q8_0] = KSUF(q8g_q8_0);

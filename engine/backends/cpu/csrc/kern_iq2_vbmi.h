@@ -10,9 +10,8 @@
  *    set), 8 + 17 c + (c > 1) is bit0 = b0 ^ b1, bit1 = b1, bit4 = b0, bit5 = b1, plus the constant
  *    0x08 -- linear over GF(2); its matrix can take the two bits from any place in the byte;
  *  - the 7-bit sign fields go through the 128-entry kern_ksigns table with one vpermi2b.
- * The GEMM form's row decoder (value order) spreads each index's codes to its 8 bytes with a
- * vpermi2b and a vpmultishiftqb first.  The row kernels (decode, T <= a few tokens) skip that: they
- * keep the values in code-byte order (iq2v_rows: vector j holds code j of every low and high code
+ * The row kernels (decode, T <= a few tokens) and the GEMM form's panels (g_pack_iq2v) never spread
+ * an index's codes to its 8 value bytes: they keep the values in code-byte order (iq2v_rows: vector j holds code j of every low and high code
  * byte), with the sign masks transposed out of the sign bytes, the group scales applied once per
  * block, and the activations arranged to match once a job (iq2v_reorder, as kern_isa.q8_arrange);
  * at one token two rows are packed per block (iq2v_rows2).  Both the packed rows and the
@@ -26,8 +25,6 @@
 /* tables, built once by iq2v_init (module init, one thread) */
 static uint8_t iq2v_lo[256] __attribute__((aligned(64))); /* codes of coordinates 0..3 of each grid row */
 static uint8_t iq2v_hi[256] __attribute__((aligned(64))); /* 4..7 */
-static uint8_t iq2v_pe[4][64] __attribute__((aligned(64))); /* element order: vector p = values 64p..64p+63 */
-static uint8_t iq2v_cp[64] __attribute__((aligned(64)));    /* byte 4g + l <- byte 8g + l (the index bytes) */
 static uint8_t iq2v_sf[64] __attribute__((aligned(64)));    /* multishift: byte 8g + l <- sign field l of group g */
 /* two rows' blocks packed into one vector (iq2v_rows2): index bytes, aux words */
 static uint8_t iq2v_ci[64] __attribute__((aligned(64)));  /* byte 4g + l <- index (g, l) of row A; 32 + 4g + l of B */
@@ -35,6 +32,7 @@ static uint8_t iq2v_ca[64] __attribute__((aligned(64)));  /* dword g <- aux word
 
 static void iq2v_init_rows(void);
 static void iq2v_init_reorder(void);
+static void iq2v_init_gemm(void);
 
 static void iq2v_init(void) {
     for (int i = 0; i < 256; i++) {
@@ -47,17 +45,9 @@ static void iq2v_init(void) {
         iq2v_hi[i] = (uint8_t)(code >> 8);
     }
     /* a block's 64 bytes after its scale: group g = bytes 8g..8g+7, indices at 8g + l (l < 4), then
-     * the aux word (4 sign fields of 7 bits, the scale in the top 4 bits); a permute control's
-     * bit 6 picks the second table (the high codes) */
-    for (int p = 0; p < 4; p++)
-        for (int k = 0; k < 8; k++)
-            for (int j = 0; j < 8; j++) {
-                const int ie = 8 * (2 * p + k / 4) + k % 4;
-                iq2v_pe[p][8 * k + j] = (uint8_t)(j == 0 ? ie : j == 1 ? 64 + ie : 0);
-            }
+     * the aux word (4 sign fields of 7 bits, the scale in the top 4 bits) */
     for (int a = 0; a < 8; a++)
         for (int b = 0; b < 8; b++) iq2v_sf[8 * a + b] = (uint8_t)(b < 4 ? 32 + 7 * b : 0);
-    for (int i = 0; i < 64; i++) iq2v_cp[i] = (uint8_t)(i < 32 ? 8 * (i / 4) + i % 4 : 0);
     for (int r = 0; r < 2; r++)
         for (int g = 0; g < 8; g++)
             for (int l = 0; l < 4; l++) {
@@ -66,6 +56,7 @@ static void iq2v_init(void) {
             }
     iq2v_init_rows();
     iq2v_init_reorder();
+    iq2v_init_gemm();
 }
 
 /* a block's code bytes: lc / hc byte 8g + l = low / high codes of index (g, l); ks byte 8g + l =
@@ -78,15 +69,6 @@ IQ2V_I void iq2v_block(const __m512i q, __m512i *lc, __m512i *hc, __m512i *ks) {
     *lc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(L[0], q, L[1]), _mm512_permutex2var_epi8(L[2], q, L[3]));
     *hc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(H[0], q, H[1]), _mm512_permutex2var_epi8(H[2], q, H[3]));
     *ks = _mm512_permutex2var_epi8(S0, _mm512_multishift_epi64_epi8(_mm512_load_si512(iq2v_sf), q), S1);
-}
-
-/* 64 grid bytes (unsigned magnitudes): qword k = the grid row of the index ctl points at */
-IQ2V_I __m512i iq2v_grid(const __m512i lc, const __m512i hc, const __m512i ctl) {
-    const __m512i shifts = _mm512_set1_epi64(0x0E0C0A0806040200LL); /* byte j <- bits 2j.. */
-    /* rows of the bit matrix: byte 7 - i is output bit i's */
-    const __m512i map = _mm512_set1_epi64((long long)((0x03ULL << 56) | (0x02ULL << 48) | (0x01ULL << 24) | (0x02ULL << 16)));
-    return _mm512_gf2p8affine_epi64_epi8(_mm512_multishift_epi64_epi8(shifts, _mm512_permutex2var_epi8(lc, ctl, hc)),
-                                         map, 0x08);
 }
 
 /* The row kernels' order of a block's 256 values (the activations are arranged to match once a
@@ -279,27 +261,174 @@ IQ2V_T static void iq2v_q8k(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
     Q8_ROWS(r, r1, xq, 256, IQ2V_CALL)
 }
 
-/* GEMM row decoder (kern_gemm_body.h's g_row_fn): signed codes in value order and group scales */
-IQ2V_T static void KSUF(g_row_iq2_xxs_vbmi)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r) {
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512i ctl[4] = {_mm512_load_si512(iq2v_pe[0]), _mm512_load_si512(iq2v_pe[1]),
-                            _mm512_load_si512(iq2v_pe[2]), _mm512_load_si512(iq2v_pe[3])};
-    for (int64_t b = 0; b < n / 256; b++) {
-        const uint8_t *blk = row + 66 * b;
-        const float d = KERN_F16(kern_rd16(blk));
-        __m512i lc, hc, ks;
-        iq2v_block(_mm512_loadu_si512((const void *)(blk + 2)), &lc, &hc, &ks);
-        unsigned long long neg[4]; /* values 64p..64p+63: groups 2p, 2p + 1 once the index bytes are packed */
-        _mm256_storeu_si256((__m256i *)neg, _mm512_castsi512_si256(_mm512_permutexvar_epi8(_mm512_load_si512(iq2v_cp), ks)));
-        for (int p = 0; p < 4; p++) {
-            const __m512i gv = iq2v_grid(lc, hc, ctl[p]);
-            _mm512_storeu_si512((void *)(rm + 256 * b + 64 * p), _mm512_mask_sub_epi8(gv, _cvtu64_mask64(neg[p]), zero, gv));
-        }
-        KSUF(g_iq2_scales)(blk, d, P, b, r);
+/* GEMM panels in the row kernels' code-byte order.  A group's 32 products may be taken in any
+ * order as long as the activations follow the weights, so the panel keeps what one
+ * gf2p8affineqb per vector gives (iq2v_rows' vector j) and the activations are arranged to match
+ * once a job (iq2v_gemm_arrange): no per-index byte spreading (a vpermi2b and a vpmultishiftqb per
+ * 64 values) and no row-major buffer between the decode and the transpose.  Dword d of vector j
+ * holds coordinate c = j + 4 (d / 8) of the 4 indices of group g = d % 8, so every dword stays in
+ * one group: it goes to panel slot 8 g + s, s = 2 j + d / 8, of its block; within the group, byte
+ * l of slot s is value 8 l + c.
+ * vpdpbusd wants one unsigned side: here the weights, w + 64 (|w| <= 43; the affine map's constant
+ * 0x48 adds the 64, as no grid value has bit 6), against the signed activation codes; the extra
+ * 64 * sum(x) of a group comes off per token from the Q8_K block sums the batch has anyway (xs, 16
+ * values each), so no per-row code sums are packed.  The group sums are the same exact integers as
+ * the value-order form's, and the group scales and float64 multiply-adds the same: bit for bit. */
+static uint8_t iq2v_gx[64] __attribute__((aligned(64))); /* byte 32 h + 4 s + l <- 32 h + 8 l + s / 2 + 4 (s % 2) */
+/* byte p < 32 <- the sign byte of index p (iq2v_block's ks), 32 + 4 g + l <- byte l of group g's aux word (the block's) */
+static uint8_t iq2v_sb[64] __attribute__((aligned(64)));
+
+static void iq2v_init_gemm(void) {
+    for (int i = 0; i < 64; i++) {
+        const int s = (i % 32) / 4, l = i % 4;
+        iq2v_gx[i] = (uint8_t)(32 * (i / 32) + 8 * l + s / 2 + 4 * (s % 2));
+        iq2v_sb[i] = (uint8_t)(i < 32 ? 8 * (i / 4) + i % 4 : 64 + 8 * ((i - 32) / 4) + 4 + i % 4);
     }
 }
 
-G_KERNEL(iq2_xxs_vbmi, g_row_iq2_xxs_vbmi, 1, G_TILE_IQ2)
+/* kern_isa.q8g_arrange: xu = the (signed) codes in the panel's order */
+IQ2V_T static void iq2v_gemm_arrange(const int8_t *xq, int64_t n, int64_t T, int8_t *xu) {
+    const __m512i c = _mm512_load_si512(iq2v_gx);
+    for (int64_t o = 0; o < T * n; o += 64) /* (n is a multiple of 256) */
+        _mm512_storeu_si512((void *)(xu + o), _mm512_permutexvar_epi8(c, _mm512_loadu_si512((const void *)(xq + o))));
+}
+
+/* G_KERNEL's PACK: rows r0 .. r0 + rows - 1 (rows <= 16; the others zeros) into panel P, block by
+ * block.  gf2p8affineqb maps every byte on its own, so the 16 rows' code bytes lh (iq2v_rows') are
+ * transposed once to 16 dwords of 16 rows, and each of the 4 maps then gives 16 panel slots: one
+ * transpose a block-row instead of one per vector.  The sign bytes go through the same transpose
+ * (sb dword g = the sign bytes of group g's indices): a byte of vector j tests bit j (first half)
+ * or 4 + j (second half) of its index's; sb's other half carries the aux words (dword 8 + g), so
+ * the group scales come out as lane vectors too. */
+IQ2V_T static void g_pack_iq2v(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int rows, gpanel *P) {
+    const __m512i zero = _mm512_setzero_si512(), c128 = _mm512_set1_epi8((char)0x80), one = _mm512_set1_epi32(1);
+    const __m512i map[4] = {iq2v_map(0), iq2v_map(1), iq2v_map(2), iq2v_map(3)};
+    const __m512i l1 = _mm512_load_si512(iq2v_l1), sbc = _mm512_load_si512(iq2v_sb);
+    for (int64_t b = 0; b < n / 256; b++) {
+        __m512i lh[16], sb[16];
+        for (int r = 0; r < 16; r++) {
+            if (r >= rows) {
+                lh[r] = sb[r] = zero;
+                P->sc[16 * b + r] = 0.0; /* (missing rows' outputs are not stored) */
+                continue;
+            }
+            const uint8_t *blk = W + (r0 + r) * stride + 66 * b;
+            /* the same block of the next panel's row: 16 rows read block by block are 16 streams
+             * the hardware prefetchers lose (the load took over half the time from L3) */
+            PF2(blk + 16 * stride - KERN_PF);
+            __m512i lc, hc, ks;
+            const __m512i q = _mm512_loadu_si512((const void *)(blk + 2));
+            iq2v_block(q, &lc, &hc, &ks);
+            lh[r] = _mm512_permutex2var_epi8(lc, l1, hc);
+            sb[r] = _mm512_permutex2var_epi8(ks, sbc, q);
+            P->sc[16 * b + r] = 0.125 * (double)KERN_F16(kern_rd16(blk)); /* d / 8: see g_iq2_scales */
+        }
+        g_transpose16(lh);
+        g_transpose16(sb);
+        for (int g = 0; g < 8; g++)
+            _mm512_store_si512((void *)(P->gs + 16 * (8 * b + g)),
+                               _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(sb[8 + g], 28), 1), one));
+        uint8_t *wq = P->wq + 64 * 64 * b;
+        for (int j = 0; j < 4; j++)
+            for (int d = 0; d < 16; d++) {
+                const __m512i u = _mm512_gf2p8affine_epi64_epi8(lh[d], map[j], 0x48); /* |w| + 64 */
+                const __mmask64 neg = _mm512_test_epi8_mask(sb[d % 8], _mm512_set1_epi8((char)(1 << (j + 4 * (d / 8)))));
+                _mm512_store_si512((void *)(wq + 64 * (8 * (d % 8) + 2 * j + d / 8)), _mm512_mask_sub_epi8(u, neg, c128, u)); /* w + 64 */
+            }
+    }
+}
+
+/* as g_tile_iq2, with unsigned weights (w + 64) against signed codes xa (n apart, the panel's order)
+ * and -64 * sum(x) of each group from the block sums xs (token t: xs + t * (n / 16)) */
+KI void g_tile_iq2u(const gpanel *P, const int nh, const int nt, int64_t n, const uint8_t *xa, const float *xd,
+                    const int16_t *xs, float *y, int64_t ldy, const __mmask16 *mk) {
+    __m512d f[2][G_TT][2];
+    __m512i acc[2][G_TT], bs[2][G_TT];
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm512_setzero_pd();
+    for (int64_t b = 0; b < n / 256; b++) {
+        for (int h = 0; h < nh; h++)
+            for (int t = 0; t < nt; t++) bs[h][t] = _mm512_setzero_si512();
+        for (int64_t g = 8 * b; g < 8 * b + 8; g++) {
+            for (int t = 0; t < nt; t++) {
+                const int16_t *s = xs + t * (n / 16) + 2 * g;
+                const __m512i c = _mm512_set1_epi32(-64 * ((int32_t)s[0] + (int32_t)s[1]));
+                for (int h = 0; h < nh; h++) acc[h][t] = c;
+            }
+            for (int q = 0; q < 8; q++) {
+                __m512i w[2];
+                for (int h = 0; h < nh; h++) w[h] = _mm512_load_si512((const void *)(P[h].wq + 64 * (8 * g + q)));
+                for (int t = 0; t < nt; t++) {
+                    const __m512i xb = g_bcast(xa + t * n + 32 * g + 4 * q);
+                    for (int h = 0; h < nh; h++) acc[h][t] = _mm512_dpbusd_epi32(acc[h][t], w[h], xb);
+                }
+            }
+            for (int h = 0; h < nh; h++) {
+                const __m512i gs = _mm512_load_si512((const void *)(P[h].gs + 16 * g));
+                for (int t = 0; t < nt; t++) bs[h][t] = _mm512_add_epi32(bs[h][t], _mm512_mullo_epi32(acc[h][t], gs));
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m512d dx = _mm512_set1_pd(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++) g_fma16(f[h][t], bs[h][t], P[h].sc + 16 * b, dx);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < nt; t++) g_store16(y + t * ldy + 16 * h, f[h][t], mk[h]);
+}
+
+#define G_TILE_IQ2U(nh, nt) g_tile_iq2u(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 256), xs + t0 * (n / 16), yt, ldy, mk)
+G_KERNEL(iq2_xxs_vbmi, g_pack_iq2v(W, stride, n, p + 16 * h, (int)rows, &P[h]), G_TILE_IQ2U)
+
+/* Q2_K GEMM panels (this build: vpermb) in the AVX-512 row kernel's pair order (q2k_pair_x, the
+ * activations' arrangement here too): slot 16 j + d of a block = dword d of the block's 64 code
+ * bytes shifted right by 2 j, i.e. values 32 j + 4 d .. (d < 8) or 128 + 32 j + 4 (d - 8) .. --
+ * sub-block 8 (d / 8) + 2 j + (d % 8) / 4.  The 16 rows' code bytes are transposed once a block
+ * (to 16 dwords of 16 rows), so a slot is a shift, a mask and one vpermb through a 64-byte table of
+ * that sub-block: dword r = row r's [0, s, 2 s, 3 s] (the byte index 4 r + code).  The 16 rows'
+ * scales and minimums go through the same transpose (dword k of a row: sub-block k's table; minimum
+ * pairs as in g_row_q2_k).  The value-order form decoded a row into a buffer, then transposed 4
+ * dwords of codes per value byte; the integer block sums are the same (any order within a block),
+ * the minimums and float64 multiply-adds untouched: bit for bit. */
+IQ2V_T static void g_pack_q2kv(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int rows, gpanel *P) {
+    const __m512i zero = _mm512_setzero_si512(), m3 = _mm512_set1_epi8(3), m15 = _mm512_set1_epi32(15);
+    const __m512i tabm = _mm512_set1_epi32(0x03020100);
+    const __m512i lane4 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(0x04040404)); /* byte i <- 4 (i / 4) */
+    for (int64_t b = 0; b < n / 256; b++) {
+        __m512i qs[16], tb[16], mn[16];
+        for (int r = 0; r < 16; r++) {
+            if (r >= rows) {
+                qs[r] = tb[r] = mn[r] = zero;
+                P->sc[16 * b + r] = P->dm[16 * b + r] = 0.0; /* (missing rows' outputs are not stored) */
+                continue;
+            }
+            const uint8_t *blk = W + (r0 + r) * stride + 84 * b;
+            PF2(blk + 16 * stride - KERN_PF); /* the next panel's block (see g_pack_iq2v) */
+            const __m128i sb = _mm_loadu_si128((const __m128i *)blk);
+            tb[r] = _mm512_mullo_epi32(_mm512_and_si512(_mm512_cvtepu8_epi32(sb), m15), tabm);
+            mn[r] = _mm512_zextsi256_si512(_mm256_srli_epi16(_mm256_cvtepu8_epi16(sb), 4));
+            qs[r] = _mm512_loadu_si512((const void *)(blk + 16));
+            P->sc[16 * b + r] = KERN_F16(kern_rd16(blk + 80));
+            P->dm[16 * b + r] = KERN_F16(kern_rd16(blk + 82));
+        }
+        g_transpose16(qs);
+        g_transpose16(tb);
+        g_transpose16(mn);
+        for (int j = 0; j < 8; j++) _mm512_store_si512((void *)(P->mz + 16 * (8 * b + j)), mn[j]);
+        uint8_t *wq = P->wq + 64 * 64 * b;
+        for (int j = 0; j < 4; j++)
+            for (int d = 0; d < 16; d++) {
+                /* (code & 3) | 4 r: the ternary logic's 0xEA is (A & B) | C */
+                const __m512i idx = _mm512_ternarylogic_epi32(_mm512_srli_epi16(qs[d], 2 * j), m3, lane4, 0xEA);
+                _mm512_store_si512((void *)(wq + 64 * (16 * j + d)),
+                                   _mm512_permutexvar_epi8(idx, tb[8 * (d / 8) + 2 * j + (d % 8) / 4]));
+            }
+    }
+}
+
+#define G_TILE_Q2KV(nh, nt) g_tile_q2_k(P, nh, nt, n, (const int8_t *)xu + t0 * n, xd + t0 * (n / 256), xs + t0 * (n / 16), yt, ldy, mk)
+G_KERNEL(q2_k_vbmi, g_pack_q2kv(W, stride, n, p + 16 * h, (int)rows, &P[h]), G_TILE_Q2KV)
 
 /* the avx512 build with these IQ2_XXS kernels */
 static void fill_iq2_vbmi(kern_isa *k) {
@@ -307,9 +436,18 @@ static void fill_iq2_vbmi(kern_isa *k) {
     k->q8[KT_IQ2_XXS] = iq2v_q8k;
     k->q8_arrange[KT_IQ2_XXS] = iq2v_reorder;
     k->q8g[KT_IQ2_XXS] = KSUF(q8g_iq2_xxs_vbmi);
-    /* the faster row kernel moves the crossover to the GEMM form later (scripts/bench_kernels.py
-     * finds it: 9 tokens on a 2-thread Zen 4) */
-    k->q8g_min_t[KT_IQ2_XXS] = 9;
+    k->q8g_arrange[KT_IQ2_XXS] = iq2v_gemm_arrange;
+    k->q8g[KT_Q2_K] = KSUF(q8g_q2_k_vbmi);
+    k->q8g_xu[KT_Q2_K] = 1; /* its own copy of the codes, in the row kernel's order */
+    k->q8g_arrange[KT_Q2_K] = KSUF(q2k_pair_x);
+    /* the crossover to the GEMM form: with the code-byte-order panels the GEMM costs a product of
+     * 2048 x 4096 about what the row kernel does at 3 tokens and 14 % less at 4 (one thread, weights
+     * from L3, Xeon with AVX-512 VBMI: scripts/bench_expert_forms.py; it was 9 tokens on a 2-thread
+     * Zen 4 with the value-order panels) */
+    k->q8g_min_t[KT_IQ2_XXS] = 4;
+    /* Q2_K likewise (4096 x 2048: the GEMM form ties the row kernel at 3 tokens, is 20 % cheaper
+     * at 4; the value-order panels needed 6-8) */
+    k->q8g_min_t[KT_Q2_K] = 4;
     /* the work split's relative costs of a value (Q8_0: the default 4), measured on a decode step's
      * two mixed calls (a layer's 12 routed gate/up matrices with the shared expert's 2, then 6 down
      * matrices with the shared down; 6 layers cycled from DRAM, 2 threads, Sapphire Rapids):

@@ -181,7 +181,8 @@ int run_matmul(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride, 
 static int q8_same_codes(const kern_isa *K, const q8_job *a, const q8_job *b) {
     if (a->x != b->x || a->T != b->T || a->n_in != b->n_in || a->gemm != b->gemm) return 0;
     if (kern_q8_block(a->type) != kern_q8_block(b->type)) return 0;
-    if (a->gemm) return K->q8g_xu[a->type] == K->q8g_xu[b->type]; /* x + 128 or not */
+    if (a->gemm) /* x + 128 or not, and in which order */
+        return K->q8g_xu[a->type] == K->q8g_xu[b->type] && K->q8g_arrange[a->type] == K->q8g_arrange[b->type];
     return K->q8_arrange[a->type] == K->q8_arrange[b->type];
 }
 
@@ -274,7 +275,9 @@ static void q8_run(const kern_isa *K, const q8_job *jobs, int64_t n_jobs, const 
                     kern_quant_q8_k(j->x + t * j->n_in, j->n_in, j->xq + t * j->n_in, j->xd + t * (j->n_in / 256),
                                     j->xs + t * (j->n_in / 16));
             }
-            if (j->xu)
+            if (j->xu && K->q8g_arrange[j->type])
+                K->q8g_arrange[j->type](j->xq, j->n_in, j->T, (int8_t *)j->xu);
+            else if (j->xu)
                 for (int64_t k = 0; k < j->T * j->n_in; k++) j->xu[k] = (uint8_t)j->xq[k] ^ 0x80u;
             if (j->xr) K->q8_arrange[j->type](j->xq, j->n_in, j->T, j->xr);
         }
