@@ -95,6 +95,9 @@ class FastOps:
         cos + i sin, equal to the reference up to float32 rounding (NumPy's complex multiply
         differs in the last bit for ~11% of values: in ds4 numerics one ulp before a Q8 quantizer
         flips a code now and then, and the cpu backend's pass drifts from the reference's)."""
+        plan = _PLANS.get((id(thetas), getattr(x, "shape", None), inverse))
+        if plan is not None and plan[0] is thetas and type(x) is np.ndarray and x.dtype == _F32:
+            return _rope_planned(x, plan, inplace)
         x = np.asarray(x, dtype=_F32)
         th = np.asarray(thetas, dtype=_F32)
         npair = th.shape[-1]
@@ -263,11 +266,39 @@ def _rope_c(x, thetas, th, inverse, inplace):
     cs = _rotation(thetas, th, lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,), inverse)
     per = int(np.prod(lead_x[len(lead):], dtype=np.int64))          # x rows per angle row
     W = x.shape[-1]
+    if not cs.flags.writeable:
+        # a kept rotation (of a table this backend owns, so its values cannot change): the next
+        # call with these angles and x's shape goes straight to the kernel (_rope_planned)
+        while len(_PLANS) >= _PLAN_KEEP:
+            _PLANS.pop(next(iter(_PLANS)), None)            # the oldest
+        _PLANS[(id(thetas), x.shape, inverse)] = (thetas, cs.reshape(-1, npair).view(_F32), per, W, kernels._K)
     if inplace and x.flags.writeable and x.flags.c_contiguous:
         kernels.rope(x.reshape(-1, W), cs.reshape(-1, npair), per, x.reshape(-1, W))
         return x                                   # (the caller drops x: no copy of the head dims)
     x2 = np.ascontiguousarray(x).reshape(-1, W)
     return kernels.rope(x2, cs.reshape(-1, npair), per, np.empty_like(x2)).reshape(x.shape)
+
+
+# rope's plans: (angle table object, x's shape, inverse) -> (the table, its rotation as float32
+# (cos, sin) pairs [rows, 2 * npair], x rows per angle row, W, the extension): what _rope_c derives
+# from its arguments, which at decode was most of a rotation's cost (12 a token, each a dozen small
+# NumPy calls for one C call). Keyed by id with the table held, as _ROTATIONS; a pass needs ~12.
+_PLANS: dict = {}
+_PLAN_KEEP = 32
+
+
+def _rope_planned(x, plan, inplace):
+    """_rope_c's result, from a plan: only x's layout is looked at (the extension checks every
+    argument again and raises ValueError on a mismatch)."""
+    _, cs, per, W, ext = plan
+    if inplace and x.flags.writeable and x.flags.c_contiguous:
+        x2 = x.reshape(-1, W)
+        ext.rope(x2, cs, per, x2)
+        return x
+    x2 = np.ascontiguousarray(x).reshape(-1, W)
+    out = np.empty_like(x2)
+    ext.rope(x2, cs, per, out)
+    return out.reshape(x.shape)
 
 
 _POOLS: dict = {}

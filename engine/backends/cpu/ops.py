@@ -51,6 +51,12 @@ class CpuOps(FastOps, NumpyOps):
             return Q.matvec(w.type_id, data, np.asarray(x, np.float32).T, accumulate=np.float64).T
         x = np.ascontiguousarray(x, dtype=np.float32)
         squeeze = x.ndim == 1
+        if K._K is not None and K.BLAS_MIN_T is None and x.ndim == 2:
+            # K.matmul's "auto" path without its Python checks of w and x (a dozen calls, ~20
+            # products a decode step): the extension checks both again (ValueError naming them)
+            y = np.empty((x.shape[0], data.shape[0]), dtype=np.float32)
+            K._K.matmul(w.type_id, data, x, y, 0, 0)
+            return y
         # F32 / F16 / BF16 sum in float64 and round once on every path, as the reference. A quant
         # format reaches here in ds4 numerics only without an integer kernel (Q4_K, MXFP4 experts),
         # over activations rounded to float32, which the reference no longer uses (it takes them
@@ -64,7 +70,7 @@ class CpuOps(FastOps, NumpyOps):
         few tokens, the GEMM form for many where the build has one): the float kernels over the
         rounded activations would compute another function (float32 products of fl(q * d) and
         float32 sums), even where they are faster (builds without a GEMM form, 9+ tokens)."""
-        return self._ds4 and K.has_q8(type_id)
+        return self._ds4 and type_id in _q8_types()
 
     def _mm_act(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         """ds4 mode, a weight whose input ds4 quantizes (Q8_0 / Q8_K): the integer kernels (x
@@ -84,9 +90,18 @@ class CpuOps(FastOps, NumpyOps):
     @staticmethod
     def rmsnorm(x, w, eps):
         # in C: float64 sums like the reference (so nearly always bit-identical to it), no
-        # float64 copy of x, both threads; the NumPy form's fixed cost a call adds up at decode (30 a token)
-        got = K.rmsnorm(x, w, eps)
-        return got if got is not None else FastOps.rmsnorm(x, w, eps)
+        # float64 copy of x, both threads; the NumPy form's fixed cost a call adds up at decode (30 a
+        # token), and so did kernels.rmsnorm's conversions: the weight's [1, n] row is kept (_norm_row)
+        ext = K._K
+        if ext is None:
+            return FastOps.rmsnorm(x, w, eps)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        shape = x.shape
+        x2 = x if x.ndim == 2 else x.reshape(-1, shape[-1])
+        out = np.empty(x2.shape, np.float32)
+        if x2.size:
+            ext.rmsnorm(x2, None if w is None else _norm_row(w), float(eps), out)
+        return out if x.ndim == 2 else out.reshape(shape)
 
     #: segments (keys [N, D], mask, idx [T, k]) are read in place by the C kernel (a pointer per
     #: attended key): the model hands the indexer's picks over without a [block, k, D] gather
@@ -326,22 +341,60 @@ class CpuOps(FastOps, NumpyOps):
         experts = sel[0][order].tolist()
         h = 1 if shared else 0
         k = h + len(experts)
-        gu_t = [w.type_id for w in sh[:2]]
-        gu_w = [w.data for w in sh[:2]]
-        for e in experts:
-            gu_t += (ge.type_id, ue.type_id)
-            gu_w += (ge.expert_data(e), ue.expert_data(e))
+        views = _expert_views(self, lw)
+        ev = [views(e) for e in experts]
+        gu_t = [w.type_id for w in sh[:1]] + [ge.type_id] * len(experts) + [w.type_id for w in sh[1:2]] + [ue.type_id] * len(experts)
+        gu_w = [w.data for w in sh[:1]] + [v[0] for v in ev] + [w.data for w in sh[1:2]] + [v[1] for v in ev]
         # the one-token forms of the batch: u is every product's input (quantized once a format),
-        # product i's output is row i of GV (gate, up, gate, up, ...): no row views to build
+        # product i's output is row i of GV, the gates' rows then the ups' (each product's bits do
+        # not depend on its place in the batch): G and V are contiguous, the SwiGLU and routing
+        # weights run in place on them (_swiglu_into: the same operations, no temporaries) and G
+        # is the down products' input as it is
         GV = np.empty((2 * k, n_ff), dtype=np.float32)
         K.matmul_q8_into(gu_t, gu_w, u, GV)
-        m = self.swiglu(GV[0::2], GV[1::2], limit)
-        m[h:] *= wsel[0][order][:, None]
+        m = _swiglu_into(GV[:k], GV[k:], limit, wsel[0][order], h)
         D = np.empty((k, n_out), dtype=np.float32)
         K.matmul_q8_into([w.type_id for w in sh[2:]] + [de.type_id] * len(experts),
-                         [w.data for w in sh[2:]] + [de.expert_data(e) for e in experts], m, D)
+                         [w.data for w in sh[2:]] + [v[2] for v in ev], m, D)
         out = np.add.reduce(D[h:], axis=0, keepdims=True)   # row by row, as out[rows] += d
         return out + D[:1] if shared else out
+
+
+_Q8_TYPES: frozenset | None = None
+
+
+def _q8_types() -> frozenset:
+    """The weight types with an integer kernel in this build (K.has_q8 of each, asked once: the
+    decode step asked ~30 times)."""
+    global _Q8_TYPES
+    if _Q8_TYPES is None:
+        _Q8_TYPES = frozenset(t for t in K.Q8_ACT_BLOCK if K.has_q8(t))
+    return _Q8_TYPES
+
+
+def _norm_row(w):
+    """w as the [1, n] float32 row the extension takes (a view where w is one already)."""
+    if type(w) is np.ndarray and w.dtype == np.float32 and w.flags.c_contiguous:
+        return w.reshape(1, -1)
+    return np.ascontiguousarray(w, dtype=np.float32).reshape(1, -1)
+
+
+def _expert_views(ops, lw):
+    """A function e -> (gate, up, down) map views of routed expert e of layer lw, each view made
+    once (a decode step asked expert_data 18-24 times a layer). Kept by the ops object (one an
+    engine: the views go with it), by the layer's id with the layer held (the id is not reused)."""
+    kept = ops.__dict__.setdefault("_expert_views", {})
+    got = kept.get(id(lw))
+    if got is None or got[0] is not lw:
+        got = kept[id(lw)] = (lw, {})
+    cache, ts = got[1], (lw.gate_exps, lw.up_exps, lw.down_exps)
+
+    def views(e: int):
+        v = cache.get(e)
+        if v is None:
+            v = cache[e] = tuple(t.expert_data(e) for t in ts)
+        return v
+    return views
 
 
 def _swiglu_into(g: np.ndarray, v: np.ndarray, limit, w: np.ndarray | None = None, w0: int = 0) -> np.ndarray:
