@@ -124,7 +124,9 @@ class Model:
         mix = ops.linear(hc.fn, flat)                                             # [T, hc_mix]
         pre, post, C = ops.hc_split(mix, n, hc.scale, hc.base, np.float32(c.hc_eps), c.sinkhorn_iters)
         x = ops.hc_pre_mix(pre, X)
-        return x, post.astype(xp.float32), C.astype(xp.float32)
+        # float32 already on the host backends: no copies (nothing writes to post or C)
+        f32 = xp.float32
+        return x, post if post.dtype == f32 else post.astype(f32), C if C.dtype == f32 else C.astype(f32)
 
     def _hc_post(self, y, X, post, C):
         # X_new[k] = post[k] * y + sum_j C[j, k] * X[j]   (C used transposed)

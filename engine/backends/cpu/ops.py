@@ -136,20 +136,45 @@ class CpuOps(FastOps, NumpyOps):
     def hc_post(y, X, post, C):
         # in C with the reference's float64 sums: FastOps' form is a batched 4 x 5 x 4096 float32
         # matmul per token at prefill, this one pass over X
-        got = K.hc_post(y, X, post, C)
-        return got if got is not None else FastOps.hc_post(y, X, post, C)
+        # (kernels.hc_post's work, without its copies of arrays that are right already: a decode
+        # step's operands are fresh C-contiguous float32 arrays, and the extension checks them)
+        ext = K._K
+        if ext is None:
+            return FastOps.hc_post(y, X, post, C)
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        T, n, E = X.shape
+        out = np.empty((T, n, E), np.float32)
+        ext.hc_post(_c32(y).reshape(T, E), X.reshape(T * n, E), _c32(post).reshape(T, n),
+                    _c32(C).reshape(T, n * n), out.reshape(T * n, E))
+        return out
 
     @staticmethod
     def hc_pre_mix(pre, X):
         # in C with the reference's float64 sums (bit-identical to it): the C pre mix avoids
         # BLAS set-up for a 1 x 4 x 4096 product, 9 calls a token
-        got = K.hc_pre_mix(pre, X)
-        return got if got is not None else FastOps.hc_pre_mix(pre, X)
+        ext = K._K
+        if ext is None:
+            return FastOps.hc_pre_mix(pre, X)
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        T, n, E = X.shape
+        out = np.empty((T, E), np.float32)
+        ext.hc_pre_mix(_c32(pre).reshape(T, n), X.reshape(T * n, E), out)
+        return out
 
     def hc_split(self, mix, n, scale, base, eps, iters):
         # in C: at decode the NumPy form is ~90 calls on 4 x 4 arrays, twice a layer
-        got = K.hc_split(mix, n, scale, base, eps, iters)
-        return got if got is not None else super().hc_split(mix, n, scale, base, eps, iters)
+        # (kernels.hc_split's work with the scale and base rows made once a weight: _hc_rows)
+        ext = K._K
+        if ext is None:
+            return super().hc_split(mix, n, scale, base, eps, iters)
+        mix = np.ascontiguousarray(mix, dtype=np.float32)
+        T = mix.shape[0]
+        s_row, b_row = _hc_rows(self, scale, base)
+        pre, post = np.empty((T, n), np.float32), np.empty((T, n), np.float32)
+        c = np.empty((T, n, n), np.float32)
+        ext.hc_split(mix, int(n), s_row, b_row, float(eps), int(iters), pre, post, c.reshape(T, n * n),
+                     np.empty((T, 2 * n + n * n), np.float32), np.exp)
+        return pre, post, c
 
     def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         if self._ds4 and w.type_id == Q.Q8_0:
@@ -370,6 +395,25 @@ def _q8_types() -> frozenset:
     if _Q8_TYPES is None:
         _Q8_TYPES = frozenset(t for t in K.Q8_ACT_BLOCK if K.has_q8(t))
     return _Q8_TYPES
+
+
+def _c32(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _hc_rows(ops, scale, base):
+    """The [1, 3] scale and [1, w] base rows kernels.hc_split hands the extension, made once per
+    pair of weights and kept by the ops object (one an engine), the weights held (ids not reused)."""
+    kept = ops.__dict__.setdefault("_hc_rows", {})
+    got = kept.get((id(scale), id(base)))
+    if got is not None and got[0] is scale and got[1] is base:
+        return got[2]
+    rows = (np.ascontiguousarray(np.ascontiguousarray(scale, dtype=np.float32).reshape(1, -1)[:, :3]),
+            np.ascontiguousarray(base, dtype=np.float32).reshape(1, -1))
+    if isinstance(scale, np.ndarray) and isinstance(base, np.ndarray) and \
+            np.shares_memory(rows[0], scale) and np.shares_memory(rows[1], base):
+        kept[(id(scale), id(base))] = (scale, base, rows)     # views: the rows are the weights' values
+    return rows
 
 
 def _norm_row(w):
