@@ -219,21 +219,10 @@ class Model:
         qb = (getattr(ops, "query_block", None) if sel is None or by_index else None) or QUERY_BLOCK
         for b0 in range(0, T, qb):
             b1 = min(T, b0 + qb)
-            tq = pos[b0:b1]
-            # raw keys of this block: positions [tq0 - n_swa + 1, tq_last]
-            k0 = max(lo, tq[0] - c.n_swa + 1)
-            kraw = raw[k0 - lo: tq[-1] + 1 - lo]
-            kpos = np.arange(k0, tq[-1] + 1)
-            mraw = (kpos[None, :] <= tq[:, None]) & (kpos[None, :] > tq[:, None] - c.n_swa)
-            segments = [(kraw, mraw)]
-            if lw.ratio:
-                n_vis = (tq + 1) // lw.ratio                                        # visible rows per query
-                if sel is not None:                                                 # indexer picks (ratio 4)
-                    idx, ok = sel[0][b0:b1], sel[1][b0:b1]
-                    segments.append((ls.comp, ok, idx) if by_index else (ls.comp[idx], ok))
-                else:                                                               # every visible row
-                    nmax = int(n_vis[-1])
-                    segments.append((ls.comp[:nmax], np.arange(nmax)[None, :] < n_vis[:, None]))
+            segments = _key_segments(lw, ls, raw, lo, pos, b0, b1, c.n_swa, sel is None)
+            if sel is not None:                                                     # indexer picks (ratio 4)
+                idx, ok = sel[0][b0:b1], sel[1][b0:b1]
+                segments.append((ls.comp, ok, idx) if by_index else (ls.comp[idx], ok))
             o.append(ops.attention(q[b0:b1], segments, lw.sinks, scale))
         return o[0] if len(o) == 1 else xp.concatenate(o, axis=0)
 
@@ -379,6 +368,33 @@ class Model:
         x = ops.hc_pre_mix(pre, X)
         x = ops.rmsnorm(x, w.out_norm, c.rms_eps)
         return ops.linear(w.output, x)
+
+
+def _key_segments(lw: LayerWeights, ls: LayerState, raw, lo: int, pos: np.ndarray, b0: int, b1: int,
+                  n_swa: int, all_rows: bool) -> list:
+    """Queries b0..b1-1's raw keys (rows of `raw`, which starts at position lo) with their band
+    mask, and with `all_rows` on a compressed layer every visible compressed row with its mask."""
+    if b1 - b0 == 1:
+        # one query (a decode step) sees every key of its window and every visible row: the masks
+        # are all True (the general form's ~10 NumPy calls on one-row arrays give the same masks)
+        p = int(pos[b0])
+        k0 = max(lo, p - n_swa + 1)
+        segments = [(raw[k0 - lo:p + 1 - lo], np.ones((1, p + 1 - k0), dtype=bool))]
+        if lw.ratio and all_rows:
+            nmax = (p + 1) // lw.ratio
+            segments.append((ls.comp[:nmax], np.ones((1, nmax), dtype=bool)))
+        return segments
+    tq = pos[b0:b1]
+    # raw keys of this block: positions [tq0 - n_swa + 1, tq_last]
+    k0 = max(lo, tq[0] - n_swa + 1)
+    kpos = np.arange(k0, tq[-1] + 1)
+    mraw = (kpos[None, :] <= tq[:, None]) & (kpos[None, :] > tq[:, None] - n_swa)
+    segments = [(raw[k0 - lo: tq[-1] + 1 - lo], mraw)]
+    if lw.ratio and all_rows:
+        n_vis = (tq + 1) // lw.ratio                                                # visible rows per query
+        nmax = int(n_vis[-1])
+        segments.append((ls.comp[:nmax], np.arange(nmax)[None, :] < n_vis[:, None]))
+    return segments
 
 
 def _expert_views(lw: LayerWeights, experts) -> list:

@@ -144,8 +144,10 @@ class CpuOps(FastOps, NumpyOps):
         X = np.ascontiguousarray(X, dtype=np.float32)
         T, n, E = X.shape
         out = np.empty((T, n, E), np.float32)
-        ext.hc_post(_c32(y).reshape(T, E), X.reshape(T * n, E), _c32(post).reshape(T, n),
-                    _c32(C).reshape(T, n * n), out.reshape(T * n, E))
+        c32 = np.ascontiguousarray
+        ext.hc_post(c32(y, dtype=np.float32).reshape(T, E), X.reshape(T * n, E),
+                    c32(post, dtype=np.float32).reshape(T, n), c32(C, dtype=np.float32).reshape(T, n * n),
+                    out.reshape(T * n, E))
         return out
 
     @staticmethod
@@ -158,7 +160,7 @@ class CpuOps(FastOps, NumpyOps):
         X = np.ascontiguousarray(X, dtype=np.float32)
         T, n, E = X.shape
         out = np.empty((T, E), np.float32)
-        ext.hc_pre_mix(_c32(pre).reshape(T, n), X.reshape(T * n, E), out)
+        ext.hc_pre_mix(np.ascontiguousarray(pre, dtype=np.float32).reshape(T, n), X.reshape(T * n, E), out)
         return out
 
     def hc_split(self, mix, n, scale, base, eps, iters):
@@ -368,7 +370,8 @@ class CpuOps(FastOps, NumpyOps):
         k = h + len(experts)
         views = _expert_views(self, lw)
         ev = [views(e) for e in experts]
-        gu_t = [w.type_id for w in sh[:1]] + [ge.type_id] * len(experts) + [w.type_id for w in sh[1:2]] + [ue.type_id] * len(experts)
+        gu_t = [w.type_id for w in sh[:1]] + [ge.type_id] * len(experts) + \
+            [w.type_id for w in sh[1:2]] + [ue.type_id] * len(experts)
         gu_w = [w.data for w in sh[:1]] + [v[0] for v in ev] + [w.data for w in sh[1:2]] + [v[1] for v in ev]
         # the one-token forms of the batch: u is every product's input (quantized once a format),
         # product i's output is row i of GV, the gates' rows then the ups' (each product's bits do
@@ -395,10 +398,6 @@ def _q8_types() -> frozenset:
     if _Q8_TYPES is None:
         _Q8_TYPES = frozenset(t for t in K.Q8_ACT_BLOCK if K.has_q8(t))
     return _Q8_TYPES
-
-
-def _c32(a) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32)
 
 
 def _hc_rows(ops, scale, base):
