@@ -370,17 +370,18 @@ class CpuOps(FastOps, NumpyOps):
         k = h + len(experts)
         views = _expert_views(self, lw)
         ev = [views(e) for e in experts]
-        gu_t = [w.type_id for w in sh[:1]] + [ge.type_id] * len(experts) + \
-            [w.type_id for w in sh[1:2]] + [ue.type_id] * len(experts)
-        gu_w = [w.data for w in sh[:1]] + [v[0] for v in ev] + [w.data for w in sh[1:2]] + [v[1] for v in ev]
+        gu_t = [w.type_id for w in sh[:2]]
+        gu_w = [w.data for w in sh[:2]]
+        for v in ev:
+            gu_t += (ge.type_id, ue.type_id)
+            gu_w += v[:2]
         # the one-token forms of the batch: u is every product's input (quantized once a format),
-        # product i's output is row i of GV, the gates' rows then the ups' (each product's bits do
-        # not depend on its place in the batch), so the SwiGLU reads two contiguous halves. (Not in
-        # place on GV: half its rows were just written by the other kernel thread's core, and the
-        # in-place form measured slower here, 0.77-0.87 vs 0.41-0.74 ms a token of own time.)
+        # product i's output is row i of GV (gate, up, gate, up, ...): no row views to build. (The
+        # gates' rows first, then the ups', gives contiguous halves, but the kernel's threads split
+        # the products in batch order, and with that order decode measured no faster in ds4-bench.)
         GV = np.empty((2 * k, n_ff), dtype=np.float32)
         K.matmul_q8_into(gu_t, gu_w, u, GV)
-        m = self.swiglu(GV[:k], GV[k:], limit)
+        m = self.swiglu(GV[0::2], GV[1::2], limit)
         m[h:] *= wsel[0][order][:, None]
         D = np.empty((k, n_out), dtype=np.float32)
         K.matmul_q8_into([w.type_id for w in sh[2:]] + [de.type_id] * len(experts),
