@@ -368,8 +368,7 @@ class CpuOps(FastOps, NumpyOps):
         experts = sel[0][order].tolist()
         h = 1 if shared else 0
         k = h + len(experts)
-        views = _expert_views(self, lw)
-        ev = [views(e) for e in experts]
+        ev = _expert_views(self, lw, experts)
         gu_t = [w.type_id for w in sh[:2]]
         gu_w = [w.data for w in sh[:2]]
         for v in ev:
@@ -424,22 +423,21 @@ def _norm_row(w):
     return np.ascontiguousarray(w, dtype=np.float32).reshape(1, -1)
 
 
-def _expert_views(ops, lw):
-    """A function e -> (gate, up, down) map views of routed expert e of layer lw, each view made
-    once (a decode step asked expert_data 18-24 times a layer). Kept by the ops object (one an
-    engine: the views go with it), by the layer's id with the layer held (the id is not reused)."""
+def _expert_views(ops, lw, experts) -> list:
+    """(gate, up, down) map views of each of these routed experts of layer lw, each view made once
+    (a decode step asked expert_data 18-24 times a layer). Kept by the ops object (one an engine:
+    the views go with it), by the layer's id with the layer held (the id is not reused)."""
     kept = ops.__dict__.setdefault("_expert_views", {})
     got = kept.get(id(lw))
     if got is None or got[0] is not lw:
         got = kept[id(lw)] = (lw, {})
-    cache, ts = got[1], (lw.gate_exps, lw.up_exps, lw.down_exps)
-
-    def views(e: int):
+    cache, out = got[1], []
+    for e in experts:
         v = cache.get(e)
         if v is None:
-            v = cache[e] = tuple(t.expert_data(e) for t in ts)
-        return v
-    return views
+            v = cache[e] = (lw.gate_exps.expert_data(e), lw.up_exps.expert_data(e), lw.down_exps.expert_data(e))
+        out.append(v)
+    return out
 
 
 def _swiglu_into(g: np.ndarray, v: np.ndarray, limit, w: np.ndarray | None = None, w0: int = 0) -> np.ndarray:
