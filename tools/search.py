@@ -19,7 +19,7 @@ import time
 
 import regex
 
-from . import views
+from . import rxlimit, views
 from .base import MAX_RESULT_CHARS, Tool, ToolContext, ToolError, ToolResult, register
 from .fileutil import (MAX_FILE_BYTES, decode, glob_matcher, is_binary, printable, project_files,
                        split_lines, strip_eol)
@@ -58,10 +58,15 @@ def _compile(args: dict) -> regex.Pattern:
     if pattern == "":
         raise ToolError("pattern must not be empty")
     flags = regex.IGNORECASE if args.get("ignore_case") else 0
+    source = regex.escape(pattern) if args.get("literal") else pattern
     try:
+        # the compile itself is bounded first: fixed repeat counts can make it take gigabytes
+        rxlimit.check(source, flags | regex.VERSION0)
         # VERSION0: the `re`-compatible dialect (the model writes Python regular expressions)
-        return regex.compile(regex.escape(pattern) if args.get("literal") else pattern,
-                             flags | regex.VERSION0)
+        return regex.compile(source, flags | regex.VERSION0)
+    except rxlimit.TooLarge as e:
+        raise ToolError(f"pattern too large to compile: {e}; use smaller repeat counts (such as "
+                        "{2,1000} or + instead of {1000}), or literal=true") from None
     except (regex.error, OverflowError, RecursionError) as e:
         raise ToolError(f"invalid regular expression: {e} (set literal=true to search for the "
                         "text as it is)") from None
