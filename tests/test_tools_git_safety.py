@@ -597,3 +597,50 @@ def test_revision_paths():
     assert split_object_path(":/fix: it") is None and split_object_path("main..dev") is None
     assert root_path("proj", "./a") == "proj/a" and root_path("proj", "../x") == "x"
     assert root_path("proj", "a") == "a" and root_path("", "") == "" and root_path("p", "p/./q/..") == "p"
+
+
+def _many_drivers(r: Repo, n: int) -> None:
+    clean, smudge = r.mark("clean"), r.mark("smudge")
+    with open(r.root / ".git" / "config", "a") as f:
+        f.write("".join(f'[filter "f{i}"]\n\tclean = {clean}\n\tsmudge = {smudge}\n' for i in range(n)))
+    with open(r.root / ".gitattributes", "a") as f:
+        f.write(f"*.py filter=f{n - 1}\n")       # the last one applies, so a missed override shows
+
+
+def test_thousands_of_drivers_are_refused_in_one_line_and_fast(tmp_path, monkeypatch):
+    """8,000 filter drivers took 22 s per git call (a list's `in` to dedupe) and then git could
+    not even start (its environment too large): past MAX_DRIVERS the git tools refuse in one
+    line naming the cap, quickly, and run nothing; under it git runs with every one off."""
+    import tools.gitsafe as gitsafe
+    r = make_repo(tmp_path)
+    _many_drivers(r, 8000)
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(r.global_cfg))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    ctx = ToolContext(root=r.root)
+    t = time.monotonic()
+    res = call("git", {"subcommand": "status"}, ctx)
+    took = time.monotonic() - t
+    assert not res.ok and f"more than {gitsafe.MAX_DRIVERS}" in res.text and "\n" not in res.text.strip()
+    assert took < 5, took
+    assert "more than" in git_summary(r.root)
+    assert r.found() == set()
+
+
+def test_driver_overrides_are_linear_and_under_the_cap_all_apply(tmp_path, monkeypatch):
+    import tools.gitsafe as gitsafe
+    from tools.gitsafe import driver_overrides
+    entries = [("local", f"diff.d{i}.textconv") for i in range(20000)] * 2
+    monkeypatch.setattr(gitsafe, "MAX_DRIVERS", 10**6)
+    t = time.monotonic()
+    got = driver_overrides(entries)
+    assert time.monotonic() - t < 1.0 and len(got) == 20000
+    monkeypatch.undo()
+    r = make_repo(tmp_path)
+    _many_drivers(r, 500)
+    (r.root / "sub" / "b.py").write_text("changed\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(r.global_cfg))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    res = call("git", {"subcommand": "status"}, ToolContext(root=r.root))
+    assert res.ok and "sub/b.py" in res.text
+    assert call("git", {"subcommand": "diff"}, ToolContext(root=r.root)).ok
+    assert r.found() == set()

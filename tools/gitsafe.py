@@ -87,6 +87,12 @@ _DRIVER_CONFIG = {
     "hook": {"command": "true"},               # hooks defined in config (git 2.54+): hooksPath does not cover them
 }
 
+# At most this many drivers (filter.<name>, diff.<name>, pager.<command>, ...) are switched off:
+# each costs up to four -c overrides in git's environment, and thousands of them outgrow it (git
+# then cannot start) and slow every call. A repository past the cap gets no git at all, never git
+# without the overrides.
+MAX_DRIVERS = 1000
+
 # Config the user wrote (not the repository): filter drivers defined there are kept.
 _USER_SCOPES = {"global", "system"}
 _LFS_PROGRAMS = ("lfs.extension.", "lfs.customtransfer.", "lfs.standalonetransferagent")
@@ -186,6 +192,8 @@ def driver_overrides(entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
     modified); the repository only picks which applies, and cannot redefine one (its value would
     be overridden here)."""
     out: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()       # a set: 8,000 drivers took 22 s with a list's `in`
+    drivers: set[str] = set()
     # git-lfs's filter runs programs its own config names (lfs.extension.<x>.clean, custom
     # transfer agents): set by the repository, the user's filter is no longer the user's choice
     keep_user = not any(scope not in _USER_SCOPES and name.lower().startswith(_LFS_PROGRAMS)
@@ -203,7 +211,15 @@ def driver_overrides(entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
             pairs = [(f"{section}.{sub}.{key}", _DRIVER_CONFIG[section][key])]
         else:
             pairs = []
-        out += [p for p in pairs if p not in out]
+        for p in pairs:
+            if p not in seen:
+                seen.add(p)
+                out.append(p)
+                drivers.add(p[0].rpartition(".")[0])
+        if len(drivers) > MAX_DRIVERS:
+            raise GitError(f"this repository's configuration defines more than {MAX_DRIVERS} "
+                           "filter, diff or other drivers; git is not run here (each would need "
+                           "an override to stay switched off)")
     return out
 
 
