@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("ds4agent", "engine", "prompts", "sessions", "tools")
+PACKAGES = ("ds4agent", "engine", "prompts", "sessions", "tools", "metal_kernels", "cuda_kernels")
 
 
 def test_run_time_data_files_are_package_data():

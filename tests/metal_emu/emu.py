@@ -15,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.backends.kernel_sources import kernel_dir
 from engine.backends.mlx import metal
 
 HERE = Path(__file__).resolve().parent
-KERNEL_DIR = Path(metal.__file__).resolve().parent / "metal_kernels"
+KERNEL_DIR = Path(str(kernel_dir("metal_kernels")))
 
 # Metal type of each parameter, as MLX names the dtype of the array passed (metal.py casts to these)
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint8): "uint8_t"}

@@ -1,5 +1,5 @@
 // Host emulation of the part of the Metal Shading Language that our kernel bodies use, so that
-// engine/backends/mlx/metal_kernels/*.metal compile as C++20 (g++ 12) and run on the CPU.
+// metal_kernels/*.metal compile as C++20 (g++ 12) and run on the CPU.
 //
 // Model: one threadgroup at a time; its threads are fibers (ucontext) run round-robin on one OS
 // thread, first to last or (Runtime::reverse) last to first. A fiber runs until it reaches a threadgroup_barrier or a simdgroup collective

@@ -1,6 +1,6 @@
 """Custom Metal kernels of the mlx backend, built lazily with mx.fast.metal_kernel.
 
-The kernel bodies live in metal_kernels/*.metal (package data), with common.metal as the shared
+The kernel bodies live in the top-level metal_kernels/*.metal (package data), with common.metal as the shared
 `header=`. The same files compile on the host, as C++, in tests/metal_emu: docs/metal-kernels.md
 says what that proves. Nothing here runs without Metal: `available()` says whether it can.
 KERNELS names each kernel's inputs and outputs (MLX writes the signature from them); the tests
@@ -9,9 +9,10 @@ read it too, so the emulated signature cannot drift from the real one.
 from __future__ import annotations
 
 import functools
-from importlib import resources
 
 import numpy as np
+
+from ..kernel_sources import read_source
 
 # name -> (body file, input names, output names)
 KERNELS = {
@@ -30,7 +31,7 @@ TOPK_MAX, TOPK_THREADS = 1024, 512                  # common.metal's TOPK_MAX
 
 
 def source(file: str) -> str:
-    return resources.files(__package__).joinpath("metal_kernels", file).read_text()
+    return read_source("metal_kernels", file)
 
 
 def available() -> bool:
