@@ -28,6 +28,8 @@ TIME_MAX = 253402300799.0       # 9999-12-31: a timestamp past it is damage, not
 SHA_RE = re.compile(r"[0-9a-f]{40}")
 BRANCH_RE = re.compile(r"[0-9a-f]{12}")
 _STR_FIELDS = ("title", "name", "pinned", "project_dir", "think_mode", "model")
+_NO_NUL_FIELDS = ("project_dir", "think_mode", "model")   # used as paths or keys: NUL breaks os calls
+_SURROGATE = re.compile("[\ud800-\udfff]")
 TITLE_MAX_BYTES = 70
 USER_MARK = "<｜User｜>".encode()
 ASSISTANT_MARK = "<｜Assistant｜>".encode()
@@ -50,8 +52,15 @@ def _is_time(v) -> bool:
             and 0 <= v <= TIME_MAX)
 
 
+def bad_text(v: str) -> bool:
+    """A lone surrogate (JSON's "\\ud800" decodes to one) cannot be printed or encoded: the
+    listing that shows it would raise, so it makes the record damaged."""
+    return _SURROGATE.search(v) is not None
+
+
 def bad_name(name) -> bool:
-    return not isinstance(name, str) or len(name) > NAME_MAX or any(ord(c) < 32 or ord(c) == 127 for c in name)
+    return not isinstance(name, str) or len(name) > NAME_MAX or bad_text(name) \
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
 
 
 def is_branch(v) -> bool:
@@ -64,6 +73,11 @@ def check_meta(meta: dict) -> str | None:
     for k in _STR_FIELDS:
         if meta.get(k) is not None and not isinstance(meta[k], str):
             return f"{k} (not text)"
+        if meta.get(k) is not None and bad_text(meta[k]):
+            return f"{k} (has a lone surrogate, not valid Unicode)"
+    for k in _NO_NUL_FIELDS:
+        if meta.get(k) is not None and "\0" in meta[k]:
+            return f"{k} (has a NUL character)"
     for k in ("name", "pinned"):
         if meta.get(k) is not None and bad_name(meta[k]):
             return f"{k} (too long or has control characters)"

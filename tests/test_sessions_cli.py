@@ -125,3 +125,37 @@ def test_a_resume_that_cannot_be_is_one_line_before_the_model_loads(saved, agent
         store.delete(r.sha)
     assert cli.main(["--model", str(agent_model), "--ctx", "16384", "--resume", "pick"]) == 1
     assert "no saved sessions in this directory" in capsys.readouterr().err
+
+
+def test_a_damaged_text_field_never_raises(saved, capsys):
+    """Issue 32 item 8: a lone surrogate in any text field of a record (and a NUL in a path-like
+    one) passed the schema check, then `sessions list`/`show` raised on printing it and every
+    `--resume` met "embedded null byte". The schema now rejects them: the record is damaged, listed
+    with its error, and nothing raises."""
+    import json
+
+    from ds4agent.session_views import list_text
+    store, first, side, work, away = saved
+    path = store.meta_path(work.sha)
+    with open(path, encoding="utf-8") as f:
+        good = json.load(f)
+    cases = [(k, "x\ud800y") for k in ("title", "name", "pinned", "project_dir", "think_mode", "model")]
+    cases += [(k, "x\0y") for k in ("project_dir", "think_mode", "model")]
+    cases += [("forks", [{"branch": "0123456789ab", "name": "f\udc80"}])]
+    for field, bad in cases:
+        meta = dict(good, **{field: bad})
+        with open(path, "w", encoding="ascii") as f:
+            json.dump(meta, f)                       # "\ud800" is written as its JSON escape
+        assert cli.main(["sessions"]) == 0, field
+        assert cli.main(["sessions", "list", "--all"]) == 0, field
+        assert cli.main(["sessions", "show", work.id]) in (0, 1), field
+        out, err = capsys.readouterr()
+        (out + err).encode("utf-8")                  # printable as it is
+        assert "Traceback" not in err and "damaged" in out + err and field.rstrip("s") in out + err, field
+        listing = list_text(store, "all") + list_text(store, "project")   # /list
+        listing.encode("utf-8")
+        assert choose_resume(store, first.id) == first.sha                  # --resume of another
+        rows = [r for r in store.list("project") if r.ok]                   # /resume's choice
+        assert work.sha not in {r.sha for r in rows} and first.sha in {r.sha for r in rows}
+        with pytest.raises(SessionStoreError, match="damaged"):
+            choose_resume(store, work.id)
