@@ -58,21 +58,34 @@ from .options import EngineOptions, add_engine_flags
 from .gguf.layout import EMBED, HASH, ROUTED
 from .bench_peer import device_line, peer_options, ratio_lines, release_memory, rss_bytes
 from .bench_svg import svg_plot
+from . import bench_plan
 
 HEADER = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes"]
-_DATA = Path("shared") / "ds4-data" / "promessi_sposi.txt"
-DEFAULT_PROMPTS = [Path(__file__).resolve().parents[2] / _DATA, Path("/work") / _DATA]
+# The default text ships with the package (no folder of a particular machine): the opening ~216k
+# characters (~69k DeepSeek tokens) of Manzoni's "I promessi sposi" (1840, public domain; Project
+# Gutenberg #45334 without its header), the text ds4's own ds4-bench reads, so the frontiers are the
+# same tokens and speed figures stay comparable. Gzipped: 86 KB in the wheel.
+DEFAULT_TEXT = "data/promessi_sposi.txt.gz"
+DEFAULT_TEXT_NAME = "the packaged excerpt of I promessi sposi"
 
 
 class BenchError(Exception):
     pass
 
 
-def default_prompt_file() -> str | None:
-    for p in DEFAULT_PROMPTS:
-        if p.is_file():
-            return str(p)
-    return None
+class BenchInterrupted(Exception):
+    """Ctrl+C during a sweep, carrying the rows and greedy tokens measured before it."""
+
+    def __init__(self, rows: list[dict], probes: list[list[int]]):
+        super().__init__("interrupted")
+        self.rows, self.probes = rows, probes
+
+
+def default_text() -> str:
+    """The benchmark text shipped with the package (DEFAULT_TEXT)."""
+    import gzip
+    from importlib.resources import files
+    return gzip.decompress(files("engine").joinpath(DEFAULT_TEXT).read_bytes()).decode("utf-8")
 
 
 def frontiers(start: int, stop: int, incr: int | None = None, mul: float | None = None) -> list[int]:
@@ -150,14 +163,17 @@ def run_bench(session, tokens: list[int], fronts: list[int], gen_tokens: int, eo
     """The sweep. Returns the CSV rows and the greedy tokens decoded at each frontier."""
     rows, probes, prev = [], [], 0
     for f in fronts:
-        t0 = time.perf_counter()
-        session.sync(tokens[:f])
-        pre_s = time.perf_counter() - t0
-        blob = session.snapshot()
-        t0 = time.perf_counter()
-        gen = greedy_no_eos(session, gen_tokens, eos)
-        gen_s = time.perf_counter() - t0
-        session.restore(blob)
+        try:
+            t0 = time.perf_counter()
+            session.sync(tokens[:f])
+            pre_s = time.perf_counter() - t0
+            blob = session.snapshot()
+            t0 = time.perf_counter()
+            gen = greedy_no_eos(session, gen_tokens, eos)
+            gen_s = time.perf_counter() - t0
+            session.restore(blob)
+        except KeyboardInterrupt:       # the rows measured so far are still the run's result
+            raise BenchInterrupted(rows, probes) from None
         row = {"ctx_tokens": f, "prefill_tokens": f - prev,
                "prefill_tps": (f - prev) / max(pre_s, 1e-9), "gen_tokens": gen_tokens,
                "gen_tps": gen_tokens / max(gen_s, 1e-9), "kvcache_bytes": len(blob)}
@@ -225,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_version_flag(p)
     p.add_argument("-m", "--model", required=True, help="GGUF model file")
     p.add_argument("--prompt-file", default=None,
-                   help="raw text to tokenize (default: shared/ds4-data/promessi_sposi.txt if present)")
+                   help="raw text to tokenize (default: an excerpt of I promessi sposi shipped with the "
+                        "package, ~69k tokens, the text of ds4's own benchmark)")
     p.add_argument("--ctx-start", type=_positive_int, default=2048)
     p.add_argument("--ctx-max", type=_positive_int, default=32768)
     step = p.add_mutually_exclusive_group()
@@ -259,15 +276,16 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         return _err(f"{getattr(e, 'filename', None) or ''}{': ' if getattr(e, 'filename', None) else ''}"
                     f"{getattr(e, 'strerror', None) or e}")
-    except KeyboardInterrupt:
-        return _err("interrupted")
+    except KeyboardInterrupt:       # before the sweep's first row (a sweep's own keeps its rows)
+        _err("interrupted")
+        return 130
 
 
 def _read_prompt(path: str | None) -> tuple[str, str]:
-    """The prompt file's path (--prompt-file, else the default text) and its text."""
-    prompt = path or default_prompt_file()
-    if prompt is None:
-        raise BenchError("no --prompt-file given and the default promessi_sposi.txt is absent")
+    """The prompt file's name (--prompt-file, else the packaged text's) and its text."""
+    if path is None:
+        return DEFAULT_TEXT_NAME, default_text()
+    prompt = path
     try:
         return prompt, Path(prompt).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -287,30 +305,51 @@ def _main(argv) -> int:
         raise BenchError(f"--ctx-start {a.ctx_start} is above --ctx-max {a.ctx_max}")
     ctx = a.ctx if a.ctx is not None else a.ctx_max + a.gen_tokens + 1
 
-    name, (tokens, fronts), costs, rows, probes = _measure(a.model, options, a, ctx, text=text, prompt=prompt)
-    sweeps = {name: rows}
-    if peer is not None:
-        release_memory()        # the first backend's weights go before the peer's arrive
-        _, _, _, peer_rows, peer_probes = _measure(a.model, peer, a, ctx, plan=(tokens, fronts), costs=costs)
-        for line in ratio_lines(name, rows, probes, peer.backend, peer_rows, peer_probes):
-            print(line, file=sys.stderr)
-        sweeps[peer.backend] = peer_rows
+    sweeps: dict[str, tuple[list[dict], list[list[int]]]] = {}
+    try:
+        name, plan, costs, rows, probes = _measure(a.model, options, a, ctx, text=text, prompt=prompt)
+        sweeps[name] = (rows, probes)
+        if peer is not None:
+            release_memory()        # the first backend's weights go before the peer's arrive
+            _, _, _, peer_rows, peer_probes = _measure(a.model, peer, a, ctx, plan=plan, costs=costs)
+            for line in ratio_lines(name, rows, probes, peer.backend, peer_rows, peer_probes):
+                print(line, file=sys.stderr)
+            sweeps[peer.backend] = (peer_rows, peer_probes)
+    except BenchInterrupted as e:   # Ctrl+C: what was measured is written, as a full run's would be
+        sweeps[e.backend] = (e.rows, e.probes)
+        where = f"in {a.csv}" if a.csv else "below"
+        print(f"interrupted: {len(e.rows)} of {e.planned} frontiers measured on {e.backend}; "
+              f"the rows measured are kept ({where})", file=sys.stderr)
+        _write_outputs(a, sweeps, peer is not None)
+        return 130
+    _write_outputs(a, sweeps, peer is not None)
+    return 0
 
-    out = format_csv(rows) if peer is None else format_csv_backends(sweeps)
+
+def _write_outputs(a, sweeps: dict[str, tuple[list[dict], list[list[int]]]], with_peer: bool):
+    """The CSV (stdout or --csv), the plot and the token dump, of full or interrupted sweeps."""
+    from .atomic import atomic_path
+
+    def write(path: str, text: str):
+        with atomic_path(path) as tmp:
+            Path(tmp).write_text(text)
+
+    rows = {name: r for name, (r, _) in sweeps.items()}
+    first_rows, first_probes = next(iter(sweeps.values()))
+    out = format_csv(first_rows) if not with_peer else format_csv_backends(rows)
     if a.csv:
-        Path(a.csv).write_text(out)
+        write(a.csv, out)
     else:
         sys.stdout.write(out)
         sys.stdout.flush()
     if a.plot:
-        Path(a.plot).write_text(svg_plot(rows if peer is None else sweeps, f"ds4-bench: {Path(a.model).name}"))
+        write(a.plot, svg_plot(first_rows if not with_peer else rows, f"ds4-bench: {Path(a.model).name}"))
     if a.dump_tokens:
-        dump = [{"ctx_tokens": f, "tokens": p} for f, p in zip(fronts, probes)]
-        if peer is not None:
-            for d, p in zip(dump, peer_probes):
+        dump = [{"ctx_tokens": r["ctx_tokens"], "tokens": p} for r, p in zip(first_rows, first_probes)]
+        if with_peer and len(sweeps) > 1:
+            for d, p in zip(dump, list(sweeps.values())[1][1]):
                 d["peer_tokens"] = p
-        Path(a.dump_tokens).write_text(json.dumps(dump) + "\n")
-    return 0
+        write(a.dump_tokens, json.dumps(dump) + "\n")
 
 
 def _open(model: str, options: EngineOptions):
@@ -333,6 +372,9 @@ def _measure(model: str, options: EngineOptions, a, ctx: int, *, text=None, prom
         costs = costs or _floors(eng)
         rows, probes = _sweep(eng, open_s, *plan, a, ctx, costs)
         return eng.backend, plan, costs, rows, probes
+    except BenchInterrupted as e:
+        e.backend, e.planned = eng.backend, len(plan[1])
+        raise
     finally:
         eng.close()
 
@@ -379,6 +421,11 @@ def _sweep(eng, open_s: float, tokens, fronts, a, ctx: int, c: dict):
     print(f"open: {open_s:.2f} s, paging {eng.paging}{res}, backend {eng.backend}, "
           f"bind {bind.time_s:.2f} s ({bind.bytes:,} B copied)", file=sys.stderr)
     print(device_line(eng), file=sys.stderr)
+    chunk = a.chunk or DEFAULT_CHUNK
+    eos = eng.tokenizer.eos_id
+    print(bench_plan.plan_line(fronts, a.gen_tokens), file=sys.stderr)
+    speeds = bench_plan.probe(lambda n: Session(eng, n, chunk=chunk), greedy_no_eos, tokens, a.gen_tokens, eos)
+    print(bench_plan.estimate_line(fronts, a.gen_tokens, *speeds), file=sys.stderr)
     first = []
 
     def on_row(r):
@@ -390,10 +437,11 @@ def _sweep(eng, open_s: float, tokens, fronts, a, ctx: int, c: dict):
         dec = (b / c["bw"]) * r["gen_tps"]
         pre = c["flops"] * r["prefill_tps"] / c["gemm"]
         print(f"ctx {r['ctx_tokens']}: {eng.backend} decode {r['gen_tps']:.2f} t/s = {dec:.1%} of read floor; "
-              f"prefill {r['prefill_tps']:.2f} t/s = {pre:.1%} of GEMM floor", file=sys.stderr)
+              f"prefill {r['prefill_tps']:.2f} t/s = {pre:.1%} of GEMM floor"
+              f"{bench_plan.left_text(fronts, fronts.index(r['ctx_tokens']) + 1, a.gen_tokens, r)}", file=sys.stderr)
 
-    session = Session(eng, ctx, chunk=a.chunk or DEFAULT_CHUNK)
-    out = run_bench(session, tokens, fronts, a.gen_tokens, eng.tokenizer.eos_id, on_row)
+    session = Session(eng, ctx, chunk=chunk)
+    out = run_bench(session, tokens, fronts, a.gen_tokens, eos, on_row)
     rss, what = rss_bytes()
     print(f"memory: {eng.backend} {what} {rss / 2**20:,.0f} MiB after the sweep", file=sys.stderr)
     return out

@@ -159,3 +159,50 @@ def test_a_bad_peer_is_one_line_before_any_sweep(peer, small_model, text_file, c
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and peer in lines[0], err
     assert "floors" not in err             # refused before the first backend was measured
+
+
+def test_default_text_ships_with_the_package_and_the_plan_comes_first(small_model, capsys, monkeypatch):
+    """No --prompt-file: the text is package data (no folder of one machine), and before any row the
+    frontiers and an estimate are printed; each row says how many are done and the time left."""
+    from engine import bench
+    monkeypatch.setattr(bench, "measure_floors", functools.partial(bench.measure_floors, read_mib=32, gemm_n=256))
+    text = bench.default_text()
+    assert text.lstrip().startswith("I PROMESSI SPOSI") and len(text) > 200_000
+    rc, out, err = _run(capsys, ["-m", str(small_model), *SWEEP])
+    assert rc == 0, err
+    assert [int(r["ctx_tokens"]) for r in _csv_rows(out)] == [64, 128, 192]
+    lines = err.splitlines()
+    plan = next(i for i, ln in enumerate(lines) if ln.startswith("plan: "))
+    est = next(i for i, ln in enumerate(lines) if ln.startswith("estimate: about "))
+    first_row = next(i for i, ln in enumerate(lines) if ln.startswith("ctx 64: "))
+    assert plan < est < first_row
+    assert lines[plan].startswith("plan: 3 frontiers 64, 128, 192; 192 tokens to prefill, 3 x 4 tokens")
+    assert "1/3, about " in lines[first_row] and " left" in lines[first_row]
+
+
+def test_ctrl_c_keeps_the_rows_measured(small_model, text_file, tmp_path, capsys, monkeypatch):
+    """Ctrl+C in the second frontier: the first row is written to the CSV (and the dump), one line says
+    how many were measured, exit 130."""
+    from engine import bench
+    monkeypatch.setattr(bench, "measure_floors", functools.partial(bench.measure_floors, read_mib=32, gemm_n=256))
+    calls = []
+    real = bench.greedy_no_eos
+
+    def greedy(session, n, eos):        # call 1: the probe, 2: frontier 64, 3: frontier 128
+        calls.append(n)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(session, n, eos)
+
+    monkeypatch.setattr(bench, "greedy_no_eos", greedy)
+    csv_path, dump = tmp_path / "part.csv", tmp_path / "part.json"
+    rc, out, err = _run(capsys, ["-m", str(small_model), "--prompt-file", str(text_file), *SWEEP,
+                                 "--csv", str(csv_path), "--dump-tokens", str(dump)])
+    assert rc == 130 and out == ""
+    assert [int(r["ctx_tokens"]) for r in _csv_rows(csv_path.read_text())] == [64]
+    assert [d["ctx_tokens"] for d in json.loads(dump.read_text())] == [64]
+    assert "interrupted: 1 of 3 frontiers measured on numpy" in err and "Traceback" not in err
+    # without --csv the rows measured go to stdout
+    calls.clear()
+    rc, out, err = _run(capsys, ["-m", str(small_model), "--prompt-file", str(text_file), *SWEEP])
+    assert rc == 130 and [int(r["ctx_tokens"]) for r in _csv_rows(out)] == [64]
