@@ -67,3 +67,37 @@ def test_relative_links_resolve():
             elif frag and dest.suffix == ".md" and frag not in _anchors(dest):
                 bad.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
+
+
+GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+CAPS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def _requests(text: str):
+    """Each example request in a doc's code blocks: curl -d bodies to a generating route, and SDK
+    .create(...) calls, as (the example, its body or arguments)."""
+    for block in _code_blocks(text):
+        for cmd in re.split(r"\n(?=\S)", block.replace("\\\n", " ")):
+            if cmd.startswith("curl") and any(r in cmd for r in GENERATING):
+                body = re.search(r"-d\s+'([^']*)'", cmd)
+                yield cmd, body.group(1) if body else ""
+        for call in re.findall(r"\.(?:completions|responses|messages)\.create\((.*?)\)\n", block + "\n", re.S):
+            yield call, call
+
+
+def test_every_example_request_sets_a_token_cap():
+    """A request with no cap generates to the context's end: 8,192 tokens at 1-4 t/s on the tiny
+    model, for docs/serve.md's first curl once."""
+    import json
+    found, bad = 0, []
+    for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for example, body in _requests(doc.read_text(encoding="utf-8")):
+            found += 1
+            if body.lstrip().startswith("{"):
+                capped = any(k in json.loads(body) for k in CAPS)
+            else:
+                capped = any(re.search(rf"\b{k}\s*=", body) for k in CAPS)
+            if not capped:
+                bad.append(f"{doc.relative_to(ROOT)}: {example[:100]}")
+    assert found >= 4, "no example requests found: the check would prove nothing"
+    assert not bad, "example requests without a token cap:\n" + "\n".join(bad)
