@@ -39,6 +39,7 @@ files count against the disk budget; those whose writer is gone are deleted at s
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -268,7 +269,12 @@ class PrefixCache:
         for name, st in listing:
             if safeio.is_temp_name(name):
                 if not stat.S_ISREG(st.st_mode):
-                    continue                   # a symlink or other: neither ours nor counted
+                    # a symlink, FIFO or other is never ours: removed at start (the name only,
+                    # nothing followed or opened), never counted
+                    if clean_temps and safeio.odd_temp(st):
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(self.dir, name))
+                    continue
                 if clean_temps and safeio.temp_is_stale(self.dir, name, st):
                     try:
                         os.unlink(os.path.join(self.dir, name))

@@ -146,6 +146,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def odd_temp(st) -> bool:
+    """A temp name that is neither a regular file nor a folder: no writer of ours (nor ds4's) makes
+    one, they all create regular files with O_EXCL|O_NOFOLLOW, so it is junk planted or left by
+    something else. Removing it unlinks the name itself (unlink never follows a symlink or opens
+    a FIFO), so it is safe to do at once; a folder is left alone (never ours either, and removing
+    it would mean walking into it)."""
+    return not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode)
+
+
 def temp_is_stale(folder, name: str, st, now: float | None = None, older_than_s: float = STALE_AGE_S) -> bool:
     """Whether temp file `name` can no longer belong to a live writer: its pid (when the name has
     one) is not running, or is ours but we are not writing it, or it is older than older_than_s.
@@ -165,16 +174,17 @@ def temp_is_stale(folder, name: str, st, now: float | None = None, older_than_s:
 
 def remove_stale_temps(folder, now: float | None = None, older_than_s: float = STALE_AGE_S) -> int:
     """Delete the temp files a killed writer left in `folder` (regular files with a temp name that
-    `temp_is_stale`); symlinks and other kinds are left alone. Returns how many were removed."""
+    `temp_is_stale`), and every temp name that is a symlink, FIFO, socket or device (`odd_temp`).
+    Returns how many were removed."""
     n = 0
     try:
         entries = scan(folder)
     except OSError:
         return 0
     for name, st in entries:
-        if not stat.S_ISREG(st.st_mode) or not is_temp_name(name):
+        if not is_temp_name(name) or stat.S_ISDIR(st.st_mode):
             continue
-        if temp_is_stale(folder, name, st, now, older_than_s):
+        if odd_temp(st) or temp_is_stale(folder, name, st, now, older_than_s):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))
                 n += 1

@@ -161,7 +161,8 @@ def test_symlink_to_an_outside_kv_file_is_never_followed_or_written(small_engine
     assert cache.find(text + b"more", live) is None and cache.restore(live, text + b"more") is None
     assert live.pos == 0 and any("symbolic link" in m for m in logs)
     assert cache.store(s, tool_map={"call_1": "x"})                 # a save to that very name
-    assert sha256(target) == before and os.path.islink(d / (sha1_name(text) + ".tmp.1-ab"))
+    # the temp-shaped link was removed at start (the link, not what it points at: issue 32 item 12)
+    assert sha256(target) == before and not os.path.lexists(d / (sha1_name(text) + ".tmp.1-ab"))
     assert not os.path.islink(link) and read_header(link)[0].tokens == len(ids)
     assert cache.restore(live, text + b"more") is not None and sha256(target) == before
 
@@ -304,7 +305,7 @@ def test_temp_files_count_against_the_budget_and_dead_writers_are_cleaned(small_
     os.symlink(outside, d / f"{'5' * 40}.kv.tmp.{dead_pid()}-link")
     cache = PrefixCache(d, space_mb=(size * 2.2) / 2**20, min_tokens=8, cold_max_tokens=0)
     assert not dead.exists() and not mine.exists() and live_other.exists() and nopid.exists()
-    assert outside.read_bytes() == b"keep me" and os.path.islink(d / f"{'5' * 40}.kv.tmp.{dead_pid()}-link")
+    assert outside.read_bytes() == b"keep me" and not os.path.lexists(d / f"{'5' * 40}.kv.tmp.{dead_pid()}-link")
     assert cache.temp_bytes() == 2 * (size // 4)
     assert cache.store(s) and cache.store(session(small_engine, ids[:-1]))
     # 2 files + 2 live temp files do not fit 2.2 files: one file went (without the temps both fit)
@@ -453,3 +454,31 @@ def test_ds4_kv_reports_a_fifo_without_blocking(small_engine, ids, tmp_path, cap
         unblock(fifo)
     out, err = capsys.readouterr()
     assert "is a FIFO" in err and err.count("error: ") == 1 and "Traceback" not in out + err
+
+
+def test_temp_names_that_are_links_or_fifos_are_removed_at_start_unfollowed(tmp_path):
+    """Issue 32 item 12: temp-named symlinks and FIFOs in the KV folder (and the sessions folder)
+    were never cleaned. They are removed at start: the names only, nothing they point at is
+    touched, and no FIFO is opened (opening one would hang the start)."""
+    from sessions import SessionStore
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"keep me")
+    for d, make in ((tmp_path / "kv", lambda: PrefixCache(tmp_path / "kv", min_tokens=8)),
+                    (tmp_path / "sessions", lambda: SessionStore(tmp_path / "sessions", project_dir=tmp_path))):
+        d.mkdir()
+        names = {"link": f"{'1' * 40}.kv.tmp.{os.getpid()}-ab",          # a live pid: not stale by age
+                 "dirlink": f"{'2' * 40}.kv.tmp.1-cd",
+                 "dangling": f"{'3' * 40}.kv.tmp.k3y9",
+                 "fifo": f"{'4' * 40}.kv.tmp.{os.getppid()}-ef"}
+        os.symlink(outside / "precious", d / names["link"])
+        os.symlink(outside, d / names["dirlink"])
+        os.symlink(tmp_path / "nowhere", d / names["dangling"])
+        os.mkfifo(d / names["fifo"])
+        (d / f"{'5' * 40}.kv.tmp.1-gh").mkdir()                            # a folder: left alone
+        (d / f"{'5' * 40}.kv.tmp.1-gh" / "x").write_bytes(b"x")
+        make()
+        left = sorted(os.listdir(d))
+        assert not any(n in left for n in names.values()), (d, left)
+        assert f"{'5' * 40}.kv.tmp.1-gh" in left
+    assert (outside / "precious").read_bytes() == b"keep me" and os.listdir(outside) == ["precious"]
