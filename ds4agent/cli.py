@@ -36,13 +36,13 @@ To try the agent without the real weights: `ds4-gguf synth tiny.gguf && ds4-agen
 
 def load_config() -> dict:
     p = agent_home() / "config.toml"
-    try:
-        with open(p, "rb") as f:
-            return tomllib.load(f)
+    from tools.safefs import read_regular
+    try:     # a FIFO or /dev/zero there must not hang or fill memory: regular and small only
+        return tomllib.loads(read_regular(p, 1 << 20, nofollow=False).decode("utf-8"))
     except FileNotFoundError:
         return {}
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        print(f"warning: ignoring {p}: {e}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        print(f"warning: ignoring {p}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return {}
 
 

@@ -26,12 +26,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.safefs import read_regular
+
 from .home import agent_home
 
 PROJECT_FILE = ".mcp.json"
 HOME_FILE = "mcp.json"
 TRUST_FILE = "mcp-trust.json"
 DEFAULT_CALL_TIMEOUT = 120.0
+MAX_FILE = 1 << 20          # a config file larger than this is not read
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -110,7 +113,8 @@ def entry_digest(raw) -> str:
 def read_file(path: Path, project_dir: Path, cfg: McpConfig, *, project: bool) -> None:
     """Add one file's servers and allow rules to cfg (a missing file adds nothing)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        # a project's file may be a symlink to /dev/zero or a FIFO: regular, small, not followed
+        text = read_regular(path, MAX_FILE, nofollow=project).decode("utf-8")
     except FileNotFoundError:
         return
     except (OSError, UnicodeDecodeError) as e:
@@ -162,7 +166,7 @@ def load(project_dir, home: Path | None = None) -> McpConfig:
 def _trust_table(home: Path, cfg: McpConfig | None = None) -> dict:
     p = home / TRUST_FILE
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = json.loads(read_regular(p, MAX_FILE, nofollow=False).decode("utf-8"))
         if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
             raise ValueError("expected {project: {server: digest}}")
         return data

@@ -11,6 +11,7 @@ end up is what gets checked.
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -152,3 +153,37 @@ def write_inside(ctx: ToolContext, path: Path, data: bytes, default_mode: int) -
             raise
     finally:
         os.close(dfd)
+
+
+class UnsafeFile(OSError):
+    """A file that is not read: not a regular file, a symlink where none may be, or too large."""
+
+
+def read_regular(path: Path, limit: int, *, nofollow: bool) -> bytes:
+    """The bytes of a small regular file, for config files (`.mcp.json`, config.toml).
+    A project can commit one as a symlink to /dev/zero (read until memory runs out) or a FIFO
+    (hangs on open): the open is non-blocking, the opened descriptor must be a regular file of at
+    most `limit` bytes, and with nofollow (a path inside a project) a symlink at the path is not
+    followed. FileNotFoundError passes through; any other refusal is an UnsafeFile whose
+    strerror says why in a few words."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC | _NOCTTY | (_NOFOLLOW if nofollow else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if nofollow and e.errno == errno.ELOOP:
+            raise UnsafeFile(e.errno, "is a symlink (not followed here)", str(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(errno.EINVAL, "not a regular file", str(path))
+        if st.st_size > limit:
+            raise UnsafeFile(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        data = os.read(fd, limit + 1)
+        while len(data) <= limit and (more := os.read(fd, limit + 1 - len(data))):
+            data += more
+        if len(data) > limit:        # it grew while read
+            raise UnsafeFile(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        return data
+    finally:
+        os.close(fd)
