@@ -15,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+import engine
 from engine.backends.kernel_sources import kernel_dir
 from engine.backends.mlx import metal
 
 HERE = Path(__file__).resolve().parent
+CORE = Path(engine.__file__).resolve().parent / "backends" / "cupy" / "emu_support"   # fibers.h, shared with CUDA
 KERNEL_DIR = Path(str(kernel_dir("metal_kernels")))
 
 # Metal type of each parameter, as MLX names the dtype of the array passed (metal.py casts to these)
@@ -110,8 +112,8 @@ def build(src: str | None = None, cache: Path | None = None, opt: str = "-O1") -
     """Compile the driver (cached by the hash of its source and the compat files); -O0 compiles
     faster, for the one-off builds of deliberately broken kernels."""
     src = generate() if src is None else src
-    key = hashlib.sha256((opt + src + (HERE / "metal_compat.h").read_text() + (HERE / "driver.cpp").read_text())
-                         .encode()).hexdigest()[:16]
+    compat = [HERE / "metal_compat.h", HERE / "driver.cpp", CORE / "fibers.h"]
+    key = hashlib.sha256((opt + src + "".join(f.read_text() for f in compat)).encode()).hexdigest()[:16]
     cache = cache or Path(tempfile.gettempdir()) / "ds4_metal_emu"
     cache.mkdir(parents=True, exist_ok=True)
     exe = cache / f"driver_{key}"
@@ -119,7 +121,7 @@ def build(src: str | None = None, cache: Path | None = None, opt: str = "-O1") -
         return exe
     cpp = cache / f"gen_{key}.cpp"
     cpp.write_text(src)
-    cmd = [compiler(), "-std=c++20", opt, "-Wall", "-Wno-unused-variable", "-I", str(HERE), str(cpp),
+    cmd = [compiler(), "-std=c++20", opt, "-Wall", "-Wno-unused-variable", "-I", str(HERE), "-I", str(CORE), str(cpp),
            "-o", str(exe) + ".tmp"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
