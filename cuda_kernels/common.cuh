@@ -10,6 +10,10 @@
 #pragma once
 #include <cuda_fp16.h>
 
+#ifndef INFINITY            // NVRTC has no math.h
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 namespace ds4 {
 
 enum { FMT_Q8_0 = 0, FMT_F16 = 1, FMT_IQ2_XXS = 2, FMT_Q2_K = 3, FMT_Q4_K = 4, FMT_MXFP4 = 5 };
