@@ -47,6 +47,8 @@ class Backend:
     make_ops(numerics): the ops object (protocol.Ops).
     reference_ops: the operations this backend takes from the NumPy reference on purpose (its ops
         class inherits them); any other op its class does not define is an error at open.
+    in_auto(): whether `auto` may take it when available (False: it serves only when named, as
+        the cupy backend on its host emulation).
     """
     name: str
     summary: str
@@ -57,23 +59,7 @@ class Backend:
     default_paging: str = "prefault"
     setup: Callable[[int | None], None] = _no_setup
     reference_ops: frozenset[str] = field(default_factory=frozenset)
-
-
-def planned(name: str, *, package: str, extra: str, summary: str, priority: int, comes_with: str) -> Backend:
-    """The entry of a backend whose ops come with a later issue: `auto` passes it over, and naming
-    it says why it cannot serve (its package missing, else not built yet)."""
-    not_yet = f"the {name} backend is not built yet ({comes_with})"
-
-    def available() -> str | None:
-        if importlib.util.find_spec(package) is None:
-            return f"{package} is not installed (pip install 'ds4-agent[{extra}]')"
-        return not_yet
-
-    def make_ops(numerics: str):
-        raise BackendError(f"backend {name!r} is not available: {not_yet}")
-
-    return Backend(name=name, summary=summary, available=available, make_ops=make_ops,
-                   priority=priority, default_paging="prefault")
+    in_auto: Callable[[], bool] = lambda: True
 
 
 _entries: dict[str, Backend] = {}
@@ -142,7 +128,7 @@ def pick(name: str | None = AUTO) -> Backend:
             raise BackendError(f"DS4_BACKEND: {e}") from None
     if name == AUTO:
         for n in names():
-            if _entries[n].available() is None:
+            if _entries[n].available() is None and _entries[n].in_auto():
                 return _entries[n]
         raise BackendError("no backend is available: " + "; ".join(
             f"{n}: {_entries[n].available()}" for n in names()))

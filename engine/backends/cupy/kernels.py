@@ -1,0 +1,241 @@
+"""The CUDA kernels of cuda_kernels/*.cu, loaded with RawModule and launched with the grids and
+argument types cuda_kernels/README.md documents (real CuPy and the host emulation alike).
+
+Every module is built at open (`load`; a source that does not compile fails the open) and kept
+for the process. A kernel that is missing (not in the sources, or its module absent) is simply not there:
+the op keeps its array-op form (ops.py). DS4_CUDA_KERNELS=0 turns every kernel off (the array-op
+forms only: how the tests hold both paths to the reference).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from .quant import DevTensor
+
+_I32, _F32 = np.int32, np.float32
+BLOCK = (128, 1, 1)
+ROWS_PER_BLOCK = 4            # matvec: one warp per output row, 4 rows a block
+GEMM_ROWS, GEMM_TILE_PAIRS = 64, 16
+TOPK_MAX = 1024
+# which file holds a kernel, by name prefix (cuda_kernels/README.md)
+FILES = (("matvec_", "matvec.cu"), ("dequant_rows_", "matvec.cu"), ("gemm_experts_", "gemm.cu"),
+         ("attn_", "attention.cu"), ("rmsnorm", "norm_rope.cu"), ("rope", "norm_rope.cu"),
+         ("hc_split", "hc_topk.cu"), ("topk", "hc_topk.cu"), ("indexer_scores", "hc_topk.cu"))
+_MODULES: dict = {}           # (id(xp), file) -> module or None: built once a process
+_LOCK = threading.Lock()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def load(xp):
+    """The kernels for namespace `xp`, or None where they are off (DS4_CUDA_KERNELS=0) or the
+    sources are not installed."""
+    if os.environ.get("DS4_CUDA_KERNELS", "").strip() == "0":
+        return None
+    from ..kernel_sources import kernel_dir
+    k = Kernels(xp, kernel_dir("cuda_kernels"))
+    for file in sorted({f for _, f in FILES}):      # built at open: a source that does not
+        k._module(file)                              # compile is an error there, not mid-pass
+    return k
+
+
+def batch_plan(experts: np.ndarray, tile_pairs: int = GEMM_TILE_PAIRS) -> tuple[np.ndarray, np.ndarray]:
+    """The prefill GEMM's schedule: perm (pair indices sorted by expert, stable) and chunks
+    [n, 2] = (start in perm, count <= tile_pairs), each chunk of one expert."""
+    experts = np.asarray(experts).reshape(-1)
+    perm = np.argsort(experts, kind="stable").astype(np.int32)
+    e = experts[perm]
+    starts = np.flatnonzero(np.r_[True, e[1:] != e[:-1]]) if len(perm) else np.zeros(0, int)
+    ends = np.r_[starts[1:], len(perm)]
+    chunks = [(s, min(tile_pairs, b - s)) for s0, b in zip(starts, ends) for s in range(s0, b, tile_pairs)]
+    return perm, np.array(chunks, dtype=np.int32).reshape(-1, 2)
+
+
+class Kernels:
+    def __init__(self, xp, src):
+        """src: the folder of the .cu sources (kernel_sources.kernel_dir("cuda_kernels"))."""
+        self.xp, self.src = xp, src
+        self._fns: dict = {}
+        self.launches: dict = {}          # name -> count (tests: which kernels a pass ran)
+
+    # -- loading -----------------------------------------------------------------------------
+    def _module(self, file: str):
+        key = (id(self.xp), file)
+        with _LOCK:
+            if key not in _MODULES:
+                _MODULES[key] = self._build(file)
+            return _MODULES[key]
+
+    def _build(self, file: str):
+        f = self.src.joinpath(file)
+        if not f.is_file():
+            return None
+        if getattr(self.xp.cuda, "emulated", False):          # the stand-in: emu.load_module
+            return self.xp.RawModule(path=str(f))
+        # NVRTC: includes relative to the sources' folder (common.cuh), C++17
+        return self.xp.RawModule(code=f.read_text(), options=(f"-I{self.src}", "--std=c++17"))
+
+    def fn(self, name: str):
+        if name not in self._fns:
+            file = next((f for p, f in FILES if name.startswith(p)), None)
+            mod = None if file is None else self._module(file)
+            try:
+                self._fns[name] = None if mod is None else mod.get_function(name)
+            except Exception:                    # not in this module: the array-op form serves
+                self._fns[name] = None
+        return self._fns[name]
+
+    def has(self, name: str) -> bool:
+        return self.fn(name) is not None
+
+    def _launch(self, name, grid, block, args):
+        self.launches[name] = self.launches.get(name, 0) + 1
+        self.fn(name)(tuple(int(g) for g in grid), block, tuple(args))
+
+    def _c(self, a, dtype=None):
+        return self.xp.ascontiguousarray(a if dtype is None else a.astype(dtype))
+
+    # -- matvecs -----------------------------------------------------------------------------
+    def has_dense(self, w: DevTensor) -> bool:
+        return w.kind in ("q8_0", "f16") and w.n_in % 32 == 0 and self.has(f"matvec_dense_{w.kind}")
+
+    def has_experts(self, w: DevTensor) -> bool:
+        if w.kind is None or len(w.dims) != 3:
+            return False
+        blk = 256 if w.kind in ("iq2_xxs", "q2_k", "q4_k") else 32
+        return w.n_in % blk == 0 and self.has(f"matvec_experts_{w.kind}")
+
+    def has_dequant(self, w: DevTensor) -> bool:
+        return w.kind is not None and self.has(f"dequant_rows_{w.kind}")
+
+    def matvec_dense(self, w: DevTensor, x, rows=None):
+        """x [T, n_in] float32 -> [T, n_sel] = x @ W[rows].T."""
+        raw = self._c(w.data if rows is None else w.data[rows])
+        x = self._c(x, self.xp.float32)
+        T, n = x.shape[0], raw.shape[0]
+        out = self.xp.empty((T, n), dtype=self.xp.float32)
+        self._launch(f"matvec_dense_{w.kind}", (_cdiv(n, ROWS_PER_BLOCK), T, 1), BLOCK,
+                     (raw, x, out, _I32(n), _I32(w.n_in), _I32(T)))
+        return out
+
+    def experts(self, w: DevTensor, x, experts, toks):
+        """out [P, n_out]: out[p] = dequant(expert experts[p]) @ x[toks[p]]: the decode matvec,
+        or for a batch whose pairs share experts the grouped GEMM."""
+        xp = self.xp
+        raw, x = self._c(w.experts3()), self._c(x, xp.float32)
+        experts, toks = self._c(experts, xp.int32), self._c(toks, xp.int32)
+        P, n_out = experts.shape[0], w.dims[1]
+        out = xp.empty((P, n_out), dtype=xp.float32)
+        name = f"gemm_experts_{w.kind}"
+        if P >= GEMM_TILE_PAIRS and self.has(name):
+            e_h = xp.asnumpy(experts)
+            if P >= 2 * len(np.unique(e_h)):             # pairs share experts: a tile serves several
+                perm, chunks = batch_plan(e_h)
+                self._launch(name, (_cdiv(n_out, GEMM_ROWS), len(chunks), 1), BLOCK,
+                             (raw, x, experts, toks, xp.asarray(perm), xp.asarray(chunks), out,
+                              _I32(n_out), _I32(w.n_in), _I32(len(chunks))))
+                return out
+        self._launch(f"matvec_experts_{w.kind}", (_cdiv(n_out, ROWS_PER_BLOCK), P, 1), BLOCK,
+                     (raw, x, experts, toks, out, _I32(n_out), _I32(w.n_in), _I32(P)))
+        return out
+
+    def dequant_rows(self, w: DevTensor, idx):
+        xp = self.xp
+        rows = self._c(idx, xp.int32)
+        out = xp.empty((rows.shape[0], w.n_in), dtype=xp.float32)
+        self._launch(f"dequant_rows_{w.kind}", (_cdiv(w.n_in, 32 * 128), rows.shape[0], 1), BLOCK,
+                     (self._c(w.data), rows, out, _I32(rows.shape[0]), _I32(w.n_in)))
+        return out
+
+    # -- attention, norms, RoPE ------------------------------------------------------------------
+    def attention(self, q, segments, sinks, scale):
+        """The online softmax over each segment in turn (attn_segment), then attn_finish."""
+        xp = self.xp
+        q = self._c(q, xp.float32)
+        T, H, D = q.shape
+        m, l = xp.empty((T, H), dtype=xp.float32), xp.empty((T, H), dtype=xp.float32)
+        acc = xp.empty((T, H, D), dtype=xp.float32)
+        dummy = xp.zeros(1, dtype=xp.int32)
+        first = 1
+        for seg in segments:
+            keys, mask = seg[0], seg[1]
+            K = mask.shape[-1]
+            if K == 0:
+                continue
+            mode = 2 if len(seg) > 2 else (1 if keys.ndim == 3 else 0)
+            idx = self._c(seg[2], xp.int32) if mode == 2 else dummy
+            mask = self._c(xp.broadcast_to(mask.astype(xp.uint8), (T, K)))
+            self._launch("attn_segment", (T * H, 1, 1), BLOCK,
+                         (q, self._c(keys, xp.float32), mask, idx, m, l, acc, _I32(T), _I32(H), _I32(D),
+                          _I32(K), _I32(mode), _F32(scale), _I32(first)))
+            first = 0
+        out = xp.empty((T, H, D), dtype=xp.float32)
+        if first:                               # no key at all: the reference's 0 (only the sink)
+            return xp.zeros((T, H, D), dtype=xp.float32)
+        self._launch("attn_finish", (T * H, 1, 1), BLOCK,
+                     (m, l, acc, self._c(sinks, xp.float32), out, _I32(T), _I32(H), _I32(D)))
+        return out
+
+    def rmsnorm(self, x, w, eps):
+        xp = self.xp
+        n = x.shape[-1]
+        x2 = self._c(x).reshape(-1, n)
+        out = xp.empty(x2.shape, dtype=xp.float32)
+        wt = self._c(w, xp.float32) if w is not None else xp.zeros(1, dtype=xp.float32)
+        self._launch("rmsnorm", (x2.shape[0], 1, 1), (256, 1, 1),
+                     (x2, wt, out, _I32(x2.shape[0]), _I32(n), np.float64(eps), _I32(w is not None)))
+        return out.reshape(x.shape)
+
+    def rope(self, x, thetas, inverse: bool, inplace: bool):
+        """numerics.apply_rope in place on x [rows, (heads,) width] (a copy unless `inplace` and
+        x is contiguous); thetas: one row of angles per row of x, or one row for all."""
+        xp = self.xp
+        y = x if inplace and x.flags.c_contiguous else x.copy()
+        rows, width = y.shape[0], y.shape[-1]
+        heads = y.size // max(1, rows * width)
+        th = self._c(thetas, xp.float32)
+        npair = th.shape[-1]
+        stride = npair if th.size == rows * npair and rows > 1 else 0
+        if th.size not in (npair, rows * npair):
+            raise ValueError(f"rope: angles {thetas.shape} do not line up with x {x.shape}")
+        self._launch("rope", (_cdiv(heads * npair, 128), rows, 1), BLOCK,
+                     (y, th, _I32(rows), _I32(heads), _I32(width), _I32(npair), _I32(stride), _I32(bool(inverse))))
+        return y
+
+    # -- hyper-connections, indexer ----------------------------------------------------------------
+    def hc_split(self, mix, n, scale, base, eps, iters):
+        xp = self.xp
+        mix = self._c(mix, xp.float32)
+        T = mix.shape[0]
+        pre, post = xp.empty((T, n), dtype=xp.float32), xp.empty((T, n), dtype=xp.float32)
+        C = xp.empty((T, n, n), dtype=xp.float32)
+        self._launch("hc_split", (_cdiv(T, 128), 1, 1), BLOCK,
+                     (mix, self._c(scale, xp.float32), self._c(base, xp.float32), pre, post, C,
+                      _I32(T), _I32(n), _F32(eps), _I32(iters)))
+        return pre, post, C
+
+    def topk(self, scores, k: int):
+        xp = self.xp
+        s = self._c(scores, xp.float32)
+        T, C = s.shape
+        out = xp.empty((T, k), dtype=xp.int32)
+        self._launch("topk", (T, 1, 1), (512, 1, 1), (s, out, _I32(T), _I32(C), _I32(k)))
+        return out
+
+    def indexer_scores(self, qi, keys, wts):
+        xp = self.xp
+        qi = self._c(qi, xp.float32)
+        T, H, D = qi.shape
+        C = keys.shape[0]
+        if C == 0 or T == 0:
+            return xp.zeros((T, C), dtype=xp.float32)
+        out = xp.empty((T, C), dtype=xp.float32)
+        self._launch("indexer_scores", (_cdiv(C, 4), T, 1), BLOCK,
+                     (qi, self._c(keys, xp.float32), self._c(wts, xp.float32), out, _I32(T), _I32(H),
+                      _I32(D), _I32(C)))
+        return out

@@ -1,0 +1,345 @@
+"""The cupy backend's ops: the forward pass on a CUDA device (spec: engine/backends/numpy/ops.py).
+
+Written against `xp`, the array namespace: CuPy on a GPU, or with DS4_CUDA_EMULATE=1 the NumPy-backed
+stand-in (standin.py) whose RawModule launches run the kernels' host emulation. Weights are
+uploaded once at open (bind.py: the raw GGUF blocks, which the kernels read in place); the KV
+state lives in device arrays and reaches the host only through state_to_host / state_from_host;
+logits reach the host only in logits_to_host, for sampling.
+
+Every op has an array-op form (the reference's own steps in xp: float64 where it sums in float64,
+ds4's rounding rules from numerics.py), correct everywhere. Where the kernels are loaded
+(kernels.py: cuda_kernels/*.cu through RawModule) the quantized products, the experts, attention,
+RMSNorm, RoPE, the HC split, the indexer and its top-k launch them instead; an op whose kernel is
+missing keeps its array-op form (docs/backends.md).
+
+Inputs may be host (NumPy) arrays and host QTensors: the conformance suite calls ops directly with
+those, and they are uploaded (a QTensor once, cached).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ...gguf import quants as Q
+from ...gguf.model_file import QTensor
+from ...model import numerics as N
+from ...model.kv_state import KVState
+from ...model.numerics import DS4, NUMERICS
+from ..protocol import BindReport
+from . import numerics as DN
+from . import quant
+from .bind import bind_device
+from .quant import DevTensor
+
+_EXPERT_ACT_Q8_0 = frozenset({Q.MXFP4, Q.Q8_0})
+_DENSE = frozenset({Q.F32, Q.F16, Q.BF16})
+_F32 = np.float32
+
+
+class CupyOps:
+    name = "cupy"
+
+    def __init__(self, numerics: str, xp, kernels=None, progress=None):
+        """xp: cupy or the stand-in; kernels: a kernels.Kernels (None: array-op forms only);
+        progress(done_bytes, total_bytes): called while the weights upload."""
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+        self.numerics = numerics
+        self._ds4 = numerics == DS4
+        self.xp = xp
+        self.k = kernels
+        self.progress = progress
+        self._uploaded: dict = {}     # id(host object) -> (object, device copy): host inputs met in a call
+        self._rot: dict = {}          # id(thetas) -> (thetas, cos, sin): this pass's rotations
+        # the attention kernel reads the indexer's picks in place (segments (keys, mask, idx))
+        self.attention_index = kernels is not None and kernels.has("attn_segment")
+
+    # -- set-up and hand-offs --------------------------------------------------------------------
+    def bind_weights(self, model_file):
+        """Every matrix's raw blocks and every vector uploaded (bind.py)."""
+        t0 = time.perf_counter()
+        weights, nbytes = bind_device(self.xp, model_file, self.progress)
+        self.xp.cuda.Device().synchronize()
+        return weights, BindReport(time.perf_counter() - t0, nbytes)
+
+    def new_state(self, config, ctx: int, rewind_cap: int) -> KVState:
+        return KVState(config, ctx, rewind_cap, xp=self.xp)
+
+    def state_to_host(self, state: KVState) -> KVState:
+        return state.copy_to(np, lambda a: self.xp.asnumpy(a).astype(np.float32, copy=False))
+
+    def state_from_host(self, host: KVState) -> KVState:
+        return host.copy_to(self.xp, lambda a: self.xp.asarray(np.asarray(a, np.float32)))
+
+    def embed(self, embd, tokens):
+        """The rows of `tokens` (host int64 [T]), decoded on the device: only those rows."""
+        w = self._w(embd)
+        idx = self.xp.asarray(np.asarray(tokens, np.int64))
+        if self.k is not None and self.k.has_dequant(w):
+            return self.k.dequant_rows(w, idx)
+        return quant.dequantize(self.xp, w.type_id, w.data[idx])
+
+    def logits_to_host(self, logits) -> np.ndarray:
+        self._rot.clear()                 # the pass is over: its rotations go
+        if isinstance(logits, np.ndarray):
+            return logits.astype(np.float32, copy=False)
+        return self.xp.asnumpy(logits).astype(np.float32, copy=False)
+
+    # -- host inputs -----------------------------------------------------------------------------
+    def _a(self, x):
+        """A device array of x (host arrays uploaded; device arrays as they are)."""
+        return x if isinstance(x, self.xp.ndarray) else self.xp.asarray(x)
+
+    def _w(self, w):
+        """A DevTensor of w (a host QTensor is uploaded once and cached)."""
+        if isinstance(w, QTensor):
+            hit = self._uploaded.get(id(w))
+            if hit is None or hit[0] is not w:
+                dev = DevTensor(w.name, w.type_id, tuple(w.dims), self.xp.asarray(np.asarray(w.data)))
+                hit = self._uploaded[id(w)] = (w, dev)
+            return hit[1]
+        return w
+
+    # -- matmuls -------------------------------------------------------------------------------
+    def _linear_in(self, w, x):
+        """ds4: a Q8_0 weight's input rounded to Q8_0 blocks (exact float64 values for the
+        array-op product, float32 values for a kernel)."""
+        if self._ds4 and w.type_id == Q.Q8_0:
+            kern = self.k is not None and self.k.has_dense(w)
+            return DN.q8_0_round(self.xp, x, _F32 if kern else np.float64)
+        return x.astype(self.xp.float32)
+
+    def linear(self, w, x, rows=None):
+        w, x = self._w(w), self._a(x)
+        xin = self._linear_in(w, x)
+        if self.k is not None and self.k.has_dense(w):
+            return self.k.matvec_dense(w, xin, rows)
+        return quant.matmul(self.xp, w, xin, rows)
+
+    def linears(self, ws, x):
+        return [self.linear(w, x) for w in ws]
+
+    def grouped_linear(self, w, x, groups):
+        w, x = self._w(w), self._a(x)
+        gi, gr = x.shape[1] // groups, w.n_rows // groups
+        return self.xp.concatenate([self.linear(w, x[:, g * gi:(g + 1) * gi], rows=slice(g * gr, (g + 1) * gr))
+                                    for g in range(groups)], axis=1)
+
+    # -- norms and elementwise -----------------------------------------------------------------
+    def rmsnorm(self, x, w, eps):
+        xp, x = self.xp, self._a(x)
+        if self.k is not None and self.k.has("rmsnorm") and x.dtype == xp.float32:
+            return self.k.rmsnorm(x, None if w is None else self._a(w), eps)
+        ms = xp.mean(xp.square(x.astype(xp.float64)), axis=-1, keepdims=True)
+        y = (x * (1.0 / xp.sqrt(ms + eps)).astype(xp.float32)).astype(xp.float32)
+        return y if w is None else (y * self._a(w)).astype(xp.float32)
+
+    def sigmoid(self, x):
+        xp = self.xp
+        return (1.0 / (1.0 + xp.exp(-self._a(x)))).astype(xp.float32)
+
+    def softplus(self, x):
+        xp, x = self.xp, self._a(x)
+        return xp.where(x > 20.0, x, xp.log1p(xp.exp(xp.minimum(x, 20.0)))).astype(xp.float32)
+
+    def softmax(self, x, axis=-1):
+        xp, x = self.xp, self._a(x)
+        m = xp.max(x, axis=axis, keepdims=True)
+        m = xp.where(xp.isfinite(m), m, 0.0)
+        e = xp.exp(x - m)
+        return (e / xp.sum(e, axis=axis, keepdims=True)).astype(xp.float32)
+
+    # -- KV-row numerics -----------------------------------------------------------------------
+    def store_kv(self, rows, n_nope):
+        rows = self._a(rows)
+        return DN.f16_round(self.xp, DN.fp8_e4m3_roundtrip(self.xp, rows, n_nope)) if self._ds4 else rows
+
+    def index_qat(self, rows):
+        rows = self._a(rows)
+        return DN.indexer_qat(self.xp, rows) if self._ds4 else rows
+
+    def store_index(self, rows):
+        rows = self._a(rows)
+        return DN.f16_round(self.xp, DN.indexer_qat(self.xp, rows)) if self._ds4 else rows
+
+    # -- RoPE ----------------------------------------------------------------------------------
+    def rope_thetas(self, pos, n_rot, base, yarn):
+        """The angle tables are built on the host (a few KB; the reference's exact float32
+        steps) and uploaded with their cosines and sines, kept for this pass's rotations."""
+        f = N.rope_thetas_ds4 if self._ds4 else N.rope_thetas_exact
+        th = f(np.asarray(pos), n_rot, base, yarn=yarn)
+        out = self.xp.asarray(th)
+        t64 = np.asarray(th, np.float64)
+        self._rot[id(out)] = (out, self.xp.asarray(np.cos(t64).astype(_F32)), self.xp.asarray(np.sin(t64).astype(_F32)))
+        return out
+
+    def _cos_sin(self, thetas):
+        hit = self._rot.get(id(thetas))
+        if hit is None or hit[0] is not thetas:
+            # a view the glue made of a table (th[:, None, :]): its rotations once a pass
+            xp = self.xp
+            th = self._a(thetas)
+            t64 = th.astype(xp.float64)
+            hit = self._rot[id(thetas)] = (thetas, xp.cos(t64).astype(xp.float32), xp.sin(t64).astype(xp.float32))
+        return hit[1], hit[2]
+
+    def rope(self, x, thetas, inverse=False, inplace=False):
+        """Rotate the last 2 * thetas.shape[-1] dims of x in interleaved pairs (numerics.apply_rope);
+        `inplace`: the caller drops x, so the kernel may rotate it where it lies."""
+        x = self._a(x).astype(self.xp.float32)
+        if self.k is not None and self.k.has("rope"):
+            return self.k.rope(x, self._a(thetas), inverse, inplace)
+        c, s = self._cos_sin(thetas)
+        return DN.apply_rope(self.xp, x, c, s, inverse)
+
+    # -- attention -----------------------------------------------------------------------------
+    def attention(self, q, segments, sinks, scale):
+        """Softmax attention with per-head sinks, K = V, over concatenated key segments (see the
+        reference): the kernel's online softmax, or the reference's float64 steps."""
+        xp = self.xp
+        q, sinks = self._a(q), self._a(sinks)
+        segs = [tuple(self._a(a) for a in s) for s in segments]
+        if self.k is not None and self.k.has("attn_segment"):
+            return self.k.attention(q, segs, sinks, scale)
+        segs = [(s[0][s[2]], s[1]) if len(s) > 2 else s for s in segs]        # (keys, mask, idx): gathered
+        q64 = q.astype(xp.float64)
+        scores = []
+        for keys, mask in segs:
+            k64 = keys.astype(xp.float64)
+            s = (q64 @ (k64.T if keys.ndim == 2 else xp.swapaxes(k64, 1, 2))) * scale     # [T, H, K]
+            scores.append(xp.where(mask.astype(xp.bool_)[:, None, :], s, -xp.inf))
+        s = xp.concatenate(scores, axis=-1)
+        s64 = sinks.astype(xp.float64)
+        m = xp.maximum(xp.max(s, axis=-1), s64[None, :])
+        p = xp.exp(s - m[..., None])
+        den = xp.sum(p, axis=-1) + xp.exp(s64[None, :] - m)
+        o, k0 = None, 0
+        for keys, _ in segs:
+            k1 = k0 + keys.shape[-2]
+            part = p[..., k0:k1] @ keys.astype(xp.float64)
+            o = part if o is None else o + part
+            k0 = k1
+        return (o / den[..., None]).astype(xp.float32)
+
+    def indexer_scores(self, qi, keys, wts):
+        """[T, C] = sum_h wts[t, h] * relu(qi[t, h] . keys[c]) (float64 sums; queries in blocks so
+        the [t, h, c] products stay under ~16M values)."""
+        xp = self.xp
+        qi, keys, wts = self._a(qi), self._a(keys), self._a(wts)
+        if self.k is not None and self.k.has("indexer_scores"):
+            return self.k.indexer_scores(qi, keys, wts)
+        T, H, _ = qi.shape
+        step = max(1, (1 << 24) // max(1, H * keys.shape[0]))
+        k64 = keys.astype(xp.float64).T
+        out = []
+        for t0 in range(0, T, step):
+            s = xp.maximum(qi[t0:t0 + step].astype(xp.float64) @ k64, 0.0)                # [t, H, C]
+            out.append((wts[t0:t0 + step].astype(xp.float64)[:, None, :] @ s)[:, 0, :])
+        return out[0] if len(out) == 1 else xp.concatenate(out, axis=0)
+
+    def topk_lowest_index(self, scores, k):
+        """Indices of the k largest per row, ties to the lowest index: CuPy's sorts are stable."""
+        scores = self._a(scores)
+        if self.k is not None and self.k.has("topk") and scores.dtype == self.xp.float32 and k <= min(scores.shape[-1], 1024):
+            return self.k.topk(scores, k)
+        return self.xp.argsort(-scores, axis=-1)[..., :k]
+
+    # -- hyper-connections -------------------------------------------------------------------------
+    def hc_split(self, mix, n, scale, base, eps, iters):
+        xp = self.xp
+        mix, scale, base = self._a(mix), self._a(scale), self._a(base)
+        if self.k is not None and self.k.has("hc_split") and n <= 8:
+            return self.k.hc_split(mix, n, scale, base, eps, iters)
+        T, eps = mix.shape[0], _F32(eps)
+        pre = self.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+        post = 2.0 * self.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+        logits = (mix[:, 2 * n:] * scale[2] + base[2 * n:]).reshape(T, n, n)
+        C = self.softmax(logits, axis=-1) + eps
+        C = C / (C.sum(axis=1, keepdims=True) + eps)
+        for _ in range(iters - 1):
+            C = C / (C.sum(axis=2, keepdims=True) + eps)
+            C = C / (C.sum(axis=1, keepdims=True) + eps)
+        return pre.astype(xp.float32), post.astype(xp.float32), C.astype(xp.float32)
+
+    def hc_pre_mix(self, pre, X):
+        xp = self.xp
+        pre, X = self._a(pre), self._a(X)
+        return (pre.astype(xp.float64)[:, None, :] @ X.astype(xp.float64))[:, 0, :].astype(xp.float32)
+
+    def hc_post(self, y, X, post, C):
+        xp = self.xp
+        y, X, post, C = self._a(y), self._a(X), self._a(post), self._a(C)
+        mixed = xp.swapaxes(C.astype(xp.float64), 1, 2) @ X.astype(xp.float64)
+        return (post[:, :, None] * y[:, None, :] + mixed).astype(xp.float32)
+
+    # -- experts -------------------------------------------------------------------------------
+    def _act(self, w, x, kern: bool):
+        """ds4: a routed-expert input's Q8 rounding (float32 values for a kernel, the exact
+        float64 ones for the array-op product); identity in exact numerics."""
+        if not self._ds4 or w.type_id in _DENSE:
+            return x
+        dt = _F32 if kern else np.float64
+        return DN.q8_0_round(self.xp, x, dt) if w.type_id in _EXPERT_ACT_Q8_0 else DN.q8_k_round(self.xp, x, dt)
+
+    @staticmethod
+    def _swiglu(xp, g, v, limit):
+        g = xp.minimum(g, limit)
+        v = xp.clip(v, -limit, limit)
+        return (g * (1.0 / (1.0 + xp.exp(-g))).astype(xp.float32)).astype(xp.float32) * v
+
+    def moe(self, lw, u, sel, wsel, limit):
+        """The routed experts plus the shared one (NumpyOps.moe): with the kernels, the
+        selected experts' gathered products (kernels.experts); else expert by expert."""
+        xp = self.xp
+        u, sel, wsel, limit = self._a(u), self._a(sel), self._a(wsel), _F32(limit)
+        gate, up, down = self._w(lw.gate_exps), self._w(lw.up_exps), self._w(lw.down_exps)
+        kern = self.k is not None and self.k.has_experts(gate) and self.k.has_experts(down)
+        routed = (self._routed_kernels if kern else self._routed_arrays)(gate, up, down, u, sel, wsel, limit)
+        sh = self._swiglu(xp, *self.linears([lw.sh_gate, lw.sh_up], u), limit)
+        return routed + self.linear(lw.sh_down, sh)
+
+    def _routed_arrays(self, gate, up, down, u, sel, wsel, limit):
+        xp = self.xp
+        out = xp.zeros(u.shape, dtype=xp.float32)
+        ua = self._act(gate, u, False)
+        sel_h = xp.asnumpy(sel)                     # (the expert loop runs on the host)
+        for e in np.unique(sel_h):
+            rows_h, slot_h = np.nonzero(sel_h == e)
+            rows, slot = xp.asarray(rows_h), xp.asarray(slot_h)
+            we = wsel[rows, slot][:, None]
+            xe = ua[rows]
+            g = quant.matmul(xp, gate.expert(int(e)), xe)
+            v = quant.matmul(xp, up.expert(int(e)), xe)
+            m = self._swiglu(xp, g, v, limit)
+            if self._ds4:
+                d = quant.matmul(xp, down.expert(int(e)), self._act(down, m * we, False))
+            else:
+                d = quant.matmul(xp, down.expert(int(e)), m) * we
+            out[rows] = out[rows] + d
+        return out
+
+    def _routed_kernels(self, gate, up, down, u, sel, wsel, limit):
+        """Pairs (token, expert) in token-major order, each token's experts ascending so its
+        outputs are summed in the reference's order; one gathered product per matrix."""
+        xp = self.xp
+        T, k = sel.shape
+        slot = xp.argsort(sel, axis=1)
+        sel_s, w_s = xp.take_along_axis(sel, slot, axis=1), xp.take_along_axis(wsel, slot, axis=1)
+        experts = sel_s.reshape(-1).astype(xp.int32)
+        toks = xp.repeat(xp.arange(T, dtype=xp.int32), k)
+        we = w_s.reshape(-1)[:, None].astype(xp.float32)
+        ua = self._act(gate, u, True)
+        g = self.k.experts(gate, ua, experts, toks)
+        v = self.k.experts(up, ua, experts, toks)
+        m = self._swiglu(xp, g, v, limit)
+        pairs = xp.arange(T * k, dtype=xp.int32)
+        if self._ds4:
+            d = self.k.experts(down, self._act(down, m * we, True), experts, pairs)
+        else:
+            d = self.k.experts(down, m, experts, pairs) * we
+        d = d.reshape(T, k, -1)
+        routed = d[:, 0]
+        for j in range(1, k):
+            routed = routed + d[:, j]
+        return routed

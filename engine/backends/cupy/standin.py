@@ -1,0 +1,364 @@
+"""A NumPy-backed stand-in for the part of CuPy the cupy backend uses (DS4_CUDA_EMULATE=1).
+
+With it the backend's own Python runs a whole forward pass on a machine without a GPU: array ops
+run in NumPy, `RawModule` / `RawKernel` launches go to the host emulation of the CUDA kernels
+(emu.load_module: each .cu compiled as host C++), so launch arguments, grids, dtypes and the
+state hand-off are exercised as on the device.
+
+It is strict where CuPy is strict, so host/device mistakes show here rather than on a GPU:
+* a device array is not a NumPy array: `np.asarray(dev)` raises TypeError (CuPy: "Implicit
+  conversion to a NumPy array is not allowed"); `.get()` / `asnumpy` copy it out;
+* an op mixing a device array with a host NumPy array raises TypeError, in both orders, as do a
+  host array used as an index or assigned into a device array (upload it with `asarray` first);
+* reductions return 0-d device arrays, not NumPy scalars;
+* `asarray(host)` copies (the device never aliases host memory);
+* kernel arguments must be C-contiguous device arrays or NumPy scalars (a Python int would be
+  passed by CuPy as a 64-bit value whatever the kernel expects).
+"""
+from __future__ import annotations
+
+import operator
+import types
+
+import numpy as _np
+
+_IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
+             "Please use `.get()` to construct a NumPy array explicitly.")
+
+# NumPy dtypes and constants under CuPy's names (CuPy re-exports NumPy's)
+float16, float32, float64 = _np.float16, _np.float32, _np.float64
+int8, int16, int32, int64 = _np.int8, _np.int16, _np.int32, _np.int64
+uint8, uint16, uint32, uint64 = _np.uint8, _np.uint16, _np.uint32, _np.uint64
+bool_, intp, dtype = _np.bool_, _np.intp, _np.dtype
+inf, nan, newaxis, pi = _np.inf, _np.nan, _np.newaxis, _np.pi
+errstate = _np.errstate      # (cupyx.errstate on CuPy; the backend takes whichever exists)
+
+
+def _mixed(x) -> TypeError:
+    return TypeError(f"Unsupported type {type(x)} (a host array where a device array is needed: "
+                     f"upload it with asarray)")
+
+
+def _dev(x):
+    """The NumPy storage of a device argument; host arrays refused (CuPy does)."""
+    if isinstance(x, ndarray):
+        return x._a
+    if isinstance(x, _np.ndarray):
+        raise _mixed(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_dev(v) for v in x)
+    return x
+
+
+def _wrap(r):
+    if isinstance(r, _np.ndarray):
+        return ndarray(r)
+    if isinstance(r, _np.generic) and not isinstance(r, _np.dtype):
+        return ndarray(_np.asarray(r))
+    if isinstance(r, tuple):
+        return tuple(_wrap(v) for v in r)
+    if isinstance(r, list):
+        return [_wrap(v) for v in r]
+    return r
+
+
+def _key(k):
+    if isinstance(k, tuple):
+        return tuple(_key(v) for v in k)
+    if isinstance(k, list):
+        raise TypeError("a list as an index: upload it with asarray")
+    return _dev(k)
+
+
+class ndarray:
+    """A device array: NumPy storage behind CuPy's rules (see the module docstring)."""
+    __slots__ = ("_a", "__weakref__")
+    __array_priority__ = 100.0
+
+    def __init__(self, a: _np.ndarray):
+        self._a = a
+
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+    size = property(lambda self: self._a.size)
+    nbytes = property(lambda self: self._a.nbytes)
+    strides = property(lambda self: self._a.strides)
+    itemsize = property(lambda self: self._a.itemsize)
+    flags = property(lambda self: self._a.flags)
+    T = property(lambda self: ndarray(self._a.T))
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(_IMPLICIT)
+
+    def get(self, stream=None, order="C", out=None) -> _np.ndarray:
+        """A host copy (CuPy's device -> host transfer)."""
+        return _np.array(self._a, order=order, copy=True)
+
+    def set(self, arr, stream=None):
+        """Host -> device copy into this (C-contiguous) array (CuPy's `ndarray.set`)."""
+        arr = _np.asarray(arr)
+        if arr.shape != self._a.shape or not self._a.flags.c_contiguous:
+            raise ValueError(f"set: shape {arr.shape} into {self._a.shape} (or a non-contiguous array)")
+        self._a[...] = arr
+
+    def __repr__(self):
+        return f"standin.ndarray({self._a!r})"
+
+    def __len__(self):
+        return len(self._a)
+
+    def __iter__(self):
+        return (_wrap(v) for v in self._a)
+
+    def __bool__(self):
+        return bool(self._a)
+
+    def __int__(self):
+        return int(self._a)
+
+    def __float__(self):
+        return float(self._a)
+
+    def item(self):
+        return self._a.item()
+
+    def tolist(self):
+        return self._a.tolist()
+
+    def __getitem__(self, k):
+        return _wrap(self._a[_key(k)])
+
+    def __setitem__(self, k, v):
+        self._a[_key(k)] = _dev(v)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kw):
+        # np.exp(dev) and the like: CuPy runs its own ufunc; a host operand is an error
+        out = kw.pop("out", None)
+        if out is not None:
+            kw["out"] = tuple(_dev(o) for o in out)
+        r = getattr(ufunc, method)(*(_dev(i) for i in inputs), **{k: _dev(v) for k, v in kw.items()})
+        return out[0] if out is not None and len(out) == 1 else _wrap(r)
+
+    def __array_function__(self, func, types_, args, kwargs):
+        # np.concatenate([dev, ...]) and the like go to this module's function of the same name
+        mine = _FUNCS.get(func.__name__)
+        if mine is None:
+            return NotImplemented
+        return mine(*args, **kwargs)
+
+    def argsort(self, axis=-1):
+        return ndarray(_np.argsort(self._a, axis=axis, kind="stable"))
+
+    def __getattr__(self, name):
+        if name not in _METHODS:
+            raise AttributeError(f"stand-in ndarray has no attribute {name!r} (not used by the backend)")
+        meth = getattr(self._a, name)
+
+        def call(*args, **kw):
+            return _wrap(meth(*_dev(args), **{k: _dev(v) for k, v in kw.items()}))
+        return call
+
+
+_METHODS = frozenset({
+    "astype", "reshape", "ravel", "flatten", "transpose", "swapaxes", "copy", "view", "sum", "mean",
+    "max", "min", "argmax", "argmin", "any", "all", "clip", "cumsum", "squeeze", "take",
+    "fill", "dot", "nonzero", "prod", "round", "var", "std", "repeat",
+})
+
+
+def _binary(op, reflected=False):
+    def f(self, other):
+        o = _dev(other)
+        return _wrap(op(o, self._a) if reflected else op(self._a, o))
+    return f
+
+
+def _inplace(op):
+    def f(self, other):
+        op(self._a, _dev(other))
+        return self
+    return f
+
+
+for _n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+           "lshift", "rshift"):
+    _op = getattr(operator, _n + "_" if _n in ("and", "or") else _n)
+    setattr(ndarray, f"__{_n}__", _binary(_op))
+    setattr(ndarray, f"__r{_n}__", _binary(_op, reflected=True))
+    setattr(ndarray, f"__i{_n}__", _inplace(getattr(operator, "i" + _n)))
+for _n in ("lt", "le", "gt", "ge", "eq", "ne"):
+    setattr(ndarray, f"__{_n}__", _binary(getattr(operator, _n)))
+for _n in ("neg", "pos", "abs", "invert"):
+    setattr(ndarray, f"__{_n}__", (lambda op: lambda self: _wrap(op(self._a)))(getattr(operator, _n)))
+ndarray.__hash__ = None
+
+
+# -- creation and transfer -----------------------------------------------------------------------
+def asarray(a, dtype=None, order=None):
+    """A device array of `a`: itself (or cast) for a device array, an upload (a copy) for host data."""
+    if isinstance(a, ndarray):
+        return a if dtype is None or a.dtype == _np.dtype(dtype) else ndarray(a._a.astype(dtype))
+    return ndarray(_np.array(a, dtype=dtype, order=order or "K", copy=True))
+
+
+def array(a, dtype=None, copy=True, order="K"):
+    if isinstance(a, ndarray):
+        return ndarray(_np.array(a._a, dtype=dtype, copy=copy, order=order))
+    return ndarray(_np.array(a, dtype=dtype, copy=True, order=order))
+
+
+def ascontiguousarray(a, dtype=None):
+    if isinstance(a, ndarray):
+        return ndarray(_np.ascontiguousarray(a._a, dtype=dtype))
+    return ndarray(_np.array(a, dtype=dtype, order="C", copy=True))
+
+
+def asnumpy(a, stream=None, out=None) -> _np.ndarray:
+    if isinstance(a, ndarray):
+        return a.get()
+    return _np.asarray(a)
+
+
+def empty(shape, dtype=float32, order="C"):
+    # NaN-filled floats (a kernel that leaves an output element unwritten shows)
+    a = _np.empty(shape, dtype=dtype, order=order)
+    if a.dtype.kind == "f":
+        a.fill(_np.nan)
+    return ndarray(a)
+
+
+def is_available() -> bool:
+    return True
+
+
+def _device_fn(f):
+    def call(*args, **kw):
+        return _wrap(f(*_dev(args), **{k: _dev(v) for k, v in kw.items()}))
+    call.__name__ = f.__name__
+    return call
+
+
+_NUMPY_FUNCS = (
+    "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "empty_like", "arange",
+    "concatenate", "stack", "where", "maximum", "minimum", "sqrt", "exp", "log", "log1p", "log2",
+    "abs", "sign", "cos", "sin", "sort", "argsort", "argmax", "take_along_axis", "take", "repeat", "unique", "einsum",
+    "matmul", "isnan", "isinf", "isfinite", "clip", "rint", "ceil", "floor", "ldexp", "frexp",
+    "square", "sum", "mean", "max", "min", "cumsum", "nonzero", "flatnonzero", "broadcast_to",
+    "expand_dims", "swapaxes", "transpose", "reshape", "left_shift", "right_shift", "bitwise_and",
+    "bitwise_or", "logical_and", "logical_or", "logical_not", "searchsorted", "bincount", "tanh",
+    "add", "subtract", "multiply", "divide", "negative", "array_equal", "count_nonzero", "diff",
+    "tile", "squeeze", "outer", "dot",
+)
+_FUNCS = {n: _device_fn(getattr(_np, n)) for n in _NUMPY_FUNCS}
+# CuPy's sorts are stable (radix sorts): ties keep their order, as NumPy's kind="stable"
+_FUNCS["sort"] = _device_fn(lambda a, axis=-1: _np.sort(a, axis=axis, kind="stable"))
+_FUNCS["argsort"] = _device_fn(lambda a, axis=-1: _np.argsort(a, axis=axis, kind="stable"))
+_FUNCS.update(asarray=asarray, array=array, ascontiguousarray=ascontiguousarray, empty=empty)
+globals().update({n: f for n, f in _FUNCS.items() if n not in globals()})
+
+
+# -- cupy.cuda: streams, devices, pinned memory, graphs ---------------------------------------------
+class Stream:
+    """Kernels and copies run at once on the host: a stream orders nothing and captures nothing."""
+    null = None
+
+    def __init__(self, non_blocking: bool = False):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+Stream.null = Stream()
+
+
+class Device:
+    def __init__(self, device_id: int = 0):
+        self.id = device_id
+        self.compute_capability = "90"
+
+    def synchronize(self):
+        pass
+
+    @property
+    def mem_info(self):
+        return (64 << 30, 80 << 30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def alloc_pinned_memory(nbytes: int):
+    """Host memory a copy to the device reads from (page-locked on CUDA; plain bytes here)."""
+    return memoryview(bytearray(nbytes))
+
+
+def _runtime_info():
+    return types.SimpleNamespace(
+        getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"CuPy stand-in (host emulation)",
+                                                                 "totalGlobalMem": 80 << 30},
+        runtimeGetVersion=lambda: 12000, driverGetVersion=lambda: 12000, memGetInfo=lambda: (64 << 30, 80 << 30))
+
+
+cuda = types.SimpleNamespace(Stream=Stream, Device=Device, alloc_pinned_memory=alloc_pinned_memory,
+                             runtime=_runtime_info(), get_current_stream=lambda: Stream.null,
+                             emulated=True)
+
+
+# -- RawModule / RawKernel: the host emulation of the .cu kernels ----------------------------------
+def _kernel_arg(a, name: str, i: int):
+    if isinstance(a, ndarray):
+        if not a._a.flags.c_contiguous:
+            raise ValueError(f"kernel {name}: argument {i} is not C-contiguous (a kernel reads it by pointer)")
+        return a._a
+    if isinstance(a, _np.generic):
+        return a
+    if isinstance(a, _np.ndarray):
+        raise _mixed(a)
+    raise TypeError(f"kernel {name}: argument {i} is a {type(a).__name__}; pass a NumPy scalar of "
+                    f"the kernel's type (CuPy would pass a Python int as 64 bits)")
+
+
+class _Function:
+    def __init__(self, fn, name: str):
+        self._fn, self.name = fn, name
+        self.launches = 0
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
+        host = [_kernel_arg(a, self.name, i) for i, a in enumerate(args)]
+        self.launches += 1
+        self._fn(tuple(grid), tuple(block), host, shared_mem=shared_mem)
+
+
+class RawModule:
+    """cupy.RawModule over the emulation: the source compiled as host C++ (needs a C++ compiler)."""
+
+    def __init__(self, code: str | None = None, path: str | None = None, options=(), backend="nvrtc",
+                 name_expressions=None, jitify=False):
+        from . import emu
+        self._mod = emu.load_module(code=code, path=path, options=tuple(options))
+        self._fns: dict = {}
+
+    def get_function(self, name: str) -> _Function:
+        if name not in self._fns:
+            self._fns[name] = _Function(self._mod.get_function(name), name)
+        return self._fns[name]
+
+
+class RawKernel:
+    def __init__(self, code: str, name: str, options=(), backend="nvrtc", jitify=False):
+        self._fn = RawModule(code=code, options=options).get_function(name)
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
+        self._fn(grid, block, args, shared_mem=shared_mem)
+
