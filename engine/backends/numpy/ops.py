@@ -14,9 +14,9 @@ Weights are QTensors: bytes in the map, decoded a chunk of rows at a time, never
 accumulate in float64 and round once, so a token's result does not depend on how many tokens share
 the batch: chunked prefill and decode agree to the last bit far more often than float32 sums would,
 which matters in ds4 mode, where a one-ulp change can move an activation across a Q8 rounding step.
-In ds4 mode a Q8 activation enters its matmul as the exact code * scale (float64), and Q2_K / Q4_K
-weights are decoded exactly: each such matmul is the exact sum rounded once to float32, the
-function the cpu backend's integer kernels compute (docs/cpu-kernels.md, "Fidelity").
+In ds4 mode the Q8_0, IQ2_XXS and Q2_K matmuls are ds4's own: integer dots of the activation
+codes per block, times the scales, summed over the blocks in float32 in ds4's order
+(model/ds4_matmul.py; docs/numerics.md has every rule with its ds4 function).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from ...gguf import quants as Q
 from ...gguf.model_file import QTensor
+from ...model import ds4_matmul as D
 from ...model import numerics as N
 from ...model.kv_state import KVState
 from ...model.weights import bind
@@ -35,6 +36,8 @@ from ..protocol import BindReport
 # Routed-expert activations: ggml's K-quant and IQ dot products take Q8_K (256-value) activations;
 # MXFP4's takes Q8_0 (32-value) ones.
 _EXPERT_ACT_Q8_0 = frozenset({Q.MXFP4, Q.Q8_0})
+# weights with ds4's integer dot product (ds4.c: dot_q8_0_row, ds4_vec_dot_{iq2_xxs,q2_K}_q8_K)
+_DS4_DOT = frozenset({Q.Q8_0, Q.IQ2_XXS, Q.Q2_K})
 
 
 def _f32(x):
@@ -45,11 +48,17 @@ class NumpyOps:
     name = "numpy"
     xp = np            # the array namespace of the model's glue
 
-    def __init__(self, numerics: str = DS4):
+    def __init__(self, numerics: str = DS4, q8_dot: str = "ds4"):
+        """q8_dot (ds4 numerics only): "ds4" sums a Q8 matmul's blocks in float32 in ds4's order
+        (ds4.c, model/ds4_matmul.py); "exact" rounds the exact sum of the code * scale products
+        once, the function the cpu backend's integer kernels compute (docs/numerics.md)."""
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+        if q8_dot not in ("ds4", "exact"):
+            raise ValueError(f"q8_dot must be 'ds4' or 'exact', got {q8_dot!r}")
         self.numerics = numerics
         self._ds4 = numerics == DS4     # (a shorthand inside the ops; `numerics` is the one public name)
+        self._dot = self._ds4 and q8_dot == "ds4"
 
     # -- set-up and hand-offs (host memory: nothing to upload or copy) ---------------------------
     def bind_weights(self, model_file) -> tuple:
@@ -80,11 +89,12 @@ class NumpyOps:
 
     # -- matmuls -------------------------------------------------------------------------------
     def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
-        """x [T, in] -> [T, out] with W's rows (output units) `rows`. ds4 rounds the input of a
-        Q8_0 weight to Q8_0 blocks first, as its quantized dot product does: the exact values
-        code * scale (float64; their float32 rounding is not what an integer dot product sees),
-        so the float64 matmul is the exact sum rounded once, as the cpu backend's integer kernels
-        compute it."""
+        """x [T, in] -> [T, out] with W's rows (output units) `rows`. In ds4 numerics a Q8_0
+        weight meets ds4's Q8_0 activation codes: integer dots per 32-block, times the two
+        scales, summed over the blocks in float32 in block order (ds4.c dot_q8_0_row;
+        model/ds4_matmul.py). Other weights: float64 sums rounded once."""
+        if self._dot and w.type_id == Q.Q8_0:
+            return D.q8_0_matmul(w.data, D.q8_0_act(x), rows)
         x = N.q8_0_exact(x) if self._ds4 and w.type_id == Q.Q8_0 else _f32(x)
         return Q.matvec(w.type_id, w.data, x.T, rows, accumulate=np.float64).T
 
@@ -99,16 +109,26 @@ class NumpyOps:
         return np.concatenate([self.linear(w, x[:, g * gi:(g + 1) * gi], rows=slice(g * gr, (g + 1) * gr))
                                for g in range(groups)], axis=1)
 
-    def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
-        """Activation rounding of a routed-expert matmul input (identity in exact mode): in ds4
-        mode the exact Q8 values code * scale, float64 (see linear)."""
+    def expert_act(self, w: QTensor, x: np.ndarray):
+        """Activation rounding of a routed-expert matmul input (identity in exact mode). ds4
+        numerics: IQ2_XXS / Q2_K / Q8_0 weights get ds4's activation codes (a ds4_matmul.Q8Act,
+        Q8_K or Q8_0 blocks), for ds4's integer dot products in expert_linear. Q4_K and MXFP4
+        have none in ds4's CPU path (it refuses them): their input is the exact code * scale
+        (float64), and expert_linear's float64 matmul rounds the exact sum once (as every Q8
+        weight's with q8_dot="exact")."""
         if not self._ds4 or w.type_id in (Q.F32, Q.F16, Q.BF16):
             return x
+        if self._dot and w.type_id in _DS4_DOT:
+            return D.q8_0_act(x) if w.type_id == Q.Q8_0 else D.q8_k_act(x)
         return N.q8_0_exact(x) if w.type_id in _EXPERT_ACT_Q8_0 else N.q8_k_exact(x)
 
-    def expert_linear(self, w: QTensor, x_rounded: np.ndarray) -> np.ndarray:
-        """x [T, in] (already rounded by expert_act; float64 keeps its exact values) -> [T, out]
+    def expert_linear(self, w: QTensor, x_rounded) -> np.ndarray:
+        """x [T, in] (from expert_act: a Q8Act, or float64 exact values, or float) -> [T, out]
         for one expert's matrix."""
+        if isinstance(x_rounded, D.Q8Act):
+            if w.type_id == Q.Q8_0:
+                return D.q8_0_matmul(w.data, x_rounded)
+            return D.q8_k_matmul(w.type_id, w.data, x_rounded)
         x = x_rounded if x_rounded.dtype == np.float64 else _f32(x_rounded)
         return Q.matvec(w.type_id, w.data, x.T, accumulate=np.float64).T
 

@@ -1,0 +1,64 @@
+"""ds4's own dot products, bit for bit: the reference's `ds4` numerics against ds4's compiled code.
+
+`tests/golden/ds4_cpu_dots.npz` holds the outputs of ds4's CPU-path functions themselves (ds4.c
+at 8d57664 built with its Makefile's flags; tests/golden/README.md). The reference must give the
+same float32 bits, and the rule each test pins must matter: the exact sum rounded once (the rule
+before issue 33, NumpyOps(q8_dot="exact")) differs from ds4 at some of these outputs.
+docs/numerics.md lists every rule with its ds4 function.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from engine.backends.numpy.ops import NumpyOps
+from engine.gguf import quants as Q
+from engine.model import ds4_matmul as D
+
+FIX = np.load(Path(__file__).parent / "golden" / "ds4_cpu_dots.npz")
+FORMATS = {"q8_0": Q.Q8_0, "iq2_xxs": Q.IQ2_XXS, "q2_k": Q.Q2_K}
+
+
+def _matmul(ops: NumpyOps, name: str) -> np.ndarray:
+    w = SimpleNamespace(type_id=FORMATS[name], data=FIX[f"{name}_w"])
+    if name == "q8_0":
+        return ops.linear(w, FIX["x"])
+    return ops.expert_linear(w, ops.expert_act(w, FIX["x"]))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_reference_matmuls_are_ds4s_bit_for_bit(name):
+    got = _matmul(NumpyOps("ds4"), name)
+    want = FIX[f"{name}_y"]
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, np.abs(got - want).max())
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_exact_sum_is_not_ds4s(name):
+    """What the fixture can tell apart: the exact sum rounded once misses ds4's bits somewhere."""
+    exact = _matmul(NumpyOps("ds4", q8_dot="exact"), name)
+    assert (exact.view(np.uint32) != FIX[f"{name}_y"].view(np.uint32)).any(), name
+
+
+def test_q2_k_fuses_the_scale_term():
+    """ds4's Q2_K line as GCC compiles it (one FMA, the minimum term reassociated) is what gives
+    ds4's bits; the source read literally (two rounded products) does not, at some outputs."""
+    a = D.q8_k_act(FIX["x"])
+    b = D._blocks(FIX["q2_k_w"], Q.Q2_K)
+    isum = D._idots(a.q, D._decode_int(Q.Q2_K, D._with_scales(b, (80, 82), (1.0, 0.0)))).astype(np.float32)
+    summs = -D._idots(a.q, D._decode_int(Q.Q2_K, D._with_scales(b, (80, 82), (0.0, 1.0)))).astype(np.float32)
+    d, dmin = D._f16(b[..., 80:82]), D._f16(b[..., 82:84])
+    literal = np.zeros(FIX["q2_k_y"].shape, np.float32)
+    for k in range(a.q.shape[1]):
+        literal += (a.d[:, k, None] * d[None, :, k]) * isum[k] - (a.d[:, k, None] * dmin[None, :, k]) * summs[k]
+    assert (literal.view(np.uint32) != FIX["q2_k_y"].view(np.uint32)).any()
+
+
+def test_q8_act_selects_tokens():
+    a = D.q8_0_act(FIX["x"])
+    assert a.shape == FIX["x"].shape and a[1:].q.shape[0] == 2
+    with pytest.raises(ValueError):
+        D.q8_k_matmul(Q.Q4_K, FIX["q2_k_w"], D.q8_k_act(FIX["x"]))
