@@ -7,15 +7,17 @@ from pathlib import Path
 
 from prompts.system_prompt import AGENTS_MD_LIMIT, agent_system_text
 from tools.base import ToolContext, ToolError
-from tools.gitsafe import Git, GitError, NotARepository
+from tools.gitpy import safe_git
+from tools.gitsafe import GitError, NotARepository
 from tools.safefs import read_inside
 
 
 def git_summary(root: Path) -> str:
     """Branch and counts of staged and changed files, for the project's folder only. Runs git
-    through tools.gitsafe: a cloned repository's config (fsmonitor, filters, hooks) runs nothing."""
+    through GitPython as tools.gitpy wraps it, with tools.gitsafe's environment and overrides: a
+    cloned repository's config (fsmonitor, filters, hooks) runs nothing."""
     try:
-        g = Git(root)
+        g = safe_git(root)
         scope = ["--", "."] if g.prefix else []
         status, out, err = g.text("status", "--porcelain=v1", "--branch", "-z",
                                   "--untracked-files=normal", "--ignore-submodules=dirty", *scope)

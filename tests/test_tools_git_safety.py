@@ -20,7 +20,7 @@ import pytest
 
 import tools
 from ds4agent.environment import git_summary, system_text
-from tools import ToolContext, call
+from tools import ToolContext, call, gitpy, gitsafe
 from tools.gitrevs import root_path, split_object_path
 
 HOOKS = ["post-index-change", "pre-commit", "prepare-commit-msg", "commit-msg", "post-commit",
@@ -296,11 +296,16 @@ def test_no_repository_program_runs(tmp_path, monkeypatch, case):
         if k.startswith("GIT_"):
             monkeypatch.setenv(k, v)        # GIT_EXTERNAL_DIFF too: the tools must drop it
     ctx = ToolContext(root=r.root, scratch=tmp_path / "scratch")
+    through_gitpython = gitpy.calls[0]
     try:
         results = every_tool(r, ctx)
     finally:
         tools.close(ctx)
     assert r.found() == set(), f"{case}: a tool ran {r.found()}"
+    # the git tool and the summary went through GitPython (tools.gitpy), except where a GIT_*
+    # variable it cannot unset is set: then through gitsafe's subprocess
+    stray = gitpy.stray_variables(gitsafe.base_env(r.root))
+    assert (gitpy.calls[0] > through_gitpython) == (not stray), stray
     assert results["commit"].ok == ("by the tool" in r.git("log", "-1", "--format=%s"))
     assert "changed" in results["diff"].text
 

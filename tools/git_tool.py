@@ -3,14 +3,15 @@
 Two tools rather than one with a `commit` subcommand, so that approval is a property of the tool:
 the caller asks before git_commit and never before reading history. Every command goes through
 tools.gitsafe (no program the repository names is ever run: fsmonitor, textconv, filters, hooks,
-pagers, gpg, transports), and every revision argument through tools.gitrevs (no file outside the
-project is shown when the project is a subfolder of a larger repository).
+pagers, gpg, transports; the read commands run through GitPython, given the same environment and
+command line by tools.gitpy), and every revision argument through tools.gitrevs (no file outside
+the project is shown when the project is a subfolder of a larger repository).
 """
 from __future__ import annotations
 
 import os
 
-from . import gitrevs, gitsafe
+from . import gitpy, gitrevs, gitsafe
 from .base import MAX_RESULT_CHARS, Tool, ToolContext, ToolError, ToolResult, register, truncate
 
 
@@ -23,7 +24,17 @@ def _git_cmd(ctx: ToolContext) -> gitsafe.Git:
         raise ToolError(str(e)) from None
 
 
-def _run(g: gitsafe.Git, *args: str, ok=(0,)) -> tuple[int, str]:
+def _git_read(ctx: ToolContext) -> gitpy.SafeGit:
+    """The read commands' git: GitPython, with gitsafe's environment and command line."""
+    try:
+        return gitpy.safe_git(ctx.root)
+    except gitsafe.NotARepository:
+        raise ToolError("the project directory is not inside a git repository") from None
+    except gitsafe.GitError as e:
+        raise ToolError(str(e)) from None
+
+
+def _run(g: gitsafe.Git | gitpy.SafeGit, *args: str, ok=(0,)) -> tuple[int, str]:
     try:
         status, out, err = g.text(*args)
     except gitsafe.GitError as e:
@@ -50,7 +61,7 @@ def _paths(ctx: ToolContext, paths: list[str]) -> list[str]:
     return [os.path.relpath(ctx.resolve(p), root) for p in paths]
 
 
-def _scope(g: gitsafe.Git, ctx: ToolContext, args: dict) -> list[str]:
+def _scope(g: gitsafe.Git | gitpy.SafeGit, ctx: ToolContext, args: dict) -> list[str]:
     """The pathspec: the path asked for, else the project when it is a subfolder of the
     repository (so diffs, logs and commits never show a file outside it)."""
     if args.get("path"):
@@ -67,7 +78,7 @@ def _clip(text: str, hint: str) -> tuple[str, bool]:
 # ---------------------------------------------------------------------------------------- git
 
 def _git(args: dict, ctx: ToolContext) -> ToolResult:
-    g = _git_cmd(ctx)
+    g = _git_read(ctx)
     sub = args["subcommand"]
     refs, objects = gitrevs.confine(g, _refs(args.get("ref")), sub, allow_outside=ctx.allow_outside)
     scope = _scope(g, ctx, args)
@@ -92,7 +103,7 @@ def _git(args: dict, ctx: ToolContext) -> ToolResult:
     return ToolResult(text, truncated=cut)
 
 
-def _status(g: gitsafe.Git, scope: list[str]) -> ToolResult:
+def _status(g: gitpy.SafeGit, scope: list[str]) -> ToolResult:
     # the repository's status.showUntrackedFiles cannot hide untracked files (or list every one);
     # submodules are not entered (each would be a repository with its own config)
     _, out = _run(g, "status", "--short", "--branch", "--untracked-files=normal",
@@ -107,7 +118,7 @@ def _status(g: gitsafe.Git, scope: list[str]) -> ToolResult:
     return ToolResult(text, truncated=cut)
 
 
-def _diff(g: gitsafe.Git, args: dict, refs: list[str], objects: int, scope: list[str]) -> ToolResult:
+def _diff(g: gitpy.SafeGit, args: dict, refs: list[str], objects: int, scope: list[str]) -> ToolResult:
     if objects:
         # two files or folders as of revisions (REV:path REV:path) compare with each other only;
         # a single tree would be compared with the whole work tree, outside files included
@@ -135,7 +146,7 @@ def _diff(g: gitsafe.Git, args: dict, refs: list[str], objects: int, scope: list
     return ToolResult(text, truncated=cut)
 
 
-def _log(g: gitsafe.Git, args: dict, refs: list[str], scope: list[str]) -> ToolResult:
+def _log(g: gitpy.SafeGit, args: dict, refs: list[str], scope: list[str]) -> ToolResult:
     n = args.get("max_count", 20)
     stat = args.get("stat", False)
     # \x1e starts each commit, so commits can be counted with or without --stat; one more
