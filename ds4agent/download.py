@@ -14,11 +14,13 @@ against the bytes still to come before any are fetched.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 import tomllib
@@ -30,6 +32,10 @@ GB = 1000 ** 3
 SPARE = 2 * GB            # free space to leave beside the file (the disk is not filled to the byte)
 RETRIES = 5               # reconnects in one run after a dropped connection (each with new bytes resets it)
 CHUNK = 1 << 20
+CONNECT_S = 5             # seconds to open a connection to the Hub
+META_TRIES = 3            # metadata requests when the Hub is busy (429, 5xx) or a read timed out
+_BUSY = {f"HTTP {c}" for c in (408, 429, 500, 502, 503, 504)}
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 @dataclass(frozen=True)
@@ -91,14 +97,29 @@ def remote_file(name: str, endpoint: str) -> tuple[str, int, str | None]:
     from huggingface_hub import get_hf_file_metadata
     from huggingface_hub.errors import HfHubHTTPError
     # built here, not with hf_hub_url: that one starts from the endpoint huggingface_hub saw at import
+    from huggingface_hub.utils import httpx as http
     url = f"{endpoint}/{REPO}/resolve/main/{quote(name)}"
-    try:
-        meta = get_hf_file_metadata(url, timeout=30, endpoint=endpoint, retry_on_errors=True, **_library())
-    except HfHubHTTPError as e:
-        hint = "; set HF_TOKEN if the repository needs a sign-in" if _status(e) in ("HTTP 401", "HTTP 403") else ""
-        raise DownloadError(f"{endpoint} answered {_status(e)} for {REPO}/{name}{hint}") from None
-    except Exception as e:    # the HTTP library's connection errors and timeouts: the network, in one line
-        raise DownloadError(f"cannot reach {endpoint}: {_one_line(e)}") from None
+    # Our own retries, not the library's: it retried a refused connection or a failed DNS lookup
+    # for 26-28 s offline. Those fail at once; a busy Hub (429, 5xx) or a read that timed out
+    # gets a few more tries. A connection that cannot be made in CONNECT_S is not coming.
+    timeout = http.Timeout(30, connect=CONNECT_S)
+    for attempt in range(META_TRIES):
+        try:
+            meta = get_hf_file_metadata(url, timeout=timeout, endpoint=endpoint, retry_on_errors=False,
+                                        **_library())
+            break
+        except HfHubHTTPError as e:
+            if _status(e) in _BUSY and attempt + 1 < META_TRIES:
+                time.sleep(2 ** attempt)
+                continue
+            hint = "; set HF_TOKEN if the repository needs a sign-in" if _status(e) in ("HTTP 401", "HTTP 403") else ""
+            raise DownloadError(f"{endpoint} answered {_status(e)} for {REPO}/{name}{hint}") from None
+        except (http.ReadTimeout, http.RemoteProtocolError) as e:
+            if attempt + 1 < META_TRIES:
+                continue
+            raise DownloadError(f"cannot reach {endpoint}: {_one_line(e)}") from None
+        except Exception as e:    # no network, no DNS, refused: not transient, one line now
+            raise DownloadError(f"cannot reach {endpoint}: {_one_line(e)}") from None
     if meta.size is None:
         raise DownloadError(f"{endpoint} did not say the size of {name}")
     etag = (meta.etag or "").strip('"').lower()
@@ -131,26 +152,55 @@ def check_space(folder: Path, needed: int) -> None:
                             f"(+{_gb(SPARE)} spare), {_gb(free)} free; use --dir on a larger disk")
 
 
-def _hash_existing(part: Path, have: int, out) -> "hashlib._Hash":
+def open_regular(path: Path, *, write: bool) -> int | None:
+    """A descriptor of the regular file at path (None: nothing there and not `write`), never
+    through a symlink and never waiting on a FIFO: an outside file linked as the `.part` would
+    grow, and a FIFO would hang the download. With write the file is made when missing."""
+    flags = (os.O_RDWR | os.O_CREAT if write else os.O_RDONLY) | os.O_NONBLOCK | os.O_CLOEXEC | _NOFOLLOW
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        if write:
+            raise
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DownloadError(f"{path} is a symlink; it is not followed (remove it, or choose "
+                                "another --dir)") from None
+        if e.errno != errno.EISDIR:
+            raise
+        fd = None
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
+        raise DownloadError(f"{path} is not a regular file (remove it, or choose another --dir)")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _hash_existing(f, have: int, out, what: str = "already downloaded") -> "hashlib._Hash":
+    """The sha256 of the first `have` bytes of the open file f."""
     h = hashlib.sha256()
     if have:
-        print(f"resuming: checking the {_gb(have)} already downloaded", file=out)
-        with open(part, "rb") as f:
-            while block := f.read(16 * CHUNK):
-                h.update(block)
+        print(f"checking the {_gb(have)} {what}", file=out)
+        f.seek(0)
+        left = have
+        while left and (block := f.read(min(left, 16 * CHUNK))):
+            h.update(block)
+            left -= len(block)
     return h
 
 
-def fetch(url: str, part: Path, size: int, *, out, retries: int = RETRIES, name: str = "") -> "hashlib._Hash":
-    """Bring `part` to `size` bytes from `url` with Range requests; the sha256 of the whole file."""
+def fetch(url: str, f, size: int, *, out, retries: int = RETRIES, name: str = "") -> "hashlib._Hash":
+    """Bring the open `.part` file f to `size` bytes from `url` with Range requests; the sha256
+    of the whole file."""
     from huggingface_hub.utils import build_hf_headers, get_session
     from huggingface_hub.utils import httpx as http     # the HTTP library huggingface_hub's session is of
     from huggingface_hub.utils import tqdm as hf_tqdm
-    have = part.stat().st_size if part.exists() else 0
+    have = os.fstat(f.fileno()).st_size
     if have > size:                  # not a prefix of this file: start over
-        part.unlink()
         have = 0
-    digest = _hash_existing(part, have, out)
+    digest = _hash_existing(f, have, out)
     left = retries
     bar = hf_tqdm(total=size, initial=have, unit="B", unit_scale=True, unit_divisor=1024, desc=name[:40],
                   file=out, dynamic_ncols=True)
@@ -170,19 +220,18 @@ def fetch(url: str, part: Path, size: int, *, out, retries: int = RETRIES, name:
                     elif r.status_code == 206 and _range_start(r.headers.get("Content-Range")) != have:
                         raise DownloadError(f"the server resumed at the wrong place ({r.headers.get('Content-Range')}, "
                                             f"asked for byte {have})")
-                    with open(part, "r+b" if have else "wb") as f:
-                        f.seek(have)
-                        f.truncate()
-                        for chunk in r.iter_bytes(CHUNK):
-                            if have + len(chunk) > size:
-                                raise DownloadError(f"the server sent more than the {size} bytes it announced")
-                            f.write(chunk)
-                            digest.update(chunk)
-                            have += len(chunk)
-                            bar.update(len(chunk))
-                            left = retries          # progress: the reconnects count afresh
-                        f.flush()
-                        os.fsync(f.fileno())
+                    f.seek(have)
+                    f.truncate()
+                    for chunk in r.iter_bytes(CHUNK):
+                        if have + len(chunk) > size:
+                            raise DownloadError(f"the server sent more than the {size} bytes it announced")
+                        f.write(chunk)
+                        digest.update(chunk)
+                        have += len(chunk)
+                        bar.update(len(chunk))
+                        left = retries          # progress: the reconnects count afresh
+                    f.flush()
+                    os.fsync(f.fileno())
             except http.TransportError as e:
                 if left <= 0:
                     raise DownloadError(f"the connection failed at {_gb(have)} of {_gb(size)} ({_one_line(e)}); "
@@ -191,9 +240,10 @@ def fetch(url: str, part: Path, size: int, *, out, retries: int = RETRIES, name:
                 print(f"\nconnection lost at {_gb(have)} ({_one_line(e)}); resuming", file=out)
                 time.sleep(min(8.0, 0.5 * 2 ** (retries - left - 1)))
                 # the error comes between chunks: the file holds exactly the bytes hashed so far
-                if part.stat().st_size != have:
-                    have = part.stat().st_size
-                    digest = _hash_existing(part, have, out)
+                f.flush()
+                if os.fstat(f.fileno()).st_size != have:
+                    have = os.fstat(f.fileno()).st_size
+                    digest = _hash_existing(f, have, out)
             else:
                 if have < size:         # a body that ended early without an error: ask for the rest
                     if left <= 0:
@@ -208,10 +258,14 @@ def record_model(path: Path, config: Path) -> None:
     """Set `model = "<path>"` among config.toml's top-level keys (the rest of the file as it was),
     written to a temp name and renamed."""
     from engine.atomic import atomic_write
-    try:
-        text = config.read_text(encoding="utf-8")
+    from tools.safefs import read_regular
+    try:     # a FIFO or /dev/zero there is refused, not waited on or read forever
+        text = read_regular(config, 1 << 20, nofollow=False).decode("utf-8")
     except FileNotFoundError:
         text = ""
+    except (OSError, UnicodeDecodeError) as e:
+        raise DownloadError(f"cannot read {config} ({getattr(e, 'strerror', None) or e}); set model = "
+                            f"\"{path}\" there by hand") from None
     try:
         tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -246,26 +300,61 @@ def download(recipe: str, folder: Path, config: Path, *, out=None, retries: int 
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DownloadError(f"cannot create {folder}: {e.strerror or e}") from None
-    dest, part = folder / r.file, folder / (r.file + ".part")
-    if dest.is_file() and dest.stat().st_size == size:
-        print(f"already downloaded: {dest}", file=out)
-    else:
-        have = part.stat().st_size if part.is_file() else 0
-        check_space(folder, size - min(have, size))
-        print(f"downloading {r.file} ({_gb(size)}) from {endpoint}/{REPO}\n  to {dest}"
-              + (f"\n  resuming at {_gb(have)}" if have else "")
-              + "\n  (if it stops, run the same command again: it resumes)", file=out)
-        digest = fetch(url, part, size, out=out, retries=retries, name=r.file)
-        if part.stat().st_size != size:
-            raise DownloadError(f"{part} has {part.stat().st_size} bytes, not {size}; run again to resume")
-        if sha and digest.hexdigest() != sha:
-            part.unlink()
-            raise DownloadError(f"{r.file}: the sha256 does not match the Hub's; the download was removed, "
-                                "run the command again")
-        os.replace(part, dest)
+    dest = folder / r.file
+    if not _have_already(dest, size, sha, out):
+        _download_to(dest, url, size, sha, endpoint, out=out, retries=retries)
     record_model(dest, config)
     print(f"saved {dest}\nrecorded in {config}: `ds4-agent` in any project now uses this model", file=out)
     return dest
+
+
+def _have_already(dest: Path, size: int, sha: str | None, out) -> bool:
+    """Whether dest already is the published file: a regular file (not a symlink to one) of its
+    size and, where the Hub gives one, its sha256 (checked before its path is recorded)."""
+    fd = open_regular(dest, write=False)
+    if fd is None:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        have = os.fstat(fd).st_size
+        if have != size:
+            return False
+        if sha and _hash_existing(f, have, out, "of the file already there").hexdigest() != sha:
+            raise DownloadError(f"{dest} has the size but not the sha256 of the published file; "
+                                "remove it and run the command again")
+    print(f"already downloaded: {dest}", file=out)
+    return True
+
+
+def _download_to(dest: Path, url: str, size: int, sha: str | None, endpoint: str, *, out, retries: int):
+    part = dest.with_name(dest.name + ".part")
+    with os.fdopen(open_regular(part, write=True), "r+b") as f:
+        have = os.fstat(f.fileno()).st_size
+        check_space(dest.parent, size - min(have, size))
+        print(f"downloading {dest.name} ({_gb(size)}) from {endpoint}/{REPO}\n  to {dest}"
+              + (f"\n  resuming at {_gb(have)}" if have else "")
+              + "\n  (if it stops, run the same command again: it resumes)", file=out)
+        digest = fetch(url, f, size, out=out, retries=retries, name=dest.name)
+        got = os.fstat(f.fileno())
+        if got.st_size != size:
+            raise DownloadError(f"{part} has {got.st_size} bytes, not {size}; run again to resume")
+        if sha and digest.hexdigest() != sha:
+            f.truncate(0)
+            _unlink(part, got)
+            raise DownloadError(f"{dest.name}: the sha256 does not match the Hub's; the download was removed, "
+                                "run the command again")
+        os.replace(part, dest)
+        now = os.lstat(dest)       # the file renamed is the one written (not a .part swapped meanwhile)
+        if (now.st_dev, now.st_ino) != (got.st_dev, got.st_ino):
+            raise DownloadError(f"{part} changed while it was downloaded; run the command again")
+
+
+def _unlink(p: Path, st: os.stat_result) -> None:
+    try:
+        now = os.lstat(p)
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(p)
+    except OSError:
+        pass
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -285,6 +374,12 @@ def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     if a.recipe not in RECIPES:
         print(f"error: unknown recipe {a.recipe!r}: choose one of {', '.join(RECIPES)}", file=sys.stderr)
+        return 1
+    try:
+        str(a.dir).encode("utf-8")
+    except UnicodeEncodeError:      # config.toml records the path as UTF-8 text
+        print(f"error: --dir {ascii(str(a.dir))[1:-1]} is not a UTF-8 path; choose a folder whose name is UTF-8",
+              file=sys.stderr)
         return 1
     try:
         download(a.recipe, a.dir.expanduser().absolute(), agent_home() / "config.toml")

@@ -9,6 +9,7 @@ import http.server
 import os
 import socket
 import threading
+import time
 from collections import namedtuple
 
 import pytest
@@ -247,3 +248,79 @@ def test_no_model_message_names_download_and_ds4_model(tmp_path, monkeypatch, ca
     assert cli.main(["-p", "x"]) == 1
     err = capsys.readouterr().err
     assert "ds4-agent download q2-imatrix" in err and "$DS4_MODEL" in err
+
+
+# -- issue 32 item 4, issue 35 item 4: the files are the download's own, offline is quick --------
+def _threaded(fn, limit=20.0):
+    """fn() in a thread: a result, or "hung" when it does not end in `limit` s (a FIFO)."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(_catch(fn)), daemon=True)
+    t.start()
+    t.join(limit)
+    return box[0] if box else "hung"
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:      # noqa: BLE001 - the test looks at what it was
+        return e
+
+
+def test_a_symlinked_part_is_not_followed(hub, tmp_path):
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x" * 190)
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / (D.RECIPES["q2"].file + ".part")).symlink_to(outside)
+    got = _threaded(lambda: D.download("q2", m, tmp_path / "config.toml", out=open(os.devnull, "w")))
+    assert isinstance(got, D.DownloadError) and "symlink" in str(got), got
+    assert outside.read_bytes() == b"x" * 190 and not (tmp_path / "config.toml").exists()
+
+
+def test_a_fifo_part_is_refused_not_waited_on(hub, tmp_path):
+    m = tmp_path / "m"
+    m.mkdir()
+    os.mkfifo(m / (D.RECIPES["q2"].file + ".part"))
+    got = _threaded(lambda: D.download("q2", m, tmp_path / "config.toml", out=open(os.devnull, "w")))
+    assert isinstance(got, D.DownloadError) and "not a regular file" in str(got), got
+
+
+def test_a_same_size_symlink_or_wrong_file_at_the_destination_is_not_recorded(hub, tmp_path):
+    m = tmp_path / "m"
+    m.mkdir()
+    dest, cfg = m / D.RECIPES["q2"].file, tmp_path / "config.toml"
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"\0" * SIZE)                         # the size, not the bytes
+    dest.symlink_to(other)
+    got = _catch(lambda: D.download("q2", m, cfg, out=open(os.devnull, "w")))
+    assert isinstance(got, D.DownloadError) and "symlink" in str(got) and not cfg.exists()
+    dest.unlink()
+    dest.write_bytes(b"\0" * SIZE)
+    got = _catch(lambda: D.download("q2", m, cfg, out=open(os.devnull, "w")))
+    assert isinstance(got, D.DownloadError) and "sha256" in str(got) and not cfg.exists()
+    assert other.read_bytes() == b"\0" * SIZE
+
+
+def test_a_non_utf8_dir_is_one_line(hub, tmp_path, capsys):
+    bad = os.fsdecode(bytes(tmp_path) + b"/m\xff")
+    assert cli.main(["download", "q2", "--dir", bad]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --dir") and "UTF-8" in err and "\n" not in err
+    assert not os.path.exists(bad) and gets(hub) == []
+
+
+def test_offline_fails_in_seconds_with_one_line(hub, tmp_path, monkeypatch, capsys):
+    """A refused connection is not transient: the Hub library's retries took 26-28 s offline."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()                                          # a port nothing listens on
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    t = time.monotonic()
+    assert cli.main(["download", "q2", "--dir", str(tmp_path / "m")]) == 1
+    took = time.monotonic() - t
+    err = capsys.readouterr().err
+    assert took < 10, took
+    assert err.strip().splitlines()[-1].startswith(f"error: cannot reach http://127.0.0.1:{port}")
+    assert "retry" not in err.lower() and "Traceback" not in err
