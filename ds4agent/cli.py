@@ -18,6 +18,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from engine.console import console_main, exit_now
+
 from .home import agent_home
 
 GUIDANCE = """no model found (looked for {tried}).
@@ -217,16 +219,23 @@ def _resume_choice(store, resume):
         raise _Fail("no session chosen", plain=True) from None
 
 
+@console_main
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     sub = _subcommand(argv)
     if sub is not None:
         return sub
     try:
-        return _main(_parser().parse_args(argv))
+        rc = _main(_parser().parse_args(argv))
     except _Fail as e:
         print(e.line, file=sys.stderr)
         return 1
+    worker = sys.modules.get(__package__ + ".worker")
+    if worker is not None and worker.busy_mlx():
+        # the engine thread is still inside MLX (an interrupted turn that did not stop in time):
+        # finalizing the interpreter would abort the process (ds4agent/worker.py)
+        exit_now(rc)
+    return rc
 
 
 def _main(a) -> int:

@@ -17,6 +17,7 @@ from . import events as E
 from .worker import AgentWorker
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+STOP_GRACE_S = 20.0     # how long an interrupted run waits for the turn to stop and be saved
 
 
 def _is_tty(f) -> bool:
@@ -94,7 +95,18 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
         # True: the last session of the directory; else the sha `--resume NAME|ID|pick` chose
         worker.send_command("/resume" if resume is True else f"/switch {resume}")
     worker.send_user(task)
-    worker.stop(timeout=None)
+    try:
+        worker.stop(timeout=None)
+    except KeyboardInterrupt:
+        # Ctrl+C or SIGTERM: stop the turn and let the worker save it (a second one leaves now);
+        # a worker still inside the engine when the process ends is ds4agent/cli.py's to handle
+        end_live()
+        end_thinking()
+        err.write("interrupted: saving the session (Ctrl+C again leaves at once)\n")
+        err.flush()
+        worker.interrupt()
+        worker.done.wait(STOP_GRACE_S)
+        raise
     end_live()
     end_thinking()
     return _summary(worker.agent, state, calls, out, err)
