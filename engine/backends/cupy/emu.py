@@ -106,14 +106,18 @@ def _generate(src: str, label: str, kernels: dict[str, list[Param]]) -> str:
 
 
 def _include_dirs(path: Path | None, options) -> list[Path]:
-    dirs = [Path(path).resolve().parent] if path is not None else []
-    dirs.append(Path(str(kernel_dir("cuda_kernels"))))
+    """-I folders of the options first (so a test can shadow a header), then the source's own
+    folder, then cuda_kernels/ (its common.cuh)."""
+    dirs = []
     opts = list(options)
     for i, o in enumerate(opts):
         if o == "-I" and i + 1 < len(opts):
             dirs.append(Path(opts[i + 1]))
         elif o.startswith("-I") and len(o) > 2:
             dirs.append(Path(o[2:]))
+    if path is not None:
+        dirs.append(Path(path).resolve().parent)
+    dirs.append(Path(str(kernel_dir("cuda_kernels"))))
     return dirs
 
 
@@ -159,12 +163,12 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def load_module(code: str | None = None, path: str | Path | None = None, options=()) -> "Module":
-    """cupy.RawModule(code=...) or (path=...), emulated."""
+def load_module(code: str | None = None, path: str | Path | None = None, options=(), opt: str = "-O1") -> "Module":
+    """cupy.RawModule(code=...) or (path=...), emulated (opt: g++'s optimisation level)."""
     if (code is None) == (path is None):
         raise ValueError("load_module: give code or path, not both")
     src = Path(path).read_text() if code is None else code
-    lib, kernels = build(src, Path(path) if path is not None else None, options)
+    lib, kernels = build(src, Path(path) if path is not None else None, options, opt=opt)
     return Module(lib, kernels)
 
 
