@@ -2,8 +2,8 @@
 
 A checkpoint is a commit on a private ref, `refs/ds4-agent/<branch>/<n>`, whose tree is the work
 tree as it was (tracked and untracked files, ignored ones left out, as `git add -A` sees them). It
-is built with a private index file kept under the git folder (`<gitdir>/ds4-agent/index-<branch>`,
-GIT_INDEX_FILE): `git add -A` into it, `write-tree`, `commit-tree`, `update-ref`. So the user's
+is built with a private index file kept in the agent's own folder, never under the repository's
+.git (`<shadow_root>/index/<sha1 of the git folder>/index-<branch>`, GIT_INDEX_FILE): `git add -A` into it, `write-tree`, `commit-tree`, `update-ref`. So the user's
 index, HEAD, branch, stash and config are never read or written, and with the index's stat cache
 warm a checkpoint hashes only the files that changed (git's objects dedupe the rest).
 
@@ -21,14 +21,20 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from .gitpy import SafeGit
 from .gitsafe import Git, GitError, GitTimeout, NotARepository, _spawn
+from .safefs import fd_path
 
 REF_ROOT = "refs/ds4-agent"
 MAX_FILE = 50 * 2**20     # an untracked file bigger than this is left out of checkpoints
 KEEP_INDEXES = 20          # private index files kept (one per branch; ~100 bytes per tracked file)
+_WRITERS = {"add", "write-tree", "commit-tree", "update-ref"}     # git commands that write under .git
+# the reads: through GitPython (tools.gitpy); the rest through gitsafe's subprocess, same env
+GIT_READS = {"rev-parse", "for-each-ref", "diff-tree", "ls-files"}
 IDENTITY = {"GIT_AUTHOR_NAME": "ds4-agent", "GIT_AUTHOR_EMAIL": "ds4-agent@localhost",
             "GIT_COMMITTER_NAME": "ds4-agent", "GIT_COMMITTER_EMAIL": "ds4-agent@localhost"}
 
@@ -60,7 +66,9 @@ class CheckpointRepo:
             try:
                 self.git, self.shadow = Git(project, timeout=timeout), False
                 self.top = self.git.top
-                self.git_dir = Path(self._git("rev-parse", "--absolute-git-dir", index=False).strip())
+                gd, common = self._git("rev-parse", "--absolute-git-dir", "--path-format=absolute",
+                                       "--git-common-dir", index=False).splitlines()[:2]
+                self.git_dir, self.common = Path(gd), Path(common)
             except NotARepository:
                 self.shadow = True
                 self.git_dir = Path(shadow_root) / (hashlib.sha1(str(project).encode("utf-8", "surrogateescape"))
@@ -68,10 +76,16 @@ class CheckpointRepo:
                 if not (self.git_dir / "HEAD").exists():
                     _init_bare(self.git_dir, timeout)
                 self.git = Git.owned(self.git_dir, project, timeout=timeout)
+                self.common = self.git_dir
                 self.top = self.git.top
         except GitError as e:            # no git, too old, a broken config: one line
             raise CheckpointError(str(e)) from None
-        self.private = self.git_dir / "ds4-agent"
+        # The private indexes live in the agent's own folder, never under the repository's .git:
+        # git opens GIT_INDEX_FILE by path itself, so a `.git/ds4-agent` committed as a symlink
+        # would lead its writes (and our pruning) anywhere, and no check made by us before the
+        # call could stop git from following it. A path the repository cannot name can.
+        self.private = Path(shadow_root) / "index" / hashlib.sha1(
+            str(self.git_dir).encode("utf-8", "surrogateescape")).hexdigest()
         # a project in a subfolder of a repository: its checkpoints hold, compare and restore that
         # folder only (the agent works there; files elsewhere in the repository are not its to undo)
         self.prefix = "" if self.shadow else self.git.prefix
@@ -84,19 +98,34 @@ class CheckpointRepo:
         index: True the branch's private index (set by the caller in self._index), a path, or
         False (none named: commands that read no index)."""
         # pathspec magic on: every pathspec passed here is ours, wrapped in :(literal) (_literal)
+        verb = args[2] if args[0] == "-c" else args[0]
+        if verb in _WRITERS:
+            self._check_store()
+            args = ("-c", "core.logAllRefUpdates=false", *args)    # no reflog under logs/ either
         env = dict(self.git.env, **IDENTITY, GIT_LITERAL_PATHSPECS="0")
         if index is not False:
             env["GIT_INDEX_FILE"] = str(self._index if index is True else index)
         try:
-            r = _spawn(self.git.command(*args), self.top, env, self.git.timeout, input)
+            if _subcommand(args) in GIT_READS:      # reads through GitPython, the same env (tools.gitpy)
+                r = SafeGit(self.git, env).run(*args, input=input, cwd=self.top)
+            else:
+                r = _spawn(self.git.command(*args), self.top, env, self.git.timeout, input)
         except GitTimeout as e:
             raise CheckpointTimeout(str(e)) from None
         except GitError as e:
             raise CheckpointError(str(e)) from None
         if r.returncode != 0:
             msg = r.stderr.decode("utf-8", "replace").strip().splitlines()
-            raise CheckpointError(f"git {args[0]} failed: {msg[-1] if msg else f'exit status {r.returncode}'}")
+            raise CheckpointError(f"git {verb} failed: {msg[-1] if msg else f'exit status {r.returncode}'}")
         return r.stdout.decode("utf-8", "surrogateescape")
+
+    def _check_store(self):
+        """git writes a checkpoint's objects under objects/ and its refs under refs/ds4-agent/
+        of the repository: none of those folders may be a symlink (an unpacked archive can hold
+        `.git/objects/ab -> /elsewhere`, and git would write through it). Checked before every
+        snapshot and ref update; git's own writes are by path, so this is what can be checked."""
+        for sub in ("objects", "refs", REF_ROOT):
+            _no_symlinks(self.common / sub)
 
     def _use_index(self, branch: str):
         """The branch's private index; a new branch starts from the newest other one (its stat
@@ -253,6 +282,14 @@ def _init_bare(git_dir: Path, timeout: float):
                               f"{r.stderr.decode('utf-8', 'replace').strip()}")
 
 
+def _subcommand(args) -> str:
+    """The git subcommand of `args` (after any `-c key=value`)."""
+    i = 0
+    while i < len(args) and args[i] == "-c":
+        i += 2
+    return args[i] if i < len(args) else ""
+
+
 def _literal(path: str) -> str:
     return f":(literal,top){path}"     # a folder named `*` is a name, not a pattern
 
@@ -267,13 +304,25 @@ def _remove(top: Path, rel: str, stop: Path):
     """Delete one file (or symlink) of the work tree, then the folders it leaves empty, up to
     `stop` (the project folder: never itself, nothing above it)."""
     p = top / rel
-    if not os.path.realpath(p.parent).startswith(str(stop) + os.sep) and p.parent != stop:
-        raise CheckpointError(f"{rel}: its folder is no longer inside the project; not deleted")
-    try:
-        if p.is_symlink() or p.is_file():
-            p.unlink()
+    try:      # the folder is opened, then checked by its descriptor: a swap cannot redirect the unlink
+        dfd = os.open(p.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
     except OSError as e:
         raise CheckpointError(f"cannot delete {rel}: {e.strerror or e}") from None
+    try:
+        real = fd_path(dfd) or os.path.realpath(p.parent)
+        if real != str(stop) and not real.startswith(str(stop) + os.sep):
+            raise CheckpointError(f"{rel}: its folder is no longer inside the project; not deleted")
+        st = os.stat(p.name, dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(p.name, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise CheckpointError(f"cannot delete {rel}: {e.strerror or e}") from None
+    finally:
+        os.close(dfd)
     d = p.parent
     while d != stop and stop in d.parents:
         try:
@@ -281,6 +330,25 @@ def _remove(top: Path, rel: str, stop: Path):
         except OSError:
             break
         d = d.parent
+
+
+def _no_symlinks(d: Path):
+    """d (when it exists) and the folders in it are real folders, not symlinks."""
+    if not os.path.lexists(d):
+        return
+    try:
+        if d.is_symlink() or not d.is_dir():
+            raise CheckpointError(f"{d} is a symlink or not a folder: checkpoints are not taken "
+                                  "here (git would write through it)")
+        with os.scandir(d) as it:
+            bad = next((e.path for e in it if e.is_symlink()), None)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise CheckpointError(f"cannot read {d}: {e.strerror or e}") from None
+    if bad is not None:
+        raise CheckpointError(f"{bad} is a symlink: checkpoints are not taken here (git would "
+                              "write through it)")
 
 
 def _unlink(p: Path):
