@@ -62,3 +62,37 @@ def test_q8_act_selects_tokens():
     assert a.shape == FIX["x"].shape and a[1:].q.shape[0] == 2
     with pytest.raises(ValueError):
         D.q8_k_matmul(Q.Q4_K, FIX["q2_k_w"], D.q8_k_act(FIX["x"]))
+
+
+def _experts(rng, E=256, F=256, n=4):
+    """q2-recipe experts (IQ2_XXS gate/up, Q2_K down) as the ops read them (.expert(e))."""
+    def qt(t, rows, cols):
+        data = Q.random_blocks(t, rng, n * rows * cols // 256, 0.05).reshape(n, rows, -1)
+        return SimpleNamespace(type_id=t, data=data, expert=lambda e: SimpleNamespace(type_id=t, data=data[e]))
+    return SimpleNamespace(gate_exps=qt(Q.IQ2_XXS, F, E), up_exps=qt(Q.IQ2_XXS, F, E), down_exps=qt(Q.Q2_K, E, F))
+
+
+def test_routed_expert_weights_the_swiglu_output_before_its_q8_k_rounding():
+    """ds4 (matvec_iq2_xxs_mid_worker, then quantize_mid_pairs_worker): mid = silu(gate) * up *
+    weight, clamped gate <= c and |up| <= c first, then Q8_K-rounded for the down projection.
+    Weighting after the down projection (transformers' order) gives other bits."""
+    rng = np.random.default_rng(3)
+    lw, ops = _experts(rng), NumpyOps("ds4")
+    u = rng.standard_normal((2, 256)).astype(np.float32) * 3
+    we = np.array([[0.37], [1.21]], np.float32)
+    xe = ops.expert_act(lw.gate_exps, u)
+    got = ops.expert_out(lw, 1, xe, we, np.float32(10.0))
+    g = ops.expert_linear(lw.gate_exps.expert(1), xe)
+    v = ops.expert_linear(lw.up_exps.expert(1), xe)
+    mid = (ops.silu(np.minimum(g, 10)) * np.clip(v, -10, 10)) * we
+    want = D.q8_k_matmul(Q.Q2_K, lw.down_exps.data[1], D.q8_k_act(mid))
+    assert np.array_equal(got, want)
+    after = ops.expert_linear(lw.down_exps.expert(1), ops.expert_act(lw.down_exps, mid / we)) * we
+    assert not np.array_equal(got, after)
+
+
+def test_topk_ties_go_to_the_lowest_index():
+    """ds4's topk_desc and its indexer selection: repeated argmax with a strict '>', so among
+    equal scores the lowest index wins."""
+    s = np.array([[1.0, 3.0, 3.0, 0.5, 3.0]], np.float32)
+    assert NumpyOps.topk_lowest_index(s, 2).tolist() == [[1, 2]]
