@@ -1,0 +1,453 @@
+"""Build ds4 oracles: logits from ds4's own C CPU path on tiny synthetic models (issue 33).
+
+ds4 (github.com/antirez/ds4) implements exactly one shape, DeepSeek V4 Flash, in fixed-size
+constants.  This script copies a ds4 source tree into a private temp folder, edits that copy to
+the tiny shape of one GGUF, builds its CPU path (`make` objects as ds4's Makefile builds `cpu`:
+-O3 -ffast-math -march=native, -DDS4_NO_GPU), links scripts/ds4_oracle_driver.c (our own code,
+on ds4's public session API) and runs it.  Nothing of ds4 enters the project: the copy lives in
+/tmp and is deleted unless --keep.
+
+Edits to the private copy of ds4.c (each is a literal or one-line regex replacement that must
+match the stated number of times, else the script stops and says which edit failed):
+
+ 1. Fixed shape: every `DS4_N_*` constant of the "Fixed DeepSeek V4 Flash Shape" enum is set to
+    the GGUF's metadata value (layers, embedding, vocab, heads, head dims, RoPE dims, output
+    groups, LoRA ranks, experts, FFN width, hash layers, window, indexer, HC).  ds4 then
+    validates the GGUF against them exactly as it validates Flash.
+ 2. Compression schedule: `ds4_layer_compress_ratio()` computes Flash's schedule (0, 0, then
+    4/128 alternating); it returns the GGUF's `deepseek4.attention.compress_ratios` instead
+    (a table), so models whose compressed layers come in another order load and run.
+ 3. Literal Flash sizes in the CPU path use the constants: the query LoRA rank (`1024` in the
+    q projections' buffers and RMSNorm widths, decode scratch and batched prefill) becomes
+    DS4_N_LORA_Q; the grouped output projection's `n_groups = 8` / `rank = 1024` become
+    DS4_N_OUT_GROUP / DS4_N_LORA_O, and the decode scratch's `8u * 1024u` low buffer their
+    product.  With Flash constants these are the same numbers.
+ 4. Compressor kind by tensor: ds4's compressor picks "FP8 round trip" (attention) or
+    "Hadamard + FP4" (indexer) by comparing the row width with DS4_N_HEAD_DIM /
+    DS4_N_INDEXER_HEAD_DIM.  The tiny shape makes both 128, so the indexer rows would get the
+    attention treatment.  The copy decides by the norm tensor's name (`indexer` in it), which is
+    exactly what unmodified ds4 does with Flash widths (512 vs 128).
+ 5. One accessor appended: `ds4_session_logits_oracle()` returns the session's logits buffer
+    (the public header exposes only top-k log-probs).
+ 6. Only for models whose routed experts are Q4_K (the q4 recipe): ds4's CPU path has no Q4_K
+    expert kernels (only its Metal and CUDA paths do; the CPU path stops with "expected IQ2_XXS
+    expert tensors").  The copy gets OUR OWN scalar Q4_K x Q8_K block dot, written in the form
+    of ds4's scalar Q2_K dot (integer sums per block, then `sumf += d*dx*isum - d*dmin*summs` in
+    float32) with the block arithmetic of ds4's CUDA `dev_dot_q4_K_q8_K_block`; after the
+    original dot functions, macros send the routed-expert call sites (gate/up pair, down) to it,
+    and the four expert type checks accept Q4_K.  So a q4 oracle is ds4's CPU path everywhere
+    except the routed experts' block dot, which is ours: it referees everything around the
+    experts, not ds4's own Q4_K float order.  No other code changes.
+
+The driver writes, for the token ids: the logits after every id fed one at a time (the first
+through ds4_session_sync, the prefill path; the rest through ds4_session_eval, the decode path),
+and for a few positions p the last row of a fresh session synced to ids[0..p] in one call.
+
+Oracles (tests/oracles/<name>/, see ORACLES below): the model is regenerated from `ds4-gguf synth`
+arguments (ds4 loads what synth writes) and checked by sha256; the prompt is a chat rendered and
+tokenized by ds4 itself (ds4_encode_chat_prompt, no thinking) from a text file of this project.
+
+    .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src make [NAME ...]
+    .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src check-shared
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+DRIVER = Path(__file__).with_name("ds4_oracle_driver.c")
+OUT_ROOT = ROOT / "tests" / "oracles"
+SHARED = ROOT.parent / "shared" / "ds4-oracle"
+
+# DS4_N_* constant -> ModelConfig field
+CONSTANTS = {
+    "DS4_N_LAYER": "n_layer", "DS4_N_EMBD": "n_embd", "DS4_N_VOCAB": "n_vocab",
+    "DS4_N_HEAD": "n_head", "DS4_N_HEAD_KV": "n_head_kv", "DS4_N_HEAD_DIM": "head_dim",
+    "DS4_N_VALUE_DIM": "value_dim", "DS4_N_ROT": "n_rot", "DS4_N_OUT_GROUP": "o_groups",
+    "DS4_N_LORA_Q": "q_lora_rank", "DS4_N_LORA_O": "o_lora_rank", "DS4_N_EXPERT": "n_expert",
+    "DS4_N_EXPERT_USED": "n_expert_used", "DS4_N_EXPERT_SHARED": "n_expert_shared",
+    "DS4_N_FF_EXP": "n_ff_exp", "DS4_N_HASH_LAYER": "n_hash_layer", "DS4_N_SWA": "n_swa",
+    "DS4_N_INDEXER_HEAD": "idx_n_head", "DS4_N_INDEXER_HEAD_DIM": "idx_head_dim",
+    "DS4_N_INDEXER_TOP_K": "idx_topk", "DS4_N_HC": "n_hc", "DS4_N_HC_SINKHORN_ITER": "sinkhorn_iters",
+}
+
+# edit 3: (old, new, expected matches)
+LITERALS = [
+    ("xmalloc(1024 * sizeof(qr[0]))", "xmalloc(DS4_N_LORA_Q * sizeof(qr[0]))", 2),
+    ("xmalloc(1024 * sizeof(qr_norm[0]))", "xmalloc(DS4_N_LORA_Q * sizeof(qr_norm[0]))", 2),
+    ("q_a_norm, 1024, DS4_RMS_EPS", "q_a_norm, DS4_N_LORA_Q, DS4_RMS_EPS", 3),
+    ("scratch->qr = xmalloc(1024 * sizeof(float))", "scratch->qr = xmalloc(DS4_N_LORA_Q * sizeof(float))", 1),
+    ("scratch->qr_norm = xmalloc(1024 * sizeof(float))",
+     "scratch->qr_norm = xmalloc(DS4_N_LORA_Q * sizeof(float))", 1),
+    ("scratch->attn_low = xmalloc((size_t)8u * 1024u * sizeof(float))",
+     "scratch->attn_low = xmalloc((size_t)DS4_N_OUT_GROUP * DS4_N_LORA_O * sizeof(float))", 1),
+    ("(size_t)n_tok * 1024 * sizeof(qr", "(size_t)n_tok * DS4_N_LORA_Q * sizeof(qr", 2),
+    ("(uint64_t)t * 1024", "(uint64_t)t * DS4_N_LORA_Q", 3),
+    ("                        q_a_norm,\n                        1024,\n",
+     "                        q_a_norm,\n                        DS4_N_LORA_Q,\n", 1),
+    ("const uint32_t n_groups = 8;", "const uint32_t n_groups = DS4_N_OUT_GROUP;", 3),
+    ("const uint32_t rank = 1024;", "const uint32_t rank = DS4_N_LORA_O;", 3),
+]
+
+SCHEDULE_OLD = "    if (il < 2) return 0;\n    return (il & 1u) == 0 ? 4u : 128u;\n"
+COMPRESSOR_OLD = ("    if (head_dim == DS4_N_HEAD_DIM) {\n        dsv4_fp8_kv_quantize_row_inplace_cpu(out_comp, "
+                  "head_dim, DS4_N_ROT);\n    } else if (head_dim == DS4_N_INDEXER_HEAD_DIM) {\n")
+COMPRESSOR_NEW = ("    if (!ds4_oracle_is_indexer(norm)) {\n        dsv4_fp8_kv_quantize_row_inplace_cpu(out_comp, "
+                  "head_dim, DS4_N_ROT);\n    } else {\n")
+INDEXER_HELPER = """} ds4_tensor;
+
+/* oracle build: the indexer compressor is the one whose tensors are named indexer_* */
+static int ds4_oracle_is_indexer(const ds4_tensor *t) {
+    static const char key[] = "indexer";
+    for (uint64_t i = 0; i + sizeof(key) - 1 <= t->name.len; i++)
+        if (memcmp(t->name.ptr + i, key, sizeof(key) - 1) == 0) return 1;
+    return 0;
+}
+"""
+Q4K_ANCHOR = "/* Locate one expert's 2D matrix inside a 3D GGUF expert tensor. */\n"
+Q4K_DOT = """/* oracle build (edit 6): Q4_K routed experts on the CPU path; our code, see the build script */
+static void ds4_oracle_dot_q4_K_q8_K(int n, float *s, const void *vx, const block_q8_K *y) {
+    const block_q4_K *x = vx;
+    float sumf = 0.0f;
+    for (int i = 0; i < n / QK_K; i++) {
+        const uint8_t *sc = x[i].scales;
+        int isum = 0, summs = 0;
+        for (int j = 0; j < 8; j++) {
+            const int d = j < 4 ? (sc[j] & 63) : ((sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4));
+            const int m = j < 4 ? (sc[j + 4] & 63) : ((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
+            summs += m * (y[i].bsums[2 * j] + y[i].bsums[2 * j + 1]);
+            const uint8_t *q4 = x[i].qs + (j >> 1) * 32;
+            const int8_t *q8 = y[i].qs + j * 32;
+            const int shift = (j & 1) ? 4 : 0;
+            int dot = 0;
+            for (int k = 0; k < 32; k++) dot += ((q4[k] >> shift) & 0x0f) * q8[k];
+            isum += d * dot;
+        }
+        const float dall = y[i].d * f16_to_f32(x[i].d);
+        const float dmin = y[i].d * f16_to_f32(x[i].dmin);
+        sumf += dall * (float)isum - dmin * (float)summs;
+    }
+    *s = sumf;
+}
+#define ds4_vec_dot_iq2_xxs_pair_q8_K(n, s0, s1, x0, x1, y) \\
+    (ds4_oracle_dot_q4_K_q8_K((n), (s0), (x0), (y)), ds4_oracle_dot_q4_K_q8_K((n), (s1), (x1), (y)))
+#define ds4_vec_dot_q2_K_q8_K(n, s, x, y) ds4_oracle_dot_q4_K_q8_K((n), (s), (x), (y))
+
+"""
+Q4K_CHECKS = [("w0->type != 16 || w1->type != 16", "w0->type != 12 || w1->type != 12", 1),
+              ("gate_w->type != 16 || up_w->type != 16", "gate_w->type != 12 || up_w->type != 12", 1),
+              ("if (w->type != 10) ds4_die", "if (w->type != 12) ds4_die", 2)]
+ACCESSOR = "\n/* oracle build: the session's logits */\nconst float *ds4_session_logits_oracle(ds4_session *s) { return s->logits; }\n"
+
+
+def replace(text: str, old: str, new: str, count: int, what: str) -> str:
+    n = text.count(old)
+    if n != count:
+        raise SystemExit(f"edit '{what}': expected {count} match(es) of {old!r}, found {n}; ds4 changed?")
+    return text.replace(old, new)
+
+
+def edit_source(text: str, cfg, q4k: bool = False) -> str:
+    """The documented edits of the module docstring, each checked (6 only when `q4k`)."""
+    for const, field in CONSTANTS.items():                                    # 1
+        pat = re.compile(rf"^(\s*{const}\s*=\s*)\d+,", re.M)
+        text, n = pat.subn(rf"\g<1>{int(getattr(cfg, field))},", text)
+        if n != 1:
+            raise SystemExit(f"edit 1: constant {const} matched {n} times; ds4 changed?")
+    table = ", ".join(f"{int(r)}u" for r in cfg.compress_ratios)            # 2
+    text = replace(text, SCHEDULE_OLD, "    static const uint32_t ratios[] = {" + table + "};\n"
+                   "    return ratios[il];\n", 1, "2 schedule")
+    for old, new, count in LITERALS:                                           # 3
+        text = replace(text, old, new, count, f"3 {old[:40]}")
+    text = replace(text, "} ds4_tensor;\n", INDEXER_HELPER, 1, "4 helper")  # 4
+    text = replace(text, COMPRESSOR_OLD, COMPRESSOR_NEW, 2, "4 compressor")
+    if q4k:                                                                    # 6
+        text = replace(text, Q4K_ANCHOR, Q4K_DOT + Q4K_ANCHOR, 1, "6 q4_K dot")
+        for old, new, count in Q4K_CHECKS:
+            text = replace(text, old, new, count, f"6 {old}")
+    return text + ACCESSOR                                                     # 5
+
+
+def model_config(gguf: Path):
+    from engine.gguf.config import ModelConfig
+    from engine.gguf.gguf_file import GGUFFile
+    g = GGUFFile(gguf)
+    try:
+        return ModelConfig.from_gguf(g)
+    finally:
+        g.close()
+
+
+def routed_q4k(gguf: Path) -> bool:
+    from engine.gguf.gguf_file import GGUFFile
+    from engine.gguf.quants import Q4_K
+    g = GGUFFile(gguf)
+    try:
+        types = {t.type_id for n, t in g.tensors.items() if "_exps." in n}
+    finally:
+        g.close()
+    return types == {Q4_K}
+
+
+def build(src: Path, gguf: Path, work: Path) -> Path:
+    """Edit a copy of `src` in `work` for `gguf`'s shape, build its CPU objects and the driver."""
+    copy = work / "ds4"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns(".git", "*.o"))
+    c = copy / "ds4.c"
+    c.write_text(edit_source(c.read_text(), model_config(gguf), routed_q4k(gguf)))
+    cflags = ["-O3", "-ffast-math", "-g", "-march=native", "-Wall", "-std=c99", "-D_GNU_SOURCE",
+              "-fno-finite-math-only"]
+    run(["cc", *cflags, "-DDS4_NO_GPU", "-c", "-o", "ds4_cpu.o", "ds4.c"], copy)
+    run(["cc", *cflags, "-I", str(copy), "-c", "-o", "driver.o", str(DRIVER)], copy)
+    run(["cc", *cflags, "-o", "driver", "driver.o", "ds4_cpu.o", "-lm", "-pthread"], copy)
+    return copy / "driver"
+
+
+def run(cmd, cwd, env=None):
+    r = subprocess.run([str(x) for x in cmd], cwd=cwd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, cmd[:3]))} ... failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return r
+
+
+def driver_env(work: Path) -> dict:
+    # ds4 takes a single-instance lock (/tmp/ds4.lock by default): a private one per build
+    return dict(os.environ, DS4_LOCK_FILE=str(work / "ds4.lock"))
+
+
+def ds4_logits(driver: Path, gguf: Path, ids, positions, n_vocab: int, work: Path, threads: int = 2):
+    """(decode [n_ids, n_vocab], prefill [len(positions), n_vocab]) float32 from the driver."""
+    (work / "ids.txt").write_text("".join(f"{int(t)}\n" for t in ids))
+    dec, pre = work / "decode.f32", work / "prefill.f32"
+    run([driver, "logits", gguf, work / "ids.txt", n_vocab, threads, dec, pre, *positions], work,
+        driver_env(work))
+    return (np.fromfile(dec, np.float32).reshape(len(ids), n_vocab),
+            np.fromfile(pre, np.float32).reshape(len(positions), n_vocab))
+
+
+def ds4_tokenize(driver: Path, gguf: Path, system: str, user: str, work: Path) -> list[int]:
+    (work / "system.txt").write_text(system)
+    (work / "user.txt").write_text(user)
+    run([driver, "tokenize", gguf, work / "system.txt", work / "user.txt", work / "ids.out"], work,
+        driver_env(work))
+    return [int(x) for x in (work / "ids.out").read_text().split()]
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# name -> how it is made: `ds4-gguf synth` arguments (the model), the chat's text (a slice of a
+# file of this project at the commit that made it; oracle.json keeps the text itself)
+ORACLES = {
+    "s101-q2": dict(synth=["--seed", "101", "--recipe", "q2"],
+                    system="You are a careful assistant.", text=("README.md", 0, 2600)),
+    "s202-q2-16experts": dict(synth=["--seed", "202", "--recipe", "q2", "--experts", "16", "--experts-used", "4"],
+                              system="", text=("engine/gguf/gguf_cli.py", 0, 2700)),
+    "s303-q2-r128first": dict(synth=["--seed", "303", "--recipe", "q2", "--ratios", "0,0,128,4,128,4"],
+                              system="Answer briefly.", text=("docs/agent.md", 0, 2600)),
+    "s404-q4-8layers": dict(synth=["--seed", "404", "--recipe", "q4", "--ratios", "0,0,4,128,128,4,4,128"],
+                            system="You are a coding agent.", text=("docs/sessions.md", 0, 2600)),
+}
+DECODE_KEEP = 300                     # every decode row below this position is kept
+CHECKPOINTS = [0, 15, 16, 17, 63, 127, 128, 199, 255, 256, 383, 384, 511, 512, 639, 640, 767, 768,
+               1023, 1024]
+
+
+def synth_model(args: list[str], out: Path) -> Path:
+    """The oracle's model, written by `ds4-gguf synth` (the tests regenerate it the same way)."""
+    from engine.gguf.gguf_cli import main as gguf_main
+    if gguf_main(["synth", str(out), *args]) != 0:
+        raise SystemExit(f"ds4-gguf synth {' '.join(args)} failed")
+    return out
+
+
+def prompt_text(name: str, spec: dict) -> tuple[str, str]:
+    old = OUT_ROOT / name / "oracle.json"
+    if old.exists():                  # regenerate from the text the oracle was made from
+        j = json.loads(old.read_text())
+        return j["system"], j["user"]
+    path, start, n = spec["text"]
+    return spec["system"], (ROOT / path).read_text()[start:start + n]
+
+
+def make_oracle(name: str, src: Path, keep: bool) -> dict:
+    spec = ORACLES[name]
+    work = Path(tempfile.mkdtemp(prefix=f"ds4-oracle-{name}-"))
+    try:
+        gguf = synth_model(spec["synth"], work / "model.gguf")
+        cfg = model_config(gguf)
+        driver = build(src, gguf, work)
+        system, user = prompt_text(name, spec)
+        ids = ds4_tokenize(driver, gguf, system, user, work)
+        last = len(ids) - 1
+        prefill_at = [p for p in CHECKPOINTS if p < last] + [last]
+        dec, pre = ds4_logits(driver, gguf, ids, prefill_at, cfg.n_vocab, work)
+        rows = sorted(set(range(min(DECODE_KEEP, len(ids)))) | set(prefill_at))
+        out = OUT_ROOT / name
+        out.mkdir(parents=True, exist_ok=True)
+        _write_npz(out / "ds4_logits.npz", decode_positions=np.array(rows, np.int32),
+                   decode_logits=dec[rows], prefill_positions=np.array(prefill_at, np.int32),
+                   prefill_logits=pre, token_ids=np.array(ids, np.int32))
+        meta = dict(name=name, synth=spec["synth"], gguf_sha256=sha256(gguf), n_vocab=cfg.n_vocab,
+                    compress_ratios=list(cfg.compress_ratios), ds4_commit=ds4_commit(src),
+                    machine=machine(), system=system, user=user, token_ids=ids,
+                    decode_positions=rows, prefill_positions=prefill_at,
+                    self_check=self_check(dec, pre, prefill_at))
+        _write_text(out / "oracle.json", json.dumps(meta, indent=1) + "\n")
+        _write_text(out / "README.md", readme(meta, spec, q4k=routed_q4k(gguf)))
+        return meta
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def readme(meta: dict, spec: dict, q4k: bool) -> str:
+    src = spec["text"]
+    n = len(meta["token_ids"])
+    q4 = ("\nThe routed experts are Q4_K: ds4's CPU path has no Q4_K kernels, so the build adds our own "
+          "Q4_K x Q8_K block dot (edit 6 of the script): this oracle referees everything around the "
+          "experts, not ds4's own Q4_K float order.\n" if q4k else "")
+    return f"""# ds4 oracle {meta['name']}
+
+Logits from ds4's own C CPU path (antirez/ds4 {meta['ds4_commit'][:12]}, edited to this tiny shape
+by `scripts/build_ds4_oracle.py`, whose docstring lists every edit) on a synthetic model.
+{q4}
+- Model: `ds4-gguf synth OUT.gguf {' '.join(meta['synth'])}` (sha256 `{meta['gguf_sha256']}`;
+  the tests regenerate it and check the hash). Compress ratios {meta['compress_ratios']},
+  vocab {meta['n_vocab']}.
+- Prompt: {n} tokens, a chat (system {meta['system']!r}, user = `{src[0]}` characters
+  {src[1]}..{src[1] + src[2]} at the commit that made it; both texts are in `oracle.json`) rendered
+  and tokenized by ds4 itself (`ds4_encode_chat_prompt`, no thinking).
+- Built and run on: {meta['machine']}; 2 threads.
+- ds4 decode vs ds4's own prefill at the prefill checkpoints (the scale of what is reproducible):
+  median {meta['self_check']['decode_vs_prefill_median']}, max {meta['self_check']['decode_vs_prefill_max']}.
+
+## Files
+
+- `oracle.json`: `synth` (the model's arguments), `gguf_sha256`, `token_ids`, `system`, `user`,
+  `decode_positions`, `prefill_positions`, `ds4_commit`, `machine`, `self_check`.
+- `ds4_logits.npz` (float32): `decode_logits` [{len(meta['decode_positions'])}, vocab], the logits
+  after the token at each of `decode_positions` (every position below 300 and the prefill
+  checkpoints), all tokens fed one at a time (the first through `ds4_session_sync`, the prefill
+  path; the rest through `ds4_session_eval`, the decode path); `prefill_logits`
+  [{len(meta['prefill_positions'])}, vocab], for each of `prefill_positions` a fresh session synced to
+  tokens[0..p] in one call, the last row; also `token_ids`. Row i is the distribution of the
+  token after position i.
+
+## Regenerate
+
+    git clone https://github.com/antirez/ds4 /tmp/ds4-src && git -C /tmp/ds4-src checkout {meta['ds4_commit'][:12]}
+    .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src make {meta['name']}
+"""
+
+
+def self_check(dec, pre, positions) -> dict:
+    """ds4's decode vs its own prefill at the checkpoints: the scale of what is reproducible."""
+    d = np.abs(dec[positions] - pre).max(axis=1)
+    return {"decode_vs_prefill_median": round(float(np.median(d)), 4),
+            "decode_vs_prefill_max": round(float(d.max()), 4)}
+
+
+def _write_npz(path: Path, **arrays) -> None:
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def ds4_commit(src: Path) -> str:
+    f = src / "DS4_COMMIT"           # written by whoever exported the tree (git archive has no .git)
+    if f.exists():
+        return f.read_text().strip()
+    r = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
+
+
+def machine() -> str:
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = [f for f in ("avx512vbmi", "avx512f", "avx2", "fma") if f in flags]
+    cc = subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    return f"{os.uname().machine} {' '.join(isa)}; {' '.join(cc)}; -O3 -ffast-math -march=native"
+
+
+def check_shared(src: Path, keep: bool) -> None:
+    """Rebuild ../shared/ds4-oracle's logits with these edits and say how far they are."""
+    work = Path(tempfile.mkdtemp(prefix="ds4-oracle-shared-"))
+    try:
+        gguf = SHARED / "ds4-tiny-q2.gguf"
+        driver = build(src, gguf, work)
+        ref = np.load(SHARED / "ds4_logits.npz")
+        ids = json.loads((SHARED / "tokens.json").read_text())["token_ids"]
+        pos = [int(p) for p in ref["positions"]]
+        dec, pre = ds4_logits(driver, gguf, ids, pos, 4096, work)
+        print("decode max |diff|:", float(np.abs(dec - ref["decode_logits_all"]).max()),
+              " prefill max |diff|:", float(np.abs(pre - ref["prefill_logits_at_positions"]).max()))
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ds4-src", required=True, type=Path, help="a ds4 source tree (git archive of antirez/ds4)")
+    p.add_argument("--keep", action="store_true", help="keep the temp build folder")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make", help="write tests/oracles/NAME (all when none named)")
+    m.add_argument("names", nargs="*", metavar="NAME", help=", ".join(ORACLES))
+    sub.add_parser("check-shared", help="rebuild ../shared/ds4-oracle's logits and compare")
+    sub.add_parser("readmes", help="rewrite every oracle's README.md from its oracle.json")
+    a = p.parse_args(argv)
+    if not (a.ds4_src / "ds4.c").exists():
+        p.error(f"{a.ds4_src} has no ds4.c")
+    unknown = [n for n in getattr(a, "names", []) if n not in ORACLES]
+    if unknown:
+        p.error(f"unknown oracle {unknown[0]!r}; known: {', '.join(ORACLES)}")
+    if a.cmd == "readmes":
+        for name, spec in ORACLES.items():
+            meta_path = OUT_ROOT / name / "oracle.json"
+            if meta_path.exists():
+                meta = json.loads(meta_path.read_text())
+                q4k = "q4" in meta["synth"]
+                _write_text(OUT_ROOT / name / "README.md", readme(meta, spec, q4k))
+        return 0
+    if a.cmd == "check-shared":
+        check_shared(a.ds4_src, a.keep)
+        return 0
+    for name in a.names or list(ORACLES):
+        meta = make_oracle(name, a.ds4_src, a.keep)
+        print(f"{name}: {len(meta['token_ids'])} tokens, {len(meta['decode_positions'])} decode rows, "
+              f"{len(meta['prefill_positions'])} prefill rows, {meta['self_check']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
