@@ -352,6 +352,10 @@ def parse_tools(cur: Cursor, wire: dict | None = None) -> list[str]:
         raise JSONBad("tools is not an array")
     lines: list[str] = []
     for _ in cur.arr():
+        run = cur.skip_scalars()
+        if run is not None:           # numbers and literals: their text, read at once
+            lines.extend(run)
+            continue
         raw = cur.raw()
         fn = _openai_function(raw)
         if fn is not None:

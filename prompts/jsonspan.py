@@ -19,6 +19,7 @@ Every failure raises `JSONBad`; the request parsers turn it into "invalid JSON r
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Iterator
 
@@ -38,6 +39,20 @@ _NUMBER = re.compile(
     r")"
 )
 _PLAIN = re.compile(r'[^"\\]*')
+# one scalar as `skip` reads it (literals first, then strtod), and a run of them as ds4's loose
+# loops read them: separators taken only between two scalars, so the loop sees the last one's.
+# Plain decimals only, and only where strtod would end them too (the lookahead): anything else
+# ends the run early, and the loop reads it the slow way, which is always exact.
+# (Possessive: the loop never takes back what it read, and re runs them twice as fast.)
+_SCALAR = r"(?:[+-]?+[0-9]++(?:\.[0-9]++)?+(?:[eE][+-]?+[0-9]++)?+(?![.eExX0-9])|true|false|null)"
+_SCALAR_ONE = re.compile(_SCALAR)
+_SCALAR_RUN = re.compile(_SCALAR + r"(?:[ \t\n\v\f\r]*+,?+[ \t\n\v\f\r]*+" + _SCALAR + ")*+")
+# Skipping a container runs Python's C decoder first: JSON it accepts is JSON ds4's strict skip
+# accepts (its numbers, literals, escapes and whitespace are subsets of strtod's and ds4's), up
+# to nesting, checked below. What it refuses goes through the exact slow path. The slow path
+# costs ~2-4 us a value, so a 10 MB body of ignored numbers took 20-40 s of CPU (issue 32 item 5).
+_DECODER = json.JSONDecoder(strict=False)
+_PAIRS = json.JSONDecoder(strict=False, object_pairs_hook=lambda pairs: [v for _, v in pairs])
 _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
 _SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 
@@ -168,6 +183,8 @@ class Cursor:
         """Skip one value, strictly (ds4 json_skip_value)."""
         self.ws()
         c = self.peek()
+        if (c == "[" or c == "{") and self._fast_skip(depth):
+            return
         if c == '"':
             self.string()
         elif c == "{":
@@ -209,6 +226,34 @@ class Cursor:
             return
         else:
             self.number()
+
+    def _fast_skip(self, depth: int) -> bool:
+        """Skip a container with the C decoder; False (nothing consumed) when it refuses it or
+        it nests past MAX_NESTING, for the slow path to decide as ds4 does."""
+        s, i = self.s, self.i
+        try:
+            v, end = _DECODER.raw_decode(s, i)
+            if depth + s.count("[", i, end) + s.count("{", i, end) > MAX_NESTING:
+                # brackets (some maybe inside strings) could nest too deep: measure, with every
+                # duplicate key's value kept (a dict keeps only the last: objects become lists)
+                if s.count("{", i, end):
+                    v = _PAIRS.raw_decode(s, i)[0]
+                if depth + _nesting(v, MAX_NESTING - depth) > MAX_NESTING:
+                    return False
+        except (ValueError, RecursionError):
+            return False
+        self.i = end
+        return True
+
+    def skip_scalars(self) -> list[str] | None:
+        """Skip a run of scalars (numbers, literals) of a loose loop at once, up to the last one
+        (the loop reads the separator after it): their texts; None when the next value is no
+        plain scalar."""
+        m = _SCALAR_RUN.match(self.s, self.i)
+        if not m:
+            return None
+        self.i = m.end()
+        return _SCALAR_ONE.findall(m.group())
 
     def raw(self) -> str:
         """The exact text of the next value, from its first non-whitespace character."""
@@ -277,9 +322,19 @@ class Cursor:
                         parts.append(self.string())
                     else:
                         self.skip()
-            else:
+            elif self.skip_scalars() is None:
                 self.skip()
         return "".join(parts)
+
+
+def _nesting(v: list, stop: int) -> int:
+    """How deep lists nest in v (1: a flat list; objects are lists of their values here),
+    level by level; past `stop` levels it stops counting."""
+    depth, level = 0, [v]
+    while level and depth <= stop:
+        depth += 1
+        level = [y for x in level for y in x if type(y) is list]
+    return depth
 
 
 def minify(raw: str) -> str:
