@@ -11,7 +11,6 @@ The model is --model, else $DS4_MODEL, else ./ds4flash.gguf, else `model` in
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -70,9 +69,9 @@ DEFAULT_CTX = 65536
 
 
 def _parser():
-    from engine.cli_help import DefaultsHelpFormatter, add_version_flag
-    p = argparse.ArgumentParser(prog="ds4-agent", description="a native coding agent for DeepSeek V4 Flash",
-                                formatter_class=DefaultsHelpFormatter, epilog=EPILOG)
+    from engine.cli_help import ArgumentParser, DefaultsHelpFormatter, add_version_flag
+    p = ArgumentParser(prog="ds4-agent", description="a native coding agent for DeepSeek V4 Flash",
+                       formatter_class=DefaultsHelpFormatter, epilog=EPILOG)
     add_version_flag(p)
     p.add_argument("-m", "--model", help="path to a ds4 GGUF (else $DS4_MODEL, ./ds4flash.gguf, the config's model)")
     p.add_argument("--ctx", type=int, metavar="N", help=f"context size in tokens (default {DEFAULT_CTX}, or `ctx` in the config)")
@@ -239,6 +238,9 @@ def main(argv=None) -> int:
 
 
 def _main(a) -> int:
+    if a.prompt is not None and not a.prompt.strip():
+        # an empty task once ran a whole turn (117 s on the real model) on nothing
+        raise _Fail("the task given with -p is empty: say what to do, e.g. -p \"explain this project\"")
     from engine.options import EngineOptions
     try:
         options = EngineOptions.from_args(a)

@@ -359,7 +359,8 @@ def _unlink(p: Path, st: os.stat_result) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     from .home import agent_home
-    p = argparse.ArgumentParser(prog="ds4-agent download", formatter_class=argparse.RawDescriptionHelpFormatter,
+    from engine.cli_help import ArgumentParser    # a bad argument: one line, exit 1
+    p = ArgumentParser(prog="ds4-agent download", formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description=f"download one of ds4's published GGUF files from {REPO} "
                                             "(resumable) and record its path for ds4-agent",
                                 epilog=recipe_table(machine_memory()))

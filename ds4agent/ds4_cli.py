@@ -1,21 +1,24 @@
 """`ds4`: one-shot generation with DeepSeek V4 Flash, streaming text as it is sampled.
 
   ds4 -m model.gguf -p "hello" -n 64 [--nothink] [--temp 0] [--dump-logprobs out.json]
+  echo "hello" | ds4 -m model.gguf      the prompt from stdin (when neither -p nor --prompt-file)
 
 The prompt is rendered by the prompt layer as one user turn (BOS, <｜User｜> prompt <｜Assistant｜>,
 then <think> or </think>); markers typed in the prompt are recognised as ds4 recognises them.
-Prefill and generation speeds go to stderr at the end; a bad model file or argument is one
-`error:` line and exit status 1.
+Prefill and generation speeds go to stderr at the end: the tokens the model generated (the
+end-of-turn token is not one) and a rate only where there was time to measure. A prompt is
+required (an empty or blank one is refused: it used to generate from nothing); a bad model file or
+argument is one `error:` line and exit status 1.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 from engine import ModelFileError
-from engine.cli_help import DefaultsHelpFormatter, add_version_flag
+from engine.cli_help import ArgumentParser, DefaultsHelpFormatter, add_version_flag
+from engine.console import console_main
 from engine.options import EngineOptions, add_engine_flags
 from prompts.messages import Message
 from prompts.render import render_messages, think_mode_for_context
@@ -27,12 +30,13 @@ def render_user_turn(prompt: str, think: str) -> str:
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="ds4", description="run DeepSeek V4 Flash on one prompt",
-                                formatter_class=DefaultsHelpFormatter)
+    p = ArgumentParser(prog="ds4", description="run DeepSeek V4 Flash on one prompt",
+                       formatter_class=DefaultsHelpFormatter)
     add_version_flag(p)
     p.add_argument("-m", "--model", required=True, help="path to a ds4 GGUF")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("-p", "--prompt", help="the user message")
+    g.add_argument("-p", "--prompt", help="the user message (neither this nor --prompt-file: stdin, "
+                                          "when it is not a terminal)")
     g.add_argument("--prompt-file", help="read the user message from a file")
     p.add_argument("-n", "--n-predict", type=int, default=256, help="tokens to generate")
     p.add_argument("--ctx", type=int, default=4096, help="context size in tokens")
@@ -63,16 +67,42 @@ def _fail(msg: str) -> int:
     return 1
 
 
-def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
+def _prompt(a, stdin) -> str:
+    """The user message: -p, --prompt-file, else stdin when it is not a terminal. ValueError when
+    there is none, or it is blank."""
     if a.prompt_file:
         try:
             with open(a.prompt_file, encoding="utf-8") as f:
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            return _fail(f"{a.prompt_file}: cannot read the prompt: {getattr(e, 'strerror', None) or e}")
+            raise ValueError(f"{a.prompt_file}: cannot read the prompt: {getattr(e, 'strerror', None) or e}") from None
+        where = a.prompt_file
+    elif a.prompt is not None:
+        prompt, where = a.prompt, "-p"
     else:
-        prompt = a.prompt if a.prompt is not None else ""
+        try:
+            tty = stdin is None or stdin.isatty()
+        except (AttributeError, ValueError):
+            tty = True
+        if tty:
+            raise ValueError("no prompt: give -p TEXT or --prompt-file FILE, or pipe the prompt on stdin")
+        try:
+            prompt = stdin.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the prompt from stdin: {getattr(e, 'strerror', None) or e}") from None
+        where = "stdin"
+    if not prompt.strip():
+        raise ValueError(f"the prompt ({where}) is empty: there is nothing to answer")
+    return prompt
+
+
+@console_main
+def main(argv=None, stdin=None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        prompt = _prompt(a, sys.stdin if stdin is None else stdin)
+    except ValueError as e:
+        return _fail(str(e))
     if a.n_predict < 0 or a.ctx < 16 or a.logprobs_top_k < 1:
         return _fail("-n must be >= 0, --ctx >= 16 and --logprobs-top-k >= 1")
     try:
@@ -86,6 +116,8 @@ def main(argv=None) -> int:
         return _run(a, options, prompt, think)
     except ModelFileError as e:
         return _fail(str(e))
+    except BrokenPipeError:
+        raise                         # a reader that went away: console_main ends quietly
     except (ValueError, OSError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -145,11 +177,26 @@ def _run(a, options: EngineOptions, prompt: str, think: str) -> int:
         _write_json(a.dump_logprobs, {"prompt_tokens": len(ids), "top_k": a.logprobs_top_k, "steps": steps})
     if a.dump_logits:
         logits_dump.save(a.dump_logits)
-    n_gen = len(generated)
-    print(f"prefill: {len(ids)} tokens in {t_prefill:.2f} s ({len(ids) / max(t_prefill, 1e-9):.2f} t/s); "
-          f"generation: {n_gen} tokens in {t_gen:.2f} s ({n_gen / max(t_gen, 1e-9):.2f} t/s)", file=sys.stderr)
+    ended = bool(generated) and generated[-1] == tok.eos_id
+    n_gen = len(generated) - ended
+    # the first token is sampled from the prefill's logits: the decode steps are the evals after it
+    steps = max(0, len(generated) - 1)
+    print(f"prefill: {speed(len(ids), len(ids), t_prefill)}; generation: {speed(n_gen, steps, t_gen)}"
+          + ("; the model ended its turn" if ended else ""), file=sys.stderr)
     eng.close()
     return 0
+
+
+MIN_TIMED_S = 0.01      # below this a rate says more about the clock than the model
+
+
+def speed(n: int, steps: int, secs: float) -> str:
+    """`N tokens in S s (R t/s)`: the rate over the `steps` that took `secs`, or none when there
+    were none or too little time to measure (`ds4 -n 3` once said 3263 t/s for ~0 s)."""
+    head = f"{n} token{'' if n == 1 else 's'} in {secs:.2f} s"
+    if steps <= 0 or secs < MIN_TIMED_S:
+        return head + " (too short to measure a rate)" if n else head
+    return f"{head} ({steps / secs:.2f} t/s)"
 
 
 def _piece(tok, t: int) -> str:

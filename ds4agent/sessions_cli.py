@@ -22,15 +22,16 @@ class NoChoice(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds4-agent sessions",
+    from engine.cli_help import ArgumentParser
+    p = ArgumentParser(prog="ds4-agent sessions",
                                 description="the agent's saved sessions (the TUI's /list, /delete)")
     sub = p.add_subparsers(dest="cmd")
     ls = sub.add_parser("list", help="saved sessions of this directory, newest first (the default)")
     ls.add_argument("--all", action="store_true", help="every project's sessions")
     sh = sub.add_parser("show", help="one session: its record, lineage and last user messages")
-    sh.add_argument("ref", metavar="ID|NAME")
+    sh.add_argument("ref", metavar="ID|NAME", help="the session's name or the start of its id")
     de = sub.add_parser("delete", help="delete a saved session (its .kv file and its record)")
-    de.add_argument("ref", metavar="ID|NAME")
+    de.add_argument("ref", metavar="ID|NAME", help="the session's name or the start of its id")
     return p
 
 

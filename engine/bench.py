@@ -53,7 +53,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .console import console_main
 from .errors import ModelFileError
+from .gguf.gguf_file import check_model_path
 from .options import EngineOptions, add_engine_flags
 from .gguf.layout import EMBED, HASH, ROUTED
 from .bench_peer import device_line, peer_options, ratio_lines, release_memory, rss_bytes
@@ -243,15 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", default=None,
                    help="raw text to tokenize (default: an excerpt of I promessi sposi shipped with the "
                         "package, ~69k tokens, the text of ds4's own benchmark)")
-    p.add_argument("--ctx-start", type=_positive_int, default=2048)
-    p.add_argument("--ctx-max", type=_positive_int, default=32768)
+    p.add_argument("--ctx-start", type=_positive_int, default=2048,
+                   help="the first frontier: context length of the first measured row, in tokens (default %(default)s)")
+    p.add_argument("--ctx-max", type=_positive_int, default=32768,
+                   help="the last frontier: the sweep stops at this context length, in tokens (default %(default)s)")
     step = p.add_mutually_exclusive_group()
     step.add_argument("--step-incr", type=_positive_int, default=None, help="linear step (default 2048)")
     step.add_argument("--step-mul", type=_mul, default=None, help="multiplicative step F (ceil, at least +1)")
-    p.add_argument("--gen-tokens", type=_positive_int, default=128)
+    p.add_argument("--gen-tokens", type=_positive_int, default=128,
+                   help="tokens decoded at each frontier to measure decode speed (default %(default)s)")
     p.add_argument("--ctx", type=_positive_int, default=None, help="session context (default ctx-max + gen-tokens + 1)")
     add_engine_flags(p)
-    p.add_argument("--chunk", type=_positive_int, default=None, help="prefill chunk size")
+    from .runtime.session import DEFAULT_CHUNK
+    p.add_argument("--chunk", type=_positive_int, default=None,
+                   help=f"prefill chunk size in tokens (default {DEFAULT_CHUNK}, the engine's)")
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write an SVG chart here")
     p.add_argument("--dump-tokens", default=None, help="write the greedy tokens of each frontier as JSON")
@@ -266,9 +273,12 @@ def _err(msg: str) -> int:
     return 1
 
 
+@console_main
 def main(argv=None) -> int:
     try:
         return _main(argv)
+    except BrokenPipeError:
+        raise                   # a reader that went away: console_main ends quietly
     except BenchError as e:
         return _err(str(e))
     except ModelFileError as e:
@@ -298,8 +308,7 @@ def _main(argv) -> int:
         a.step_incr = 2048
     options = EngineOptions.from_args(a)        # a bad value: ValueError, one line (main)
     peer = peer_options(options, a.peer)        # checked before the first sweep spends its time
-    if not Path(a.model).is_file():
-        raise BenchError(f"{a.model}: no such model file")
+    check_model_path(a.model)       # "is a directory", "no such file": as every command says
     prompt, text = _read_prompt(a.prompt_file)
     if a.ctx_start > a.ctx_max:
         raise BenchError(f"--ctx-start {a.ctx_start} is above --ctx-max {a.ctx_max}")

@@ -36,3 +36,13 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _fill_text(self, text, width, indent):
         # the epilog lists commands a line each, as written: the default reflow ran them together
         return "\n".join(indent + line for line in text.splitlines())
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every command's parser: a bad flag or value (`--ctx abc`, an unknown option, a missing
+    argument) is one `error:` line and exit status 1, as the commands' own checks are; argparse's
+    default printed the whole usage (19 lines for ds4-agent) and exited 2. Subcommand parsers are
+    made of the same class (add_subparsers uses the parent's)."""
+
+    def error(self, message):
+        self.exit(1, f"error: {message} (`{self.prog} --help` lists the options)\n")

@@ -12,8 +12,10 @@ A FIFO or device is reported, never opened (it would block or have side effects)
 on the command line is followed (the user chose it), unlike links inside a cache folder. With a
 model, the payload's token ids must spell the file's text (kvfile.check_payload_text).
 
-Exit status 0 when every file is valid, 1 otherwise. A bad file prints one line to stderr,
-`error: FILE: problem`; never a traceback.
+Exit status 0 when every file is valid, 1 otherwise. A bad file's report ends `invalid` (as a good
+one's ends `valid`) and its problem is said once, on stderr: `error: FILE: problem` (it was on
+both before). Never a traceback; a reader that goes away (`| head`) ends it quietly
+(engine/console.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import re
 import struct
 import sys
 from datetime import datetime, timezone
+
+from engine.console import console_main
 
 from . import safeio
 from .kvfile import (FLAG_RESPONSES_KEY, FLAG_THINKING_KEY, FLAG_TOOL_MAP, PREFIX_BYTES,
@@ -133,18 +137,18 @@ def report(path: str, engine=None, out=print) -> str | None:
     try:
         h, size = read_header(path)
     except KVFileError as e:
-        out(f"  invalid: {e.problem}")
+        out("  invalid")              # the problem: the caller's one error line
         return str(e)
     try:
         return _report(path, h, size, engine, out)
     except KVFileError as e:
-        out(f"  invalid: {e.problem}")
+        out("  invalid")
         return str(e)
     except MemoryError:
         msg = f"{path}: not enough memory to load the payload"
     except Exception as e:  # never a traceback: anything unexpected is still one error line
         msg = f"{path}: {type(e).__name__}: {e}"
-    out(f"  invalid: {msg.split(': ', 1)[1]}")
+    out("  invalid")
     return msg
 
 
@@ -217,14 +221,15 @@ def _report(path: str, h: KVHeader, size: int, engine, out) -> str | None:
 
 # -- main ----------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds4-kv", description="inspect and validate ds4 KV cache files")
-    from engine.cli_help import add_version_flag
+    from engine.cli_help import ArgumentParser, add_version_flag
+    p = ArgumentParser(prog="ds4-kv", description="inspect and validate ds4 KV cache files")
     add_version_flag(p)
     p.add_argument("files", nargs="+", metavar="FILE", help="KV files (<sha1>.kv)")
     p.add_argument("-m", "--model", help="a ds4 GGUF: also load each payload into a session of it")
     return p
 
 
+@console_main
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     try:
@@ -249,12 +254,6 @@ def main(argv=None) -> int:
         return 1 if bad else 0
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:   # `ds4-kv *.kv | head`
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return 1
 
 
 if __name__ == "__main__":

@@ -578,7 +578,9 @@ def test_cli_bad_files_one_error_line_each(corpus, saved, small_model, capsys):
     assert len(errors) == len(bad) and all(e.startswith("error: ") for e in errors)
     for path, line in zip(bad, errors):
         assert line.startswith(f"error: {path}: ")
-    assert out.count("\n  valid") == 1 and out.count("\n  invalid: ") == len(bad)
+    assert out.count("\n  valid") == 1 and out.count("\n  invalid\n") == len(bad)
+    for path, line in zip(bad, errors):      # said once: stderr has the problem, stdout the verdict
+        assert line.split(": ", 2)[2] not in out
     # the larger-context file is fine by itself: ds4-kv loads it with the header's context
     rc, out, err = run_cli(capsys, corpus["larger-ctx"][0], "-m", small_model)
     assert rc == 0 and "valid (loaded into a 1024-token session" in out

@@ -140,7 +140,7 @@ def test_flash_schedule_and_constants():
 
 
 def test_console_scripts_run(tiny_q2):
-    for args in (["-m", "engine.gguf.gguf_cli", "inspect", str(tiny_q2)], ["-m", "ds4agent.ds4_cli", "-m", str(tiny_q2), "-n", "2"],
+    for args in (["-m", "engine.gguf.gguf_cli", "inspect", str(tiny_q2)], ["-m", "ds4agent.ds4_cli", "-m", str(tiny_q2), "-p", "hi", "-n", "2"],
                  ["-m", "ds4agent.cli", "--help"]):
         p = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr

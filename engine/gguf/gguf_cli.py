@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+from ..console import console_main
 from ..errors import ModelFileError
 
 # CLI flag -> ModelConfig field, for shape overrides of `synth`
@@ -23,30 +24,50 @@ _SHAPE_FLAGS = [
     ("--idx-dim", "idx_head_dim"), ("--idx-topk", "idx_topk"), ("--hc", "n_hc"),
     ("--sinkhorn-iters", "sinkhorn_iters"),
 ]
+_SHAPE_HELP = {
+    "n_embd": "hidden width", "n_head": "attention heads", "head_dim": "attention head width",
+    "n_rot": "rotary dimensions of a head", "q_lora_rank": "rank of the query projection",
+    "o_groups": "output projection groups", "o_lora_rank": "rank of the output projection",
+    "n_expert": "routed experts per layer", "n_expert_used": "experts each token uses",
+    "n_ff_exp": "an expert's feed-forward width", "n_hash_layer": "leading layers routed by token hash",
+    "n_swa": "sliding-window length", "idx_n_head": "indexer heads", "idx_head_dim": "indexer head width",
+    "idx_topk": "compressed rows the indexer keeps", "n_hc": "hyper-connection streams",
+    "sinkhorn_iters": "Sinkhorn iterations of the hyper-connection mix",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds4-gguf", description="DeepSeek V4 GGUF tools")
-    from ..cli_help import add_version_flag
+    from ..cli_help import ArgumentParser, DefaultsHelpFormatter, add_version_flag
+    from .config import FLASH
+    from .synth import TINY, TINY_VOCAB_BASE
+    from .synth_vocab import PROMPT_SPECIAL_IDS
+    p = ArgumentParser(prog="ds4-gguf", description="DeepSeek V4 GGUF tools")
     add_version_flag(p)
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("synth", help="write a synthetic DeepSeek V4 GGUF in the exact ds4 layout")
-    s.add_argument("out")
+    s = sub.add_parser("synth", help="write a synthetic DeepSeek V4 GGUF in the exact ds4 layout",
+                       formatter_class=DefaultsHelpFormatter)
+    s.add_argument("out", help="the GGUF file to write")
     s.add_argument("--preset", choices=["tiny", "flash"], default="tiny",
-                   help="tiny: the ds4-oracle shape (default); flash: the published shape")
+                   help="tiny: the ds4-oracle shape; flash: the published shape")
     s.add_argument("--recipe", choices=["q2", "q4", "mxfp4"], default="q2", help="routed expert types")
-    s.add_argument("--layers", type=int, help="number of layers (schedule 0,0,4,128,4,... unless --ratios)")
-    s.add_argument("--ratios", help="comma-separated compress ratio per layer (0, 4 or 128)")
+    s.add_argument("--layers", type=int, help="number of layers (schedule 0,0,4,128,4,... unless --ratios; "
+                                              f"default: tiny {TINY['n_layer']}, flash {FLASH['n_layer']})")
+    s.add_argument("--ratios", help="comma-separated compress ratio per layer (0, 4 or 128; default: "
+                                    "the flash schedule for the layer count)")
+    n_special = len(PROMPT_SPECIAL_IDS)
     s.add_argument("--vocab", default=None,
-                   help="'full' for all 129,280 ids, or N base tokens (+47 prompt specials); tiny default 4049")
-    s.add_argument("--seed", type=int, default=0)
+                   help=f"'full' for all {FLASH['n_vocab']:,} ids, or N base tokens (+{n_special} prompt "
+                        f"specials); default: tiny {TINY_VOCAB_BASE} base = "
+                        f"{TINY_VOCAB_BASE + n_special} ids, flash full")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     s.add_argument("--fill", choices=["random", "zero"], default="random",
                    help="zero: no data written (sparse file), for layout/size checks of big shapes")
-    s.add_argument("--name", default="ds4-agent-synthetic")
-    for flag, _ in _SHAPE_FLAGS:
-        s.add_argument(flag, type=int)
+    s.add_argument("--name", default="ds4-agent-synthetic", help="general.name in the file's metadata")
+    for flag, field in _SHAPE_FLAGS:
+        s.add_argument(flag, type=int, metavar="N", help=f"{_SHAPE_HELP[field]} ({field}; "
+                                                         f"default: tiny {TINY[field]}, flash {FLASH[field]})")
     i = sub.add_parser("inspect", help="validate a GGUF and summarise it")
-    i.add_argument("file")
+    i.add_argument("file", help="the GGUF file")
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     return p
@@ -82,10 +103,13 @@ def _inspect(a) -> int:
     return 0
 
 
+@console_main
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     try:
         return {"synth": _synth, "inspect": _inspect}[a.cmd](a)
+    except BrokenPipeError:
+        raise                         # a reader that went away: console_main ends quietly
     except ModelFileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -123,7 +123,7 @@ class _Cursor:
         return self.size - self.pos
 
 
-def _check_path(path) -> int:
+def check_model_path(path) -> int:
     """Return the file size, or raise a ModelFileError that says why it cannot be a model."""
     try:
         st = os.stat(path)
@@ -145,7 +145,7 @@ class GGUFFile:
 
     def __init__(self, path):
         self.path = os.fspath(path)
-        self.size = _check_path(self.path)
+        self.size = check_model_path(self.path)
         self._base = None     # address of the map (willneed), taken on first use
         self._copy = None      # the resident copy (paging.ResidentCopy), filled or filling
         self._populate = None  # the background prefault (paging.Populate)
