@@ -33,6 +33,8 @@ from pathlib import Path
 
 import tools
 from tools.base import truncate
+from tools.joblog import CappedLog, open_fresh
+from tools.proctree import MARKER_VAR, kill_marked, marked_env, new_marker
 
 from . import events as E
 from .home import agent_home
@@ -45,6 +47,9 @@ START_TIMEOUT = 30.0
 CLOSE_TIMEOUT = 8.0         # the SDK's shutdown: stdin closed, 2 s, SIGTERM, 2 s, SIGKILL
 MAX_DESCRIPTION = 2000      # a tool's description in the system prompt (some servers write essays)
 POLL_S = 0.1                # how often a waiting call looks at Esc
+LOG_HEAD = 16 << 20         # a server's stderr log keeps its first 16 MiB and its last 1 MiB, as
+LOG_TAIL = 1 << 20          # a bash job's log does (one wrote 6.1 GB in 20 s)
+MAX_JUNK = 200              # lines on stdout that are not JSON-RPC before the server is stopped
 
 
 def tool_name(server: str, tool: str) -> str:
@@ -75,7 +80,9 @@ class Server:
     task: object = None
     stop: object = None        # asyncio.Event, made on the loop
     ready: object = None
-    log_size: int = 0          # its stderr log's size before this start
+    log: object = None         # its stderr's CappedLog (None: no log could be made)
+    marker: str = ""           # in its environment: finds its whole process tree (tools.proctree)
+    junk: int = 0              # lines on its stdout that were not JSON-RPC
     said: bool = False         # its death was told (once)
 
 
@@ -108,7 +115,9 @@ class McpManager:
                 self._add_tools(s, lines)
             else:
                 log = self.log_dir / f"mcp-{s.cfg.name}.log"
-                seen = log.is_file() and log.stat().st_size > s.log_size     # it said something: where
+                if s.log is not None:
+                    s.log.settle(0.5)
+                seen = s.log is not None and (s.log.stored or s.log.dropped) > 0  # it said something: where
                 lines.append(f"mcp: server {s.cfg.name} failed to start: {s.error}" + (f" (its stderr: {log})" if seen else ""))
         return lines
 
@@ -130,21 +139,22 @@ class McpManager:
     def _setup_logging(self):
         # the SDK logs a dying server's broken pipe at ERROR: Python's last-resort handler would
         # print it over the TUI; it goes to a file (or nowhere) instead
+        # (capped: a server writing junk on stdout made the SDK log a traceback per line)
         log = logging.getLogger("mcp")
         log.propagate = False
         if not log.handlers:
             try:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
-                log.addHandler(logging.FileHandler(self.log_dir / "mcp.log", encoding="utf-8", delay=True))
+                log.addHandler(_CappedHandler(self.log_dir / "mcp.log", LOG_HEAD))
             except OSError:
                 log.addHandler(logging.NullHandler())
 
-    def _errlog(self, name: str):
+    def _errlog(self, name: str) -> CappedLog | None:
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            return open(self.log_dir / f"mcp-{name}.log", "a", encoding="utf-8")
+            return CappedLog(self.log_dir / f"mcp-{name}.log", LOG_HEAD, LOG_TAIL)
         except OSError:
-            return open(os.devnull, "w", encoding="utf-8")
+            return None
 
     async def _start_all(self, todo: list[Server]):
         for s in todo:
@@ -160,14 +170,23 @@ class McpManager:
 
     async def _serve(self, s: Server):
         """One server's whole life, in one task: start, list tools, wait for stop, shut down."""
-        errlog = self._errlog(s.cfg.name)
-        s.log_size = _size(errlog)
+        s.log = self._errlog(s.cfg.name)
+        # stderr goes into the log's pipe; our copy of its write end closes once the server has
+        # its own (log.start), so the log ends with the server's last process
+        errlog = (os.fdopen(s.log.write_fd, "w", closefd=False) if s.log is not None
+                  else open(os.devnull, "w", encoding="utf-8"))
+        s.marker = new_marker()
+        inherited = {MARKER_VAR: os.environ[MARKER_VAR]} if MARKER_VAR in os.environ else {}
+        started = False
         try:
             from mcp import ClientSession, StdioServerParameters, stdio_client
-            params = StdioServerParameters(command=s.cfg.command, args=s.cfg.args, env=s.cfg.env or None,
-                                           cwd=s.cfg.cwd)
+            params = StdioServerParameters(command=s.cfg.command, args=s.cfg.args, cwd=s.cfg.cwd,
+                                           env=marked_env({**inherited, **s.cfg.env}, s.marker))
             async with stdio_client(params, errlog=errlog) as (read, write):
-                async with ClientSession(read, write) as session:
+                if s.log is not None:
+                    s.log.start()
+                started = True
+                async with ClientSession(read, write, message_handler=self._junk_counter(s)) as session:
                     await session.initialize()
                     s.tools = [_tool(s.cfg.name, t) for t in await _list_tools(session)]
                     s.session, s.status = session, "running"
@@ -184,6 +203,20 @@ class McpManager:
             s.session = None
             s.ready.set()
             errlog.close()
+            kill_marked(s.marker)      # what left the server's process group (setsid, double forks)
+            if s.log is not None and not started:
+                s.log.abandon()
+
+    def _junk_counter(self, s: Server):
+        """The session's message handler: a server that keeps writing lines that are not
+        JSON-RPC on stdout (each one parsed, logged and reported) is stopped past MAX_JUNK."""
+        async def handle(message):
+            if isinstance(message, Exception):
+                s.junk += 1
+                if s.junk == MAX_JUNK and s.stop is not None:
+                    s.error = f"wrote {MAX_JUNK} lines on stdout that are not JSON-RPC; stopped"
+                    s.stop.set()
+        return handle
 
     def close(self):
         """Stop every server (the SDK closes its stdin, then terminates its process tree) and the
@@ -208,6 +241,7 @@ class McpManager:
             asyncio.run_coroutine_threadsafe(stop_all(), loop).result(CLOSE_TIMEOUT + 4)
         except (concurrent.futures.TimeoutError, RuntimeError):
             pass
+        kill_marked([s.marker for s in live if s.marker])     # a task that could not finish
         loop.call_soon_threadsafe(loop.stop)
         self._thread.join(5)
         if not loop.is_running():
@@ -430,11 +464,25 @@ def _reason(e: BaseException) -> str:
     return (msg or type(e).__name__)[:300]
 
 
-def _size(f) -> int:
-    try:
-        return os.fstat(f.fileno()).st_size
-    except (OSError, ValueError):
-        return 0
+class _CappedHandler(logging.Handler):
+    """The SDK's log records into a file of at most `cap` bytes (then one note, then nothing),
+    made fresh without following a symlink at its path."""
+
+    def __init__(self, path: Path, cap: int):
+        super().__init__()
+        self.fd, self.left = open_fresh(path), cap
+
+    def emit(self, record):
+        if self.left <= 0:
+            return
+        try:
+            data = (self.format(record) + "\n").encode("utf-8", "replace")[: self.left]
+            self.left -= len(data)
+            if self.left <= 0:
+                data += b"[... mcp.log capped: later records are not stored]\n"
+            os.write(self.fd, data)
+        except Exception:       # a log must never fail the call that logs
+            self.left = 0
 
 
 def _first_line(s: str, n: int = 100) -> str:

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ HOME_FILE = "mcp.json"
 TRUST_FILE = "mcp-trust.json"
 DEFAULT_CALL_TIMEOUT = 120.0
 MAX_FILE = 1 << 20          # a config file larger than this is not read
+MAX_HASHED = 64 << 20       # bytes of a server's program file hashed for its trust
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -106,8 +108,46 @@ def _server(name: str, raw, source: str, project_dir: Path) -> ServerConfig:
         timeout=float(timeout), source=source, digest=entry_digest(raw))
 
 
-def entry_digest(raw) -> str:
-    return hashlib.sha256(json.dumps(raw, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+def entry_digest(raw, files: dict[str, str] | None = None) -> str:
+    """What the trust is given to: the entry, and the program files of the project it runs
+    (so a changed ./srv.sh needs new trust; an entry naming no project file hashes as before)."""
+    text = json.dumps(raw, sort_keys=True, ensure_ascii=False)
+    if files:
+        text += json.dumps(files, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def program_files(s: ServerConfig, project_dir: Path) -> dict[str, str]:
+    """{path: sha256} of the files inside the project that the entry runs: its command when it
+    is a path (`./srv.sh`), and any argument that names a file there (`python srv.py`)."""
+    out = {}
+    names = ([s.command] if "/" in s.command else []) + [a for a in s.args if a and not a.startswith("-")]
+    for n in names:
+        p = Path(os.path.realpath(Path(s.cwd or project_dir) / os.path.expanduser(n)))
+        if p == project_dir or project_dir not in p.parents:
+            continue
+        out[str(p)] = _file_sha(p)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _file_sha(p: Path) -> str | None:
+    """sha256 of a regular file (None: none there); a FIFO or device is named as such, unread."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None if stat.S_ISDIR(st.st_mode) else f"not a regular file ({st.st_mode:o})"
+        h, left = hashlib.sha256(), MAX_HASHED
+        while left > 0 and (block := os.read(fd, min(left, 1 << 20))):
+            h.update(block)
+            left -= len(block)
+        # past MAX_HASHED (a model file given as an argument), its size and time stand for the rest
+        return h.hexdigest() if st.st_size <= MAX_HASHED else f"{h.hexdigest()}:{st.st_size}:{st.st_mtime_ns}"
+    finally:
+        os.close(fd)
 
 
 def read_file(path: Path, project_dir: Path, cfg: McpConfig, *, project: bool) -> None:
@@ -144,6 +184,8 @@ def read_file(path: Path, project_dir: Path, cfg: McpConfig, *, project: bool) -
             cfg.warnings.append(f"mcp: {path}: server {name}: {e} (skipped)")
             continue
         s.project = project
+        if project:     # the trust covers the project's program files too
+            s.digest = entry_digest(raw, program_files(s, project_dir))
         cfg.servers[name] = s          # the project's entry replaces the user's of the same name
         cfg.untrusted.pop(name, None)
 
@@ -186,7 +228,6 @@ def trust(project_dir, servers: list[ServerConfig], home: Path | None = None) ->
     entry = table.setdefault(str(Path(project_dir).resolve()), {})
     for s in servers:
         entry[s.name] = s.digest
+    from engine.atomic import atomic_write       # a fresh temp name (O_EXCL), never a planted link
     home.mkdir(parents=True, exist_ok=True)
-    tmp = home / f".{TRUST_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, home / TRUST_FILE)
+    atomic_write(home / TRUST_FILE, [(json.dumps(table, indent=2, sort_keys=True) + "\n").encode("utf-8")])

@@ -20,6 +20,18 @@ from pathlib import Path
 CHUNK = 1 << 20
 
 
+def open_fresh(path: Path) -> int:
+    """A new, empty log file at path for writing. Whatever was there goes first (unlinking a
+    symlink removes the link, not its target) and the file is made with O_EXCL, which never
+    follows a symlink: a link planted at a log's path cannot lead the writes elsewhere."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                   | getattr(os, "O_NOFOLLOW", 0), 0o600)
+
+
 class CappedLog:
     def __init__(self, path: Path, head_bytes: int, tail_bytes: int):
         self.path, self.head_bytes, self.tail_bytes = path, head_bytes, tail_bytes
@@ -28,7 +40,7 @@ class CappedLog:
         self.tail = bytearray()          # the latest output past the cap
         self.done = threading.Event()    # every writer has closed the pipe, the file is final
         self._lock = threading.Lock()    # held while a chunk is read and stored
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self._fd = open_fresh(path)
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         try:     # a larger pipe: fewer wake-ups for the thread draining a chatty job
