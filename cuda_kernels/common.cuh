@@ -1,6 +1,7 @@
 // Shared device code of the CUDA kernels: GGUF block decoders (layouts: engine/gguf/quants.py),
 // warp reductions. Included by the .cu files (NVRTC: -I to this folder; the host emulation adds it).
-// No standard headers: NVRTC has none; <cuda_fp16.h> comes with the CUDA runtime headers.
+// No headers at all: NVRTC has no standard ones, and where CuPy finds <cuda_fp16.h> depends on the
+// installation; f16 is decoded with integer ops here (exact, as the hardware's cvt).
 //
 // Decoders work a group of 32 consecutive values of a row at a time (group g = values 32g..32g+31)
 // and hand each value to a functor f(i, v), so a matvec fuses the decode into its dot product and
@@ -8,7 +9,6 @@
 // times a few small integer bits; Q2_K/Q4_K: one exact product minus one rounded subtraction), so
 // an fma the compiler forms cannot change it: the values match NumPy's decoders bit for bit.
 #pragma once
-#include <cuda_fp16.h>
 
 #ifndef INFINITY            // NVRTC has no math.h
 #define INFINITY __int_as_float(0x7f800000)
@@ -20,7 +20,16 @@ enum { FMT_Q8_0 = 0, FMT_F16 = 1, FMT_IQ2_XXS = 2, FMT_Q2_K = 3, FMT_Q4_K = 4, F
 
 __device__ __forceinline__ unsigned ld_u16(const unsigned char* p) { return unsigned(p[0]) | (unsigned(p[1]) << 8); }
 __device__ __forceinline__ unsigned ld_u32(const unsigned char* p) { return ld_u16(p) | (ld_u16(p + 2) << 16); }
-__device__ __forceinline__ float f16(unsigned bits) { return __half2float(__ushort_as_half((unsigned short)bits)); }
+// IEEE half bits -> float32, exactly (normal, subnormal, zero, inf and NaN)
+__device__ __forceinline__ float f16(unsigned h) {
+  const unsigned sign = (h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3FFu;
+  if (e == 31u) return __uint_as_float(sign | 0x7F800000u | (m << 13));
+  if (e == 0u) {                          // zero or subnormal: m * 2**-24, exact in float32
+    const float v = float(m) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
 
 // E8M0 byte -> 2**(e - 128) (ggml_e8m0_to_fp32_half), exact for every e incl. the subnormal e < 2
 __device__ __forceinline__ float e8m0_half(unsigned e) {

@@ -163,7 +163,11 @@ def weights(fmt, rng, E, n_out, n_in, std=0.05, any_bytes=False):
     f = quants.FORMATS[t]
     nb = E * n_out * n_in // f.block_elems
     raw = quants.random_blocks(t, rng, nb, std)
-    if any_bytes and fmt != "f16":
+    if any_bytes and fmt == "f16":         # any half but inf/NaN: subnormals, zeros of both signs
+        h = raw.view(np.uint16)
+        h[:] = rng.integers(0, 1 << 16, h.shape, dtype=np.uint16)
+        h[(h & 0x7C00) == 0x7C00] &= 0xBFFF
+    elif any_bytes:
         blocks = raw.reshape(-1, f.block_bytes)
         keep = blocks.copy()
         blocks[:] = rng.integers(0, 256, blocks.shape, dtype=np.uint8)
