@@ -33,7 +33,7 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
     dim = _is_tty(err)
     calls: list[str] = []
     said: set[str] = set()
-    state = {"finished": None, "thinking": False, "live": False, "errors": 0}
+    state = {"finished": None, "thinking": False, "live": False, "errors": 0, "reader_gone": False}
 
     def end_live():
         # the prefill's live line is overwritten in place; cleared before anything else is written
@@ -84,8 +84,18 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
             said.add(text)
         end_live()
         end_thinking()
-        (out if isinstance(ev, E.TextDelta) else err).write(text)
-        (out if isinstance(ev, E.TextDelta) else err).flush()
+        if not isinstance(ev, E.TextDelta):
+            err.write(text)
+            err.flush()
+        elif not state["reader_gone"]:
+            try:
+                out.write(text)
+                out.flush()
+            except BrokenPipeError:
+                # `ds4-agent -p ... | head -1`: nobody reads the answer any more; the turn stops
+                # (and is saved), and the run ends quietly (engine/console.py)
+                state["reader_gone"] = True
+                worker.interrupt()
 
     worker = AgentWorker(make_agent, emit)
     worker.ready.wait()
@@ -109,6 +119,8 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
         raise
     end_live()
     end_thinking()
+    if state["reader_gone"]:
+        raise BrokenPipeError("the reader of the answer went away")
     return _summary(worker.agent, state, calls, out, err)
 
 

@@ -226,3 +226,18 @@ def test_an_exit_save_that_fails_fails_the_run_too(agent_engine, hello_project, 
                                     store_cls=ExitSaveFails), "task", out=out, err=err)
     assert ExitSaveFails.saves == 2 and rc == 1
     assert err.getvalue().count("save failed") == 1
+
+
+# -- issue 35 item 7: a reader that goes away ------------------------------------------------------
+class ClosedPipe(io.StringIO):
+    def write(self, s):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_reader_that_goes_away_stops_the_turn_and_raises_for_a_quiet_exit(agent_engine, hello_project,
+                                                                              sessions_root):
+    err = io.StringIO()
+    make_agent = agent_factory(agent_engine, hello_project, sessions_root, "</think>" + "word " * 40)
+    with pytest.raises(BrokenPipeError):       # engine/console.py turns it into a quiet exit 141
+        run_headless(make_agent, "talk", out=ClosedPipe(), err=err)
+    assert "Traceback" not in err.getvalue() and "internal error" not in err.getvalue(), err.getvalue()
