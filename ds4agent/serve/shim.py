@@ -93,16 +93,21 @@ class Shim:
 
     def _tokens(self, text: str) -> list[int]:
         """The prompt's tokens, or ContextLengthError without tokenizing it all. Each token
-        stands for at most `max_token_chars` characters, so a text longer than
-        (ctx - 1) * max_token_chars has at least ctx tokens: refused without tokenizing. Else the
-        tokenizer stops once ctx tokens are known (memory and time then follow ctx, not the body)."""
+        stands for at most `max_token_bytes` bytes of UTF-8, so a text longer than
+        (ctx - 1) * max_token_bytes bytes has at least ctx tokens: refused without tokenizing.
+        Else the tokenizer stops once it has shown ctx tokens (memory and time then follow ctx,
+        not the body, also on text with no newline or space to cut it at: issue 32 item 5)."""
         ctx = self.cfg.ctx
-        per = self.engine.tokenizer.max_token_chars
-        if per and len(text) > (ctx - 1) * per:
-            raise ContextLengthError(-(-len(text) // per), ctx, at_least=True)
-        tokens, complete = self.engine.tokenizer.encode_upto(text, ctx)
-        if len(tokens) >= ctx:
-            raise ContextLengthError(len(tokens), ctx, at_least=not complete)
+        tok = self.engine.tokenizer
+        per = tok.max_token_bytes
+        if per:
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > (ctx - 1) * per:
+                raise ContextLengthError(-(-size // per), ctx, at_least=True)
+        tokens, complete = tok.encode_upto(text, ctx)
+        if not complete or len(tokens) >= ctx:
+            # not complete: at least ctx tokens were shown, maybe fewer of them listed
+            raise ContextLengthError(max(len(tokens), ctx), ctx, at_least=not complete)
         return tokens
 
     def model_for(self, conv) -> str:

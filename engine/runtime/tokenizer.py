@@ -33,7 +33,15 @@ DSML = "｜DSML｜"
 MARKERS = (BOS, EOS, USER, ASSISTANT, THINK, THINK_END, DSML)  # ds4's match order
 PARALLEL_FROM = 32 * 1024                  # characters; shorter text is encoded in one call
 GROUP_CHARS = 8 * PARALLEL_FROM            # characters of long text encoded together
-_SAFE_CUT = re.compile(r"(?<=\n)(?=\S)")
+# Where the pre-tokenizer always cuts, so the pieces' tokens are the whole's: after a newline
+# followed by a character that is not whitespace, and before a space between two characters that
+# are not (every split pattern that takes a space takes it first, and only a whitespace-only
+# match goes on past one; no marker holds a space; Python's whitespace includes all of Unicode's
+# White_Space, which is what the pattern's \s means).
+_SAFE_CUT = re.compile(r"(?<=\n)(?=\S)|(?<=\S)(?= \S)")
+LONG_PART = 2 * PARALLEL_FROM              # characters between safe cuts past which a part is
+                                           # first checked against the limit in chunks
+CHUNK = 8 * 1024                           # characters a chunk of such a check
 
 SPLIT_PATTERNS = (
     r"\p{N}{1,3}",
@@ -173,16 +181,50 @@ class Tokenizer:
         out: list[int] = []
         i = 0
         while i < len(parts):
-            j, size = i, 0
-            while j < len(parts) and (j == i or size < GROUP_CHARS):
-                size += parts[j][1] - parts[j][0]
-                j += 1
-            for e in self._hf.encode_batch([text[a:b] for a, b in parts[i:j]], add_special_tokens=False):
-                out.extend(e.ids)
-            i = j
+            a, b = parts[i]
+            if b - a > LONG_PART:
+                # A long stretch with no safe cut (text without newlines or spaces) is one call
+                # of the library, whose memory follows its length (~300 bytes a character): it
+                # is first shown to fit what is left of the limit, else refused unread.
+                if limit is not None and self._surely_at_least(text[a:b], limit - len(out)):
+                    return out, False
+                out.extend(self._hf.encode(text[a:b], add_special_tokens=False).ids)
+                i += 1
+            else:
+                j, size = i, 0
+                while j < len(parts) and (j == i or size < GROUP_CHARS) and \
+                        parts[j][1] - parts[j][0] <= LONG_PART:
+                    size += parts[j][1] - parts[j][0]
+                    j += 1
+                for e in self._hf.encode_batch([text[a:b] for a, b in parts[i:j]], add_special_tokens=False):
+                    out.extend(e.ids)
+                i = j
             if limit is not None and len(out) >= limit and i < len(parts):
                 return out, False
         return out, True
+
+    def _surely_at_least(self, part: str, need: int) -> bool:
+        """Whether `part` (text with no safe cut) makes at least `need` tokens. First by its size
+        (at most max_token_bytes bytes a token: a proof); then by encoding it in chunks cut
+        anywhere, each cut allowed to add max_token_bytes tokens, a margin far over the 0-3 a
+        cut adds to BPE pieces in practice. Memory: a few chunks at a time; time: stops once
+        shown. False means only "not shown": the caller then encodes it whole, exactly."""
+        if need <= 0:
+            return True
+        per = self.max_token_bytes
+        if per is None:
+            return False
+        if len(part.encode("utf-8", "surrogatepass")) > (need - 1) * per:
+            return True
+        seen = cuts = 0
+        starts = range(0, len(part), CHUNK)
+        for k in range(0, len(starts), 8):          # 8 chunks a call: the library's threads
+            batch = [part[a:a + CHUNK] for a in starts[k:k + 8]]
+            seen += sum(len(e.ids) for e in self._hf.encode_batch(batch, add_special_tokens=False))
+            cuts += len(batch) - (k == 0)
+            if seen >= need + cuts * per:
+                return True
+        return False
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:
@@ -194,6 +236,18 @@ class Tokenizer:
         if any(ch not in self.id_of for ch in bytes_to_unicode().values()):
             return None
         return max(len(s.encode("utf-8")) for s in self.tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of text one token can stand for, so text of n bytes has at least
+        n / max_token_bytes tokens: BPE only makes tokens of byte-level characters (one byte of
+        text each), and a marker stands for its own text. Tighter than max_token_chars on
+        non-ASCII text (2-4 bytes a character). None where no such bound holds."""
+        if self.max_token_chars is None:
+            return None
+        byte_level = set(bytes_to_unicode().values())
+        plain = (len(t) for t in self.tokens if t not in MARKERS and all(ch in byte_level for ch in t))
+        return max(max(plain, default=1), *(len(m.encode("utf-8")) for m in MARKERS if m in self.id_of))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
