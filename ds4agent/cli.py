@@ -186,6 +186,26 @@ def _limits(a, cfg: dict) -> tuple[int, int | None]:
     return ctx, max_tokens
 
 
+def _resume_ctx(store, resume, ctx: int, model: str) -> int:
+    """The context to continue the resumed session at: its own when --ctx is smaller and it fits
+    memory (said in one line), else one line with the fix (ds4agent/resume_ctx.py)."""
+    if not resume:
+        return ctx
+    from engine import ModelFile, ModelFileError
+
+    from .resume_ctx import ResumeContextError, resume_ctx
+    try:
+        with ModelFile.open(model) as mf:
+            ctx, note = resume_ctx(store, resume, ctx, mf.config)
+    except ResumeContextError as e:
+        raise _Fail(str(e)) from None
+    except ModelFileError as e:
+        raise _Fail(str(e)) from None
+    if note:
+        print(note, file=sys.stderr)
+    return ctx
+
+
 def _check_model(a, model: str, ctx: int, think: str, options, project: Path):
     """Validate up front (O(metadata)): a bad file, backend or context is one line and exit 1,
     before any UI."""
@@ -271,6 +291,7 @@ def _main(a) -> int:
     except SessionStoreError as e:
         raise _Fail(str(e)) from None
     resume = _resume_choice(store, a.resume)
+    conf.ctx = ctx = _resume_ctx(store, resume, ctx, model)
 
     started = []      # the MCP servers, stopped on the way out (their processes must not outlive us)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 from . import events as E
 from .worker import AgentWorker
@@ -33,7 +34,9 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
     dim = _is_tty(err)
     calls: list[str] = []
     said: set[str] = set()
-    state = {"finished": None, "thinking": False, "live": False, "errors": 0, "reader_gone": False}
+    state = {"finished": None, "thinking": False, "live": False, "errors": 0, "reader_gone": False,
+             "awaiting": False, "reply": None}
+    replied = threading.Event()
 
     def end_live():
         # the prefill's live line is overwritten in place; cleared before anything else is written
@@ -72,6 +75,10 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
         if isinstance(ev, E.TurnFinished):
             state["finished"] = ev
             return
+        if isinstance(ev, E.Notice) and state["awaiting"]:
+            state["reply"], state["awaiting"] = ev.text, False     # the resume's answer
+            replied.set()
+            return
         if isinstance(ev, E.ApprovalNeeded):
             worker.answer("n")
         text = _line(ev, calls)
@@ -102,8 +109,15 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
     if worker.failed:
         return 1
     if resume:
-        # True: the last session of the directory; else the sha `--resume NAME|ID|pick` chose
+        # True: the last session of the directory; else the sha `--resume NAME|ID|pick` chose.
+        # A resume that fails ends the run: the task never starts over as a new session unseen
+        state["awaiting"] = True
         worker.send_command("/resume" if resume is True else f"/switch {resume}")
+        replied.wait()
+        if "switched to session" not in (state["reply"] or ""):
+            err.write(f"error: cannot resume: {(state['reply'] or 'no answer').strip()}\n")
+            worker.stop(timeout=None)
+            return 1
     worker.send_user(task)
     try:
         worker.stop(timeout=None)

@@ -349,6 +349,11 @@ class SessionStore:
         e = self.resolve(ref)
         if e.error:
             raise SessionStoreError(f"session {e.id} is unreadable: {e.error}")
+        if e.ctx and (e.ctx > session.ctx or e.tokens >= session.ctx):
+            # said here in plain words (the payload's own check names its fields), with the fix
+            raise SessionStoreError(
+                f"session {e.id} was saved with a {e.ctx}-token context, more than this run's {session.ctx}: "
+                f"continue it with `ds4-agent --resume {e.id}` (which takes its context) or --ctx {e.ctx}")
         try:
             info = read_kv(e.path, session, check_name=True, allow_other_quant=allow_other_quant)
         except KVFileError as x:
