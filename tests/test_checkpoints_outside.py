@@ -5,7 +5,6 @@ writes a checkpoint into (objects/, refs/, refs/ds4-agent/) must not be symlinks
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import pytest

@@ -12,7 +12,6 @@ not planted by a repository or a model."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -20,9 +19,9 @@ import pytest
 
 import tools
 from ds4agent import download as D
-from ds4agent import mcp_client, mcp_config
+from ds4agent import mcp_config
 from helpers_git import BRANCH, make_repo
-from test_download import Hub, hub, loopback_only    # noqa: F401 - the stand-in Hub's fixtures
+from test_download import hub, loopback_only    # noqa: F401 - the stand-in Hub and the loopback guard
 from test_mcp_hardening import _manager
 from tools.checkpoints import CheckpointError, CheckpointRepo
 
