@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import INVALID_JSON, RequestError
+from .errors import INVALID_JSON, RequestError, field_problem
 from .jsonspan import Cursor, JSONBad, json_escape
 
 __all__ = [
@@ -125,7 +125,11 @@ def walk_request(body: Any, fields: Callable[[Cursor, str], None]) -> None:
             raise JSONBad("request is not an object")
         # ds4 does not look past the closing brace of the request object.
         for key in cur.obj():
-            fields(cur, key)
+            start = cur.i
+            try:
+                fields(cur, key)
+            except JSONBad as e:           # valid JSON of the wrong shape: name the field
+                raise RequestError(field_problem(cur.s, start, key, e)) from None
     except JSONBad:
         raise RequestError(INVALID_JSON) from None
 

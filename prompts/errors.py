@@ -1,9 +1,12 @@
 """Request errors with the message and HTTP status ds4-server answers (protocol.md §5.1)."""
 from __future__ import annotations
 
-from .jsonspan import json_escape
+import json
+import re
 
-__all__ = ["RequestError", "ContextLengthError", "INVALID_JSON"]
+from .jsonspan import Cursor, JSONBad, json_escape
+
+__all__ = ["RequestError", "ContextLengthError", "INVALID_JSON", "field_problem"]
 
 INVALID_JSON = "invalid JSON request"
 
@@ -40,3 +43,41 @@ class ContextLengthError(RequestError):
         return ('{"error":{"message":' + json_escape(self.message)
                 + ',"type":"invalid_request_error","param":' + json_escape(param)
                 + ',"code":"context_length_exceeded"' + tail)
+
+
+_EXPECTED = {"'['": "an array", "'{'": "an object", "a string": "a string", "a number": "a number",
+             "a boolean": "a boolean"}
+_FOUND = {'"': "a string", "[": "an array", "{": "an object", "t": "a boolean", "f": "a boolean",
+          "n": "null"}
+
+
+def field_problem(text: str, start: int, key: str, e: JSONBad) -> str:
+    """The message for a top-level field whose value the parser refused (issue 35 item 12):
+    ds4's bare "invalid JSON request" where the value is not JSON at all, else that message
+    naming the field and what was expected there, e.g. `{"messages":"x"}` ->
+    `invalid JSON request: field "messages" must be an array, not a string`."""
+    probe = Cursor(text, start)
+    try:
+        probe.skip()
+    except JSONBad:
+        return INVALID_JSON                 # broken JSON: no field to blame
+    probe = Cursor(text, start)
+    probe.ws()
+    name = json.dumps(key[:64])
+    m = re.fullmatch(r"expected (.+) at offset (\d+)", str(e))
+    if not m:
+        whole = re.fullmatch(r"(\w+) is not (an? [\w ]+)", str(e))
+        if whole and whole.group(1) == key:     # the parsers' own words for the whole value
+            return f"{INVALID_JSON}: field {name} must be {whole.group(2)}, not {_found(text, probe.i)}"
+        return f"{INVALID_JSON}: in field {name}: {str(e)[:200]}"
+    want, at = _EXPECTED.get(m.group(1), m.group(1)), int(m.group(2))
+    found = _found(text, at)
+    if at == probe.i:
+        return f"{INVALID_JSON}: field {name} must be {want}, not {found}"
+    return f"{INVALID_JSON}: in field {name}: expected {want} at offset {at}, found {found}"
+
+
+def _found(text: str, at: int) -> str:
+    c = text[at:at + 1]
+    return _FOUND.get(c, "a number" if c and c in "+-.0123456789iInN" else "something else")
+

@@ -502,7 +502,7 @@ def test_bad_effort_is_rejected():
                       ("anthropic", '{"messages":[],"output_config":{"effort":1}}'),
                       ("responses", '{"input":"q","reasoning":{"effort":"turbo"}}'),
                       ("openai_chat", '{"messages":[],"think":"yes"}')]:
-        assert rejected(api, body).message == "invalid JSON request"
+        assert rejected(api, body).message.startswith("invalid JSON request")
 
 
 # ------------------------------------------------------------------------------------------
@@ -542,7 +542,25 @@ def test_bad_effort_is_rejected():
     ("openai_completions", '{"prompt":["a",]}', "invalid JSON request"),
 ])
 def test_rejected_requests(api, body, message):
-    assert rejected(api, body).message == message
+    got = rejected(api, body).message
+    # ds4's words, naming the field where the JSON is valid but of the wrong shape (issue 35)
+    assert got == message or (message == "invalid JSON request" and got.startswith(message + ": "))
+
+
+@pytest.mark.parametrize("api, body, message", [
+    ("openai_chat", '{"messages":"x"}', 'field "messages" must be an array, not a string'),
+    ("openai_chat", '{"messages":null}', 'field "messages" must be an array, not null'),
+    ("openai_chat", '{"messages":[],"stream":1}', 'field "stream" must be a boolean, not a number'),
+    ("openai_chat", '{"messages":[],"temperature":"hot"}', 'field "temperature" must be a number, not a string'),
+    ("openai_chat", '{"messages":[],"tools":{}}', 'field "tools" must be an array, not an object'),
+    ("openai_chat", '{"messages":[{"role":null}]}', 'in field "messages": expected a string at offset 21, found null'),
+    ("openai_completions", '{"prompt":["a",]}', None),                 # not JSON: ds4's bare words
+    ("openai_chat", '{"messages":[],"n":[1,2,]}', None),
+])
+def test_a_field_of_the_wrong_shape_is_named(api, body, message):
+    """Issue 35 item 12: valid JSON of the wrong type said only "invalid JSON request"."""
+    got = rejected(api, body).message
+    assert got == "invalid JSON request" + (": " + message if message else "")
 
 
 def test_ds4_leniencies_are_kept():
