@@ -403,8 +403,10 @@ class Agent:
             parsed, interrupted = self._generate(think_mode="none", max_tokens=SUMMARY_MAX_TOKENS,
                                                  greedy=True, stream_events=show_summary)
             summary = (parsed.content or "").split("</think>")[0].strip()
-            if interrupted or not summary:
-                raise ValueError("the compaction summary was empty" if not interrupted else "interrupted")
+            if interrupted:
+                raise Interrupted()
+            if not summary:
+                raise ValueError("the compaction summary was empty")
             tail = recent_tail(old_transcript[1:], keep_chars=self.cfg.ctx // 10 * 3)
             system = Message("system", old_transcript[0].content + "\n\n" + SUMMARY_HEAD + summary + "\n" + SUMMARY_TAIL)
             self.transcript = [system] + tail
@@ -418,7 +420,10 @@ class Agent:
             self.transcript, self.pending_eos = old_transcript, old_eos
             if self.session.tokens != old_tokens:
                 self.session.sync(old_tokens)
-            self.emit(E.Notice(f"compaction failed: {e}; the conversation is unchanged", "error"))
+            # a stop the user asked for is not a failure: said as what it was
+            self.emit(E.Notice("compaction interrupted; the conversation is unchanged", "warning")
+                      if isinstance(e, Interrupted) else
+                      E.Notice(f"compaction failed: {e}; the conversation is unchanged", "error"))
             self._status()
             return False
         self.modified = True

@@ -352,7 +352,7 @@ class AgentApp(App):
             return
         if ev.level == "error" and not self.ready and self.worker is not None and self.worker.failed:
             self._set_status(Text(f"could not start: {self.worker.failed}", style="bold red"))
-        if ev.level == "error" and ev.text.startswith("compaction failed"):
+        if ev.text.startswith(("compaction failed", "compaction interrupted")):
             self._close_summary(None)
         await self._add(NoticeLine(ev.text, ev.level))
 

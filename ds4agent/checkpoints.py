@@ -357,8 +357,21 @@ class Checkpoints:
             except SessionStoreError:
                 if (self.shadow_root / "kv" / f"{sha}.kv").exists():
                     return "load", ""
+        if self._cached_system_start(start):
+            return "system", ""
         return None, ("that turn is further back than the KV state can be cut in place, and the session "
                       "saved at its start is gone")
+
+    def _cached_system_start(self, start: dict) -> bool:
+        """Whether `start` is the end of the system prompt and its prefill is cached: the first turn
+        of a session resumed from disk, where no session was saved at the turn's start (issue 35
+        item 5)."""
+        a = self.agent
+        if a.store is None or start.get("tlen") != 1 or not a.transcript or a.transcript[0].role != "system":
+            return False
+        text = a.system_prefix()
+        return (a.tok.encode(text) == a.session.tokens[:start["pos"]]
+                and os.path.exists(a.store.sysprompt_path(a.session, text)))
 
     def _rewind(self, plan: str | None, why: str, start: dict, redo_sha: str | None) -> str:
         a = self.agent
@@ -373,15 +386,20 @@ class Checkpoints:
                 a.store.load(start["sha"], s)
             except SessionStoreError as e:
                 return f"the conversation was not rewound: {e}"
+        elif plan == "system" and not a.store.load_system_prefix(s, a.system_prefix()):
+            return "the conversation was not rewound: the cached system prompt could not be loaded"
         a.transcript = a.transcript[:int(start.get("tlen", len(a.transcript)))]
         a.pending_eos = bool(start.get("eos"))
         if plan == "load":
             a.current_sha, a.modified = start["sha"], False
         elif plan == "rewind":
             a.current_sha, a.modified = None, True
+        elif plan == "system":
+            a.current_sha, a.modified = None, False      # as a fresh start: nothing to save yet
         a._continues = redo_sha or a._continues     # the session's name follows it back
         a._status()
-        how = {"here": "", "rewind": " (cut back in place, no prefill)", "load": " (loaded, no prefill)"}[plan]
+        how = {"here": "", "rewind": " (cut back in place, no prefill)", "load": " (loaded, no prefill)",
+               "system": " (the cached system prompt, no prefill)"}[plan]
         return f"the conversation is back at the start of that turn: {s.pos} tokens{how}"
 
     def _save_redo(self, repo: CheckpointRepo, branch: str, current: str) -> Redo:

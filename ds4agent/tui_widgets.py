@@ -474,13 +474,13 @@ class SummaryView(Collapsible):
         self._body.update(Text(self.text.lstrip("\n"), style="dim"))
 
     def done(self, kept: str | None):
-        """kept: the summary the agent kept (None: the compaction failed, what was written is not used)."""
+        """kept: the summary the agent kept (None: the compaction failed or was interrupted, what was written is not used)."""
         if kept is not None:
             self.text = kept
             self._body.update(Text(kept, style="dim"))
             self.title = Content(f"summary kept ({len(kept)} chars)")
         else:
-            self.title = Content("summary not used (the compaction failed)")
+            self.title = Content("summary not used (the compaction stopped)")
         self.collapsed = True
 
 

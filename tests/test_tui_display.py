@@ -175,7 +175,7 @@ async def test_compaction_summary_streams_then_folds():
         app._emit(E.SummaryDelta("half a", 2, 1024, 20.0))
         await until(pilot, lambda: len(app.query(SummaryView)) == 2 and list(app.query(SummaryView))[-1].text,
                     "a second summary")
-        app._emit(E.Notice("compaction failed: interrupted; the conversation is unchanged", "error"))
+        app._emit(E.Notice("compaction interrupted; the conversation is unchanged", "warning"))
         second = list(app.query(SummaryView))[-1]
         await until(pilot, lambda: second.collapsed, "the failed one to fold")
         assert "not used" in str(second.title)
