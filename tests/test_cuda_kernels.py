@@ -253,3 +253,17 @@ def test_arguments_of_the_wrong_type_are_refused(K):
             fn((2, 1, 1), (256, 1, 1), tuple(args))
     with pytest.raises(emu.EmulationError, match="invalid launch"):
         fn((0, 1, 1), (256, 1, 1), good)
+
+
+def test_a_stray_write_is_reported_in_process_and_in_a_forked_child(monkeypatch):
+    K = Kernels({"matvec.cu": FAULTS["past_end"][1]})
+    rng = np.random.default_rng(15)
+    raw, _ = weights("q8_0", rng, 1, 8, 64)
+    x = rng.standard_normal((2, 64), dtype=np.float32)
+    for isolate in ("0", "1"):
+        monkeypatch.setenv("DS4_CUDA_EMU_ISOLATE", isolate)
+        with pytest.raises(emu.EmulationError, match="signal 11"):
+            K.matvec_experts("q8_0", raw, x, np.zeros(3, np.int32), np.array([0, 1, 0], np.int32))
+    monkeypatch.setenv("DS4_CUDA_EMU_ISOLATE", "1")          # and a good launch through the child
+    good = Kernels().matvec_experts("q8_0", raw, x, np.zeros(1, np.int32), np.zeros(1, np.int32))
+    assert np.isfinite(good).all()

@@ -8,12 +8,13 @@ the kernel parameter's exact type (checked here: CuPy would pass a wrong one sil
 How it runs (emu_support/): cuda_emu.h maps the CUDA vocabulary onto the fiber core shared with
 the Metal emulation (fibers.h: a fiber per thread, one block at a time, strict __syncthreads and
 warp collectives); every array is copied into a buffer that ends at a guard page; each launch runs
-in a forked child (a stray read or write is an error, not a crash of the caller); and twice, with
+with SIGSEGV caught (a stray read or write is an error, not a crash of the caller); and twice, with
 the threads of a block scheduled first to last and last to first: results that differ mean a
 missing barrier. For tiny models only (DS4_CUDA_EMULATE=1): it is slow, and needs g++.
 
 Environment: DS4_CUDA_EMU_ORDERS=1 runs one order only (half the time, no barrier check);
-DS4_CUDA_EMU_ISOLATE=0 runs launches in this process (faster; a stray access then kills it).
+DS4_CUDA_EMU_ISOLATE=1 runs each launch in a forked child (about 10 ms a launch; a wild write that
+hits no guard page then cannot reach this process's memory either).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -46,6 +48,7 @@ _KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds_
 ERRLEN = 4096
 
 launches: Counter = Counter()      # kernel name -> launches run (the backend's tests read it)
+_LOCK = threading.Lock()
 
 
 class EmulationError(RuntimeError):
@@ -146,7 +149,8 @@ def build(src: str, path: Path | None = None, options=(), cache: Path | None = N
     cpp = cache / f"gen_{key.hexdigest()[:16]}_{os.getpid()}.cpp"
     cpp.write_text(_generate(src, label, kernels))
     tmp = f"{lib}.{os.getpid()}.tmp"
-    cmd = [compiler(), "-std=c++20", opt, "-fPIC", "-shared", "-ffp-contract=off", "-w", "-I", str(SUPPORT),
+    cmd = [compiler(), "-std=c++20", opt, "-fPIC", "-shared", "-ffp-contract=off", "-U_FORTIFY_SOURCE", "-w",
+           "-I", str(SUPPORT),
            *[a for d in dirs for a in ("-I", str(d))], "-include", str(SUPPORT / "cuda_emu.h"), str(cpp), "-o", tmp]
     r = subprocess.run(cmd, capture_output=True, text=True)
     cpp.unlink(missing_ok=True)
@@ -223,13 +227,17 @@ class Function:
         if b[0] * b[1] * b[2] > 1024:
             raise EmulationError(f"invalid launch configuration: block {b} has over 1024 threads")
         launches[self.name] += 1
+        with _LOCK:                         # one emulated GPU: the C++ runtime is a process singleton
+            return self._launch(g + b, args)
+
+    def _launch(self, dims, args) -> None:
         lib = self.module._lib
         arrays = [(i, a) for i, a in enumerate(args) if self.params[i].pointer]
         bufs = [lib.emu_alloc(a.nbytes) for _, a in arrays]
         if not all(bufs):
             raise MemoryError("emu_alloc failed")
         try:
-            return self._run(lib, g + b, args, arrays, bufs)
+            return self._run(lib, dims, args, arrays, bufs)
         finally:
             for p, (_, a) in zip(bufs, arrays):
                 lib.emu_free(p, a.nbytes)
@@ -244,7 +252,7 @@ class Function:
             slots[i] = ctypes.addressof(h) if p.pointer else h.ctypes.data
         cdims = (ctypes.c_uint * 6)(*dims)
         err = ctypes.create_string_buffer(ERRLEN)
-        isolate = os.environ.get("DS4_CUDA_EMU_ISOLATE", "1") != "0"
+        isolate = os.environ.get("DS4_CUDA_EMU_ISOLATE", "0") == "1"
         orders = (1, 0) if os.environ.get("DS4_CUDA_EMU_ORDERS", "2") != "1" else (0,)
         written = [(k, a) for k, (i, a) in enumerate(arrays) if not self.params[i].const]
         results = []

@@ -20,8 +20,77 @@
 #include <string>
 #include <vector>
 #include <ucontext.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+// Fiber switches: on x86-64 Linux a 6-register switch in assembly (ucontext's swapcontext makes
+// a sigprocmask system call per switch, which made a barrier cost microseconds per thread);
+// elsewhere, or with GPU_EMU_UCONTEXT defined, ucontext.
+#if defined(__x86_64__) && defined(__linux__) && !defined(GPU_EMU_UCONTEXT)
+#define GPU_EMU_ASM_SWITCH 1
+extern "C" void gpu_emu_switch_ctx(void** save_sp, void* new_sp);
+asm(R"(
+.text
+.globl gpu_emu_switch_ctx
+.hidden gpu_emu_switch_ctx
+.type gpu_emu_switch_ctx,@function
+gpu_emu_switch_ctx:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size gpu_emu_switch_ctx, .-gpu_emu_switch_ctx
+)");
+#endif
 
 namespace gpu_emu {
+
+struct Ctx {
+#ifdef GPU_EMU_ASM_SWITCH
+  void* sp = nullptr;
+#else
+  ucontext_t uc;
+#endif
+};
+
+inline void ctx_switch(Ctx& from, Ctx& to) {
+#ifdef GPU_EMU_ASM_SWITCH
+  gpu_emu_switch_ctx(&from.sp, to.sp);
+#else
+  swapcontext(&from.uc, &to.uc);
+#endif
+}
+
+// a fresh context that starts entry() on the stack [stack, stack + size); entry never returns
+inline void ctx_init(Ctx& c, char* stack, size_t size, void (*entry)(), Ctx& link) {
+#ifdef GPU_EMU_ASM_SWITCH
+  (void)link;
+  uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15);
+  void** sp = reinterpret_cast<void**>(top - 16);   // the return slot, 16-aligned: entry starts as if called
+  sp[1] = nullptr;                                   // entry's own return address (it never returns)
+  sp[0] = reinterpret_cast<void*>(entry);
+  sp -= 6;                                           // rbp rbx r12 r13 r14 r15, popped by the first switch
+  for (int i = 0; i < 6; ++i) sp[i] = nullptr;
+  c.sp = sp;
+#else
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = &link.uc;
+  makecontext(&c.uc, entry, 0);
+#endif
+}
 
 struct u3 { unsigned x, y, z; };
 
@@ -33,7 +102,7 @@ constexpr size_t SLOT = 16;
 constexpr size_t STACK = 128 * 1024;
 
 struct Fiber {
-  ucontext_t ctx;
+  Ctx ctx;
   State state = READY;
   unsigned lin = 0;          // linear index in the group (x fastest; warps are runs of 32)
   u3 tpig{}, tptg{};         // position in the grid (threads) / in the group
@@ -42,8 +111,8 @@ struct Fiber {
 
 struct Runtime {
   std::vector<Fiber> fibers;
-  std::vector<std::unique_ptr<char[]>> stacks;   // one per thread slot, kept across groups (not zeroed)
-  ucontext_t sched;
+  std::vector<char*> stacks;   // one per thread slot, kept across groups (not zeroed; never freed)
+  Ctx sched;
   int current = -1;
   u3 tgpos{}, tgsize{}, ngroups{};
   // warp collectives: each lane's deposit [linear thread], and at release a copy of its warp's
@@ -60,6 +129,16 @@ struct Runtime {
 
 inline Runtime& rt() { static Runtime r; return r; }
 
+// a fiber stack of STACK bytes above a PROT_NONE page: a kernel that overflows it faults instead
+// of writing over the heap
+inline char* new_stack() {
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  char* base = static_cast<char*>(mmap(nullptr, STACK + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (base == MAP_FAILED) return nullptr;
+  mprotect(base, page, PROT_NONE);
+  return base + page;
+}
+
 inline void fail(const std::string& msg) {
   if (rt().error.empty()) rt().error = msg;
 }
@@ -68,7 +147,7 @@ inline void trampoline() {
   Runtime& r = rt();
   r.body(r.arg);
   r.fibers[r.current].state = DONE;
-  swapcontext(&r.fibers[r.current].ctx, &r.sched);
+  ctx_switch(r.fibers[r.current].ctx, r.sched);   // never resumed
 }
 
 // the calling fiber waits in state s and hands control back to the scheduler
@@ -76,10 +155,10 @@ inline void block(State s) {
   Runtime& r = rt();
   Fiber& f = r.fibers[r.current];
   f.state = s;
-  swapcontext(&f.ctx, &r.sched);
+  ctx_switch(f.ctx, r.sched);
   if (!r.error.empty()) {   // the scheduler gave up: park this fiber for good
     f.state = DONE;
-    swapcontext(&f.ctx, &r.sched);
+    ctx_switch(f.ctx, r.sched);
   }
 }
 
@@ -165,21 +244,18 @@ inline std::string launch_groups(u3 ngroups, u3 tg, u3 limit, void (*fn)(void*),
       f.lin = (z * tg.y + y) * tg.x + x;
       f.tpig = g; f.tptg = {x, y, z};
     }
-    while (r.stacks.size() < r.fibers.size()) r.stacks.emplace_back(new char[STACK]);
-    for (size_t i = 0; i < r.fibers.size(); ++i) {
-      Fiber& f = r.fibers[i];
-      getcontext(&f.ctx);
-      f.ctx.uc_stack.ss_sp = r.stacks[i].get();
-      f.ctx.uc_stack.ss_size = STACK;
-      f.ctx.uc_link = &r.sched;
-      makecontext(&f.ctx, trampoline, 0);
+    while (r.stacks.size() < r.fibers.size()) {
+      char* st = new_stack();
+      if (!st) return "cannot map a fiber stack";
+      r.stacks.push_back(st);
     }
+    for (size_t i = 0; i < r.fibers.size(); ++i) ctx_init(r.fibers[i].ctx, r.stacks[i], STACK, trampoline, r.sched);
     for (;;) {
       for (size_t n = 0; n < r.fibers.size(); ++n) {
         size_t i = r.reverse ? r.fibers.size() - 1 - n : n;
         if (r.fibers[i].state != READY) continue;
         r.current = int(i);
-        swapcontext(&r.sched, &r.fibers[i].ctx);
+        ctx_switch(r.sched, r.fibers[i].ctx);
       }
       bool all_done = true;
       for (auto& f : r.fibers) all_done &= f.state == DONE;
@@ -189,7 +265,7 @@ inline std::string launch_groups(u3 ngroups, u3 tg, u3 limit, void (*fn)(void*),
         for (size_t i = 0; i < r.fibers.size(); ++i) {
           if (r.fibers[i].state == DONE) continue;
           r.current = int(i);
-          swapcontext(&r.sched, &r.fibers[i].ctx);
+          ctx_switch(r.sched, r.fibers[i].ctx);
         }
         return r.error;
       }
