@@ -150,6 +150,7 @@ def build(src: str, path: Path | None = None, options=(), cache: Path | None = N
     cpp.write_text(_generate(src, label, kernels))
     tmp = f"{lib}.{os.getpid()}.tmp"
     cmd = [compiler(), "-std=c++20", opt, "-fPIC", "-shared", "-ffp-contract=off", "-U_FORTIFY_SOURCE", "-w",
+           "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fno-gnu-unique",
            "-I", str(SUPPORT),
            *[a for d in dirs for a in ("-I", str(d))], "-include", str(SUPPORT / "cuda_emu.h"), str(cpp), "-o", tmp]
     r = subprocess.run(cmd, capture_output=True, text=True)
