@@ -53,13 +53,8 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
 
     def emit(ev):
         if isinstance(ev, E.Prefill):
-            # a long prefill (the system prompt on a first start, a big message) is minutes of
-            # silence on the real model: on a terminal one line says how far it is
             if dim and not quiet and ev.total:
-                eta = f", {ev.eta_s:.0f} s left" if ev.tokens_per_s else ""
-                err.write(f"\r\x1b[K{DIM}prefill {ev.done}/{ev.total} tokens"
-                          f"{f' ({ev.tokens_per_s:.0f} t/s{eta})' if ev.tokens_per_s else ''}{PLAIN}")
-                err.flush()
+                _prefill_line(ev, err)
                 state["live"] = True
             return
         if isinstance(ev, E.ReasoningDelta):
@@ -94,48 +89,73 @@ def run_headless(make_agent, task: str, *, resume: bool = False, quiet: bool = F
         if not isinstance(ev, E.TextDelta):
             err.write(text)
             err.flush()
-        elif not state["reader_gone"]:
-            try:
-                out.write(text)
-                out.flush()
-            except BrokenPipeError:
-                # `ds4-agent -p ... | head -1`: nobody reads the answer any more; the turn stops
-                # (and is saved), and the run ends quietly (engine/console.py)
-                state["reader_gone"] = True
-                worker.interrupt()
+        else:
+            _write_answer(text, out, state, worker)
 
     worker = AgentWorker(make_agent, emit)
     worker.ready.wait()
     if worker.failed:
         return 1
-    if resume:
-        # True: the last session of the directory; else the sha `--resume NAME|ID|pick` chose.
-        # A resume that fails ends the run: the task never starts over as a new session unseen
-        state["awaiting"] = True
-        worker.send_command("/resume" if resume is True else f"/switch {resume}")
-        replied.wait()
-        if "switched to session" not in (state["reply"] or ""):
-            err.write(f"error: cannot resume: {(state['reply'] or 'no answer').strip()}\n")
-            worker.stop(timeout=None)
-            return 1
-    worker.send_user(task)
-    try:
-        worker.stop(timeout=None)
-    except KeyboardInterrupt:
-        # Ctrl+C or SIGTERM: stop the turn and let the worker save it (a second one leaves now);
-        # a worker still inside the engine when the process ends is ds4agent/cli.py's to handle
-        end_live()
-        end_thinking()
-        err.write("interrupted: saving the session (Ctrl+C again leaves at once)\n")
-        err.flush()
-        worker.interrupt()
-        worker.done.wait(STOP_GRACE_S)
-        raise
+    if resume and not _resumed(worker, resume, state, replied, err):
+        return 1
+    _run_task(worker, task, lambda: (end_live(), end_thinking()), err)
     end_live()
     end_thinking()
     if state["reader_gone"]:
         raise BrokenPipeError("the reader of the answer went away")
     return _summary(worker.agent, state, calls, out, err)
+
+
+def _write_answer(text: str, out, state: dict, worker):
+    if state["reader_gone"]:
+        return
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError:
+        # `ds4-agent -p ... | head -1`: nobody reads the answer any more; the turn stops (and is
+        # saved), and the run ends quietly (engine/console.py)
+        state["reader_gone"] = True
+        worker.interrupt()
+
+
+def _prefill_line(ev, err):
+    """A long prefill (the system prompt on a first start, a big message) is minutes of silence
+    on the real model: on a terminal one line, rewritten in place, says how far it is."""
+    eta = f", {ev.eta_s:.0f} s left" if ev.tokens_per_s else ""
+    err.write(f"\r\x1b[K{DIM}prefill {ev.done}/{ev.total} tokens"
+              f"{f' ({ev.tokens_per_s:.0f} t/s{eta})' if ev.tokens_per_s else ''}{PLAIN}")
+    err.flush()
+
+
+def _resumed(worker, resume, state: dict, replied: threading.Event, err) -> bool:
+    """Continue the session first: True the last one of the directory, else the sha `--resume
+    NAME|ID|pick` chose. A resume that fails ends the run (False): the task never starts over as
+    a new session unseen."""
+    state["awaiting"] = True
+    worker.send_command("/resume" if resume is True else f"/switch {resume}")
+    replied.wait()
+    if "switched to session" in (state["reply"] or ""):
+        return True
+    err.write(f"error: cannot resume: {(state['reply'] or 'no answer').strip()}\n")
+    worker.stop(timeout=None)
+    return False
+
+
+def _run_task(worker, task: str, end_lines, err):
+    """Run the task to its end. Ctrl+C or SIGTERM stops the turn and lets the worker save it (a
+    second one leaves at once); a worker still inside the engine when the process ends is
+    ds4agent/cli.py's to handle."""
+    worker.send_user(task)
+    try:
+        worker.stop(timeout=None)
+    except KeyboardInterrupt:
+        end_lines()
+        err.write("interrupted: saving the session (Ctrl+C again leaves at once)\n")
+        err.flush()
+        worker.interrupt()
+        worker.done.wait(STOP_GRACE_S)
+        raise
 
 
 def _summary(agent, state: dict, calls: list[str], out, err) -> int:
