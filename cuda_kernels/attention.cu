@@ -1,25 +1,28 @@
 // Softmax attention with per-head sinks, K = V, over any number of key segments (the raw window,
-// the compressed rows, the indexer's picks read in place), NumpyOps.attention. A block of 4 warps
-// per (token, head); lane l holds dims l, l + 32, ... (D <= 512: at most 16 a lane, in registers).
+// the compressed rows, the indexer's picks read in place), NumpyOps.attention. A block of 1 to 16
+// warps per (token, head) (blockDim.x = 32 * warps: 128 serves prefill, where T * H blocks fill
+// the device; a decode step's few (token, head)s want 512); lane l holds dims l, l + 32, ...
+// (D <= 512: at most 16 a lane, in registers).
 // attn_segment: the warps share out the segment's keys, each keeps an online softmax (running
-// max m, sum l, weighted sum acc), and the 4 partial states merge through shared memory into the
+// max m, sum l, weighted sum acc), and the warps' partial states merge through shared memory into the
 // (token, head)'s state in global memory (read unless first). attn_finish divides by the sum plus
 // the sink's share: out = acc / (l + exp(sink - m)), computed against max(m, sink) so neither a
 // large sink nor a query with no visible key overflows (no key: out = 0).
 #include "common.cuh"
 
 namespace {
-constexpr int WARPS = 4, MAXD = 16;      // dims per lane: D / 32 <= 16
+constexpr int MAXW = 16, MAXD = 16;      // warps a block; dims per lane: D / 32 <= 16
 }
 
-extern "C" __global__ void __launch_bounds__(128) attn_segment(
+extern "C" __global__ void __launch_bounds__(512) attn_segment(
     const float* __restrict__ q, const float* __restrict__ keys, const unsigned char* __restrict__ mask,
     const int* __restrict__ idx, float* __restrict__ m_state, float* __restrict__ l_state,
     float* __restrict__ acc_state, int T, int H, int D, int K, int mode, float scale, int first) {
-  __shared__ float sm_m[WARPS], sm_l[WARPS];
-  __shared__ float sm_acc[WARPS][MAXD * 32];
+  __shared__ float sm_m[MAXW], sm_l[MAXW];
+  __shared__ float sm_acc[MAXW][MAXD * 32];
   const int th = blockIdx.x;
-  if (th >= T * H) return;
+  const int WARPS = (int)(blockDim.x >> 5);
+  if (th >= T * H || WARPS < 1 || WARPS > MAXW || (blockDim.x & 31)) return;
   const int t = th / H;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int nd = D / 32;
@@ -47,20 +50,19 @@ extern "C" __global__ void __launch_bounds__(128) attn_segment(
 #pragma unroll
   for (int j = 0; j < MAXD; ++j) if (j < nd) sm_acc[w][lane + 32 * j] = acc[j];
   __syncthreads();
-  // merge: the previous state (unless first) and the 4 warps', against their common max
+  // merge: the previous state (unless first) and the warps', against their common max
   const long long st = (long long)th;
   float M = -INFINITY;
   const float m_prev = first ? -INFINITY : m_state[st];
   M = fmaxf(M, m_prev);
   for (int i = 0; i < WARPS; ++i) M = fmaxf(M, sm_m[i]);
-  float f[WARPS + 1];
   float L = 0.0f;
-  for (int i = 0; i < WARPS; ++i) { f[i] = sm_m[i] == -INFINITY ? 0.0f : expf(sm_m[i] - M); L += sm_l[i] * f[i]; }
-  f[WARPS] = m_prev == -INFINITY ? 0.0f : expf(m_prev - M);
-  if (!first) L += l_state[st] * f[WARPS];
+  for (int i = 0; i < WARPS; ++i) L += sm_m[i] == -INFINITY ? 0.0f : sm_l[i] * expf(sm_m[i] - M);
+  const float f_prev = m_prev == -INFINITY ? 0.0f : expf(m_prev - M);
+  if (!first) L += l_state[st] * f_prev;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float a = first ? 0.0f : acc_state[st * D + d] * f[WARPS];
-    for (int i = 0; i < WARPS; ++i) a += sm_acc[i][d] * f[i];
+    float a = first ? 0.0f : acc_state[st * D + d] * f_prev;
+    for (int i = 0; i < WARPS; ++i) if (sm_m[i] != -INFINITY) a += sm_acc[i][d] * expf(sm_m[i] - M);
     acc_state[st * D + d] = a;
   }
   __syncthreads();                       // every thread has read m_state / l_state before they change

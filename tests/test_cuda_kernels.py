@@ -116,10 +116,11 @@ def _attention_case(rng, T=3, H=2, D=64):
     return q, [(raw, m_raw), (comp, m_comp), (pool, m_idx, idx)], sinks
 
 
-def test_attention_over_three_kinds_of_segments(K):
+@pytest.mark.parametrize("warps", [1, 4, 16])
+def test_attention_over_three_kinds_of_segments(K, warps):
     rng = np.random.default_rng(6)
     q, segs, sinks = _attention_case(rng)
-    got = K.attention(q, segs, sinks, 0.125)
+    got = K.attention(q, segs, sinks, 0.125, warps=warps)
     assert rel_err(got, NumpyOps.attention(q, segs, sinks, 0.125)) < PRODUCT_TOL
 
 

@@ -86,7 +86,7 @@ class Kernels:
         return out
 
     # -- attention.cu ------------------------------------------------------------------------
-    def attention(self, q, segments, sinks, scale):
+    def attention(self, q, segments, sinks, scale, warps=4):
         """NumpyOps.attention's arguments: segments of (keys, mask) or (keys, mask, idx)."""
         T, H, D = q.shape
         m, l, acc = _nan((T, H)), _nan((T, H)), _nan((T, H, D))
@@ -98,7 +98,7 @@ class Kernels:
                 mode, idx = 2, np.ascontiguousarray(s[2], dtype=i32)
             else:
                 mode, idx = (1 if keys.ndim == 3 else 0), np.zeros(1, i32)
-            seg((T * H, 1, 1), (128, 1, 1), (q, np.ascontiguousarray(keys, dtype=f32), mask.astype(np.uint8), idx,
+            seg((T * H, 1, 1), (32 * warps, 1, 1), (q, np.ascontiguousarray(keys, dtype=f32), mask.astype(np.uint8), idx,
                                              m, l, acc, i32(T), i32(H), i32(D), i32(K), i32(mode), f32(scale),
                                              i32(n == 0)))
         out = _nan((T, H, D))
