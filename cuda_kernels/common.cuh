@@ -43,8 +43,10 @@ __device__ __forceinline__ float mxfp4_value(unsigned nib) {
   return (nib & 8u) && mag ? -v : v;     // nibble 8 is +0, as the table has it (not -0)
 }
 
-// iq2xxs grid entry i: 8 values, value j = {8, 25, 43}[(entry >> 2j) & 3]
-__constant__ unsigned short IQ2XXS_GRID2[256] = {
+// iq2xxs grid entry i: 8 values, value j = {8, 25, 43}[(entry >> 2j) & 3]. In global memory, not
+// __constant__: the 32 lanes of a warp look up 32 different entries, which the constant cache
+// would serve one address at a time; L1 serves the 512 bytes in a few wavefronts.
+__device__ const unsigned short IQ2XXS_GRID2[256] = {
     0x0000, 0x0002, 0x0005, 0x0008, 0x000a, 0x0011, 0x0014, 0x0020, 0x0022, 0x0028, 0x002a, 0x0041,
     0x0044, 0x0050, 0x0058, 0x0061, 0x0064, 0x0080, 0x0082, 0x008a, 0x00a2, 0x0101, 0x0104, 0x0110,
     0x0115, 0x0140, 0x0184, 0x0198, 0x0200, 0x0202, 0x0222, 0x0282, 0x0401, 0x0404, 0x0410, 0x0421,
