@@ -1,7 +1,8 @@
 """`ds4-agent`: the coding agent, in the project directory it is started from.
 
   ds4-agent [--model PATH] [--ctx N] [--nothink|--think-max] [--yolo] [--resume [NAME|ID|pick]]
-  ds4-agent sessions [list [--all] | show ID|NAME | delete ID|NAME]   saved sessions, no model needed
+  ds4-agent sessions [list [--all] | show ID|NAME | delete ID|NAME | prune --max-size SIZE [--yes]]
+                               saved sessions, no model needed
   ds4-agent -p "task"          headless: run one task, print the answer and a tool summary
   ds4-agent --serve [--port 8000] [--kv-disk-dir DIR] ...   the HTTP shim for other agents
   ds4-agent download q2|q4|q2-imatrix|q4-imatrix [--dir DIR]   fetch ds4's published GGUF
@@ -63,7 +64,7 @@ def find_model(arg: str | None, cfg: dict) -> tuple[str | None, list[str]]:
 EPILOG = """other commands:
   ds4-agent download q2|q4|q2-imatrix|q4-imatrix [--dir DIR]
                         download ds4's published GGUF (resumable) and record its path
-  ds4-agent sessions [list [--all] | show ID|NAME | delete ID|NAME]
+  ds4-agent sessions [list [--all] | show ID|NAME | delete ID|NAME | prune --max-size SIZE [--yes]]
                         the saved sessions, without loading a model"""
 DEFAULT_CTX = 65536
 
@@ -206,6 +207,24 @@ def _resume_ctx(store, resume, ctx: int, model: str) -> int:
     return ctx
 
 
+def _headless_keep(cfg: dict) -> int:
+    """How many unnamed headless sessions a project keeps (`headless_keep` in the config)."""
+    from sessions.retention import HEADLESS_KEEP
+    try:
+        return _whole("headless_keep in the config", cfg.get("headless_keep", HEADLESS_KEEP))
+    except ValueError as e:
+        raise _Fail(str(e)) from None
+
+
+def _retain(store, keep: int):
+    """After a headless run: the project's older unnamed headless sessions go (one line says so)."""
+    from sessions.retention import prune_headless
+    gone = prune_headless(store, keep)
+    if gone:
+        print(f"removed {len(gone)} older unnamed headless session(s) of this project (the newest {keep} "
+              f"are kept; `headless_keep` in the config, or name a session to keep it)", file=sys.stderr)
+
+
 def _check_model(a, model: str, ctx: int, think: str, options, project: Path):
     """Validate up front (O(metadata)): a bad file, backend or context is one line and exit 1,
     before any UI."""
@@ -291,6 +310,7 @@ def _main(a) -> int:
     except SessionStoreError as e:
         raise _Fail(str(e)) from None
     resume = _resume_choice(store, a.resume)
+    keep = _headless_keep(cfg)
     conf.ctx = ctx = _resume_ctx(store, resume, ctx, model)
 
     started = []      # the MCP servers, stopped on the way out (their processes must not outlive us)
@@ -304,8 +324,15 @@ def _main(a) -> int:
     previous = _interrupt_on_sigterm()
     try:
         if a.prompt is not None:
+            from sessions.retention import HEADLESS
+
             from .headless import run_headless
-            return run_headless(make_agent, a.prompt, resume=resume, quiet=a.quiet)
+            # a new headless conversation falls under the retention rule below; one that continues
+            # a session (--resume) stays a session like the TUI's (sessions/retention.py)
+            store.origin = None if resume else HEADLESS
+            rc = run_headless(make_agent, a.prompt, resume=resume, quiet=a.quiet)
+            _retain(store, keep)
+            return rc
         from .app import run_app
         banner = f"ds4-agent · {Path(model).name} · context {ctx} · {project}"
         return run_app(make_agent, resume=resume, banner=banner) or 0

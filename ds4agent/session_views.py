@@ -4,12 +4,14 @@ show`), and the line that says how to come back to a session. Shared by the TUI'
 and the command line, so both show a session the same way."""
 from __future__ import annotations
 
+import os
 import shlex
 import time
 
 import prompts
 from sessions import SessionInfo, SessionStore
 from sessions.kvfile import KVFileError, read_info
+from sessions.retention import replaced
 
 SHOW_TURNS = 5
 
@@ -37,14 +39,32 @@ def label(r: SessionInfo) -> str:
 
 
 def row(r: SessionInfo, current: str | None = None, number: int | None = None, depth: int = 0,
-        branch: str | None = None) -> str:
+        branch: str | None = None, project: str | None = None, replaced: bool = False) -> str:
     """One session's line; `depth`: how far down the lineage tree it is. `*` when it is `current`
-    (and, `branch` given, not a pending fork of it that is the live one)."""
+    (and, `branch` given, not a pending fork of it that is the live one). `project`: the project
+    column of the every-project view; `replaced`: say why an older version is listed."""
     live_fork = branch is not None and any(f.branch == branch for f in r.forks)
     mark = "*" if current is not None and r.sha == current and not live_fork else " "
     num = f"{number:>3}. " if number is not None else ""
-    return (f"{mark} {num}{indent(depth)}{r.id}  {age(r.updated)}  {label(r)}  [{r.tokens} tokens, {r.think_mode or '?'}]" +
+    where = f"{project}  " if project is not None else ""
+    return (f"{mark} {num}{indent(depth)}{r.id}  {age(r.updated)}  {where}{label(r)}  "
+            f"[{r.tokens} tokens, {r.think_mode or '?'}]" +
+            ("  (replaced: /undo or /compact went back before it; --resume ID still continues it)"
+             if replaced else "") +
             ("" if r.ok else f"  DAMAGED: {one_line(r.error, 160)}  ({r.path})"))
+
+
+PROJECT_WIDTH = 32
+
+
+def project_label(path: str | None) -> str:
+    """A project folder for the project column: ~ for the home folder, the end of a long path."""
+    if not path:
+        return "(unknown project)"
+    home = os.path.expanduser("~")
+    p = "~" + path[len(home):] if home not in ("", "/") and (path == home or path.startswith(home + os.sep)) \
+        else path
+    return p if len(p) <= PROJECT_WIDTH else "…" + p[-(PROJECT_WIDTH - 1):]
 
 
 def indent(depth: int) -> str:
@@ -121,8 +141,12 @@ def list_text(store: SessionStore, scope: str = "project", current: str | None =
     if not rows:
         return "no saved sessions" + ("" if scope == "all" else f" in this project ({all_hint} shows every project)") + note
     lines = []
+    older = replaced(rows)
+    where = {r.sha: project_label(r.project_dir) for r in rows} if scope == "all" else {}
+    width = max(map(len, where.values()), default=0)
     for depth, r in tree(rows):
-        lines.append(row(r, current, depth=depth, branch=branch))
+        lines.append(row(r, current, depth=depth, branch=branch, replaced=r.sha in older,
+                         project=where[r.sha].ljust(width) if where else None))
         lines += [fork_row(r, f, depth + 1, current, branch) for f in r.forks]
     return "\n".join(lines) + note
 

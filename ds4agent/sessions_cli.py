@@ -1,4 +1,4 @@
-"""`ds4-agent sessions [list|show|delete]` and the choice behind `--resume NAME|ID|pick`.
+"""`ds4-agent sessions [list|show|delete|prune]` and the choice behind `--resume NAME|ID|pick`.
 
 Saved sessions outside the TUI: nothing here loads the model (a session's record and the head of
 its KV file say all that is shown). The store is the agent's (`$DS4_AGENT_HOME/sessions` or
@@ -12,7 +12,7 @@ from typing import Callable
 
 from sessions import SessionStore, SessionStoreError
 
-from .session_views import list_text, row, show_text
+from .session_views import list_text, project_label, row, show_text
 
 PICK = "pick"
 
@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("ref", metavar="ID|NAME", help="the session's name or the start of its id")
     de = sub.add_parser("delete", help="delete a saved session (its .kv file and its record)")
     de.add_argument("ref", metavar="ID|NAME", help="the session's name or the start of its id")
+    pr = sub.add_parser("prune", help="delete unnamed sessions, oldest first, until the store fits a size "
+                                      "(shows the plan; --yes deletes)")
+    pr.add_argument("--max-size", required=True, metavar="SIZE",
+                    help="the size the whole store may take: bytes, or a number with K, M, G or T (500M, 2G)")
+    pr.add_argument("--yes", action="store_true", help="delete them (without it, only say what would go)")
     return p
 
 
@@ -51,12 +56,44 @@ def main(argv: list[str], *, out=None) -> int:
                           "`--resume pick` chooses)\n")
         elif a.cmd == "show":
             out.write(show_text(store, store.resolve(a.ref)) + "\n")
+        elif a.cmd == "prune":
+            return _prune(store, a.max_size, a.yes, out)
         else:
             info = store.delete(a.ref)
             out.write(f"deleted session {info.id} ({info.label})\n")
     except SessionStoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _prune(store: SessionStore, max_size: str, yes: bool, out) -> int:
+    """Bring the store under `max_size` by deleting unnamed sessions, oldest first; a dry run
+    unless `yes` (deleting is not undone, and the budget may be a typo)."""
+    from sessions.retention import apply_prune, human, parse_size, plan_prune, store_bytes
+    try:
+        budget = parse_size(max_size)
+    except ValueError as e:
+        print(f"error: --max-size: {e}", file=sys.stderr)
+        return 1
+    plan = plan_prune(store, budget)
+    out.write(f"the session store {store.root} holds {human(plan.total)}; the budget is {human(budget)}\n")
+    if not plan.doomed:
+        out.write("nothing to delete\n" if plan.fits else
+                  "nothing can be deleted: what is left is named sessions, damaged ones (`sessions list "
+                  "--all` shows them) and cached system prompts\n")
+        return 0 if plan.fits else 1
+    what = f"{len(plan.doomed)} unnamed session(s), oldest first ({human(plan.freed)})"
+    out.write(("deleting " if yes else "would delete ") + what + ":\n")
+    out.write("".join(row(e, project=project_label(e.project_dir)) + "\n" for e in plan.doomed))
+    if yes:
+        gone = apply_prune(store, plan)
+        out.write(f"deleted {len(gone)} session(s); the store holds {human(store_bytes(store))} now\n")
+    else:
+        out.write(f"after: {human(plan.after)}. Named sessions are never deleted. "
+                  "Run again with --yes to delete these.\n")
+    if not plan.fits:
+        out.write("(named sessions and cached system prompts alone are over the budget)\n")
     return 0
 
 

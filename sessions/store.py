@@ -127,6 +127,7 @@ class SessionInfo:
     ctx: int | None = None
     size: int = 0
     error: str | None = None          # why the session is unreadable (None: it is fine)
+    origin: str | None = None         # "headless": saved by `ds4-agent -p` (sessions/retention.py)
     has_meta: bool = True
     text: bytes | None = field(default=None, repr=False)   # filled by load()
 
@@ -197,6 +198,7 @@ class SessionStore:
             raise SessionStoreError(f"cannot create the session folder {self.root}: {e.strerror or e}") from None
         self.project_dir = os.path.realpath(os.fspath(project_dir) if project_dir is not None else os.getcwd())
         self._now = now
+        self.origin: str | None = None     # written into each record this store saves
         self.sysprompts = SystemPrefixCache(self.root, now=now, keep=sysprompt_keep, budget_mb=sysprompt_budget_mb)
         remove_stale_temps(self.root)     # real time: the temp files' mtimes are real
         self._origins: "weakref.WeakKeyDictionary[Session, _Origin]" = weakref.WeakKeyDictionary()
@@ -278,6 +280,7 @@ class SessionStore:
                 e.branch, e.forks = meta.get("branch"), forks_of(meta)
                 e.ancestors = tuple(meta.get("ancestors", ()))
                 e.model = meta.get("model")
+                e.origin = meta.get("origin") if meta.get("origin") == "headless" else None
                 e.created = float(meta.get("created", e.created))
                 e.updated = float(meta.get("updated", e.updated))
                 if hdr is None:
@@ -420,6 +423,7 @@ class SessionStore:
             "quant_bits": routed_quant_bits(session),
             "branch": (old or {}).get("branch") or branch,
             "forks": (old or {}).get("forks", []),
+            "origin": self.origin,
         }
         try:
             self._write_meta(sha, meta)
