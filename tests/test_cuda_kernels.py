@@ -145,6 +145,17 @@ def test_rmsnorm_bit_for_bit(K):
         assert K.rmsnorm(x, wt, 1e-6).tobytes() == NumpyOps.rmsnorm(x, wt, 1e-6).tobytes()
 
 
+def test_rmsnorm_ds4_bit_for_bit(K):
+    ref = getattr(N, "rmsnorm_ds4", None)
+    if ref is None:
+        pytest.skip("engine.model.numerics has no rmsnorm_ds4 in this checkout")
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((5, 300)) * 3).astype(np.float32)
+    w = rng.standard_normal(300).astype(np.float32)
+    for wt in (w, None):
+        assert K.rmsnorm(x, wt, 1e-6, ds4=True).tobytes() == ref(x, wt, 1e-6).tobytes()
+
+
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_bit_for_bit(K, inverse):
     rng = np.random.default_rng(9)

@@ -107,10 +107,10 @@ class Kernels:
         return out
 
     # -- norm_rope.cu ------------------------------------------------------------------------
-    def rmsnorm(self, x, w, eps):
+    def rmsnorm(self, x, w, eps, ds4=False):
         rows, n = x.shape
         out = _nan(x.shape)
-        self.fn("norm_rope.cu", "rmsnorm")((rows, 1, 1), (256, 1, 1),
+        self.fn("norm_rope.cu", "rmsnorm_ds4" if ds4 else "rmsnorm")((rows, 1, 1), (256, 1, 1),
                                            (x, w if w is not None else np.zeros(1, f32), out, i32(rows), i32(n),
                                             np.float64(eps), i32(w is not None)))
         return out
