@@ -96,3 +96,26 @@ def test_topk_ties_go_to_the_lowest_index():
     equal scores the lowest index wins."""
     s = np.array([[1.0, 3.0, 3.0, 0.5, 3.0]], np.float32)
     assert NumpyOps.topk_lowest_index(s, 2).tolist() == [[1, 2]]
+
+
+def test_rmsnorm_is_ds4s_bit_for_bit():
+    """ds4.c rms_norm_weight: float64 sum of squares, then a float32 scale 1 / sqrtf(ss/n + eps),
+    then (x * w) * scale. The float64 scale rounded once and (x * scale) * w (the exact-numerics
+    form) miss ds4's bits at many values."""
+    got = NumpyOps("ds4").rmsnorm(FIX["x"], FIX["rms_w"], 1e-6)
+    assert np.array_equal(got.view(np.uint32), FIX["rms_y"].view(np.uint32))
+    assert (NumpyOps.rmsnorm(FIX["x"], FIX["rms_w"], 1e-6) != FIX["rms_y"]).mean() > 0.1
+
+
+def test_cpu_rmsnorm_follows_in_ds4_numerics():
+    from engine.backends.cpu import kernels as K
+    from engine.backends.cpu.ops import CpuOps
+    if K._K is None:
+        pytest.skip("engine.backends.cpu._kernels is not built")
+    rng = np.random.default_rng(9)
+    cpu, ref = CpuOps("ds4"), NumpyOps("ds4")
+    for shape in ((1, 256), (5, 4, 128), (3, 1024)):
+        x = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3)).astype(np.float32)
+        w = rng.standard_normal(shape[-1]).astype(np.float32)
+        for ww in (None, w):
+            assert np.array_equal(cpu.rmsnorm(x, ww, 1e-6), ref.rmsnorm(x, ww, 1e-6)), (shape, ww is None)

@@ -55,6 +55,7 @@ __all__ = [
     "q8_k_round",
     "q8_0_exact",
     "q8_k_exact",
+    "rmsnorm_ds4",
     "rope_thetas_ds4",
     "rope_thetas_exact",
     "apply_rope",
@@ -354,6 +355,28 @@ def q8_k_exact(x) -> np.ndarray:
     x = _f32(x)
     q, d = q8_k_quantize(x)
     return (q.astype(np.float64) * d.astype(np.float64)[..., None]).reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------
+# RMSNorm
+
+
+def rmsnorm_ds4(x, w, eps) -> np.ndarray:
+    """ds4's RMSNorm over the last axis (``rms_norm_weight``, ``rms_norm_no_weight``,
+    ``head_rms_norm_inplace``): the sum of squares in float64, then float32 steps
+
+        scale = 1.0f / sqrtf((float)(ss / n) + eps)
+        out   = (x * w) * scale          # with a weight: GCC's order for x[i] * scale * weight[i]
+        out   = x * scale                # without
+
+    (read from GCC 12's code for the x86 build, and equal to it on the values of
+    tests/golden/ds4_cpu_dots.npz; the float64 sum's order changes ``(float)(ss / n)`` only when
+    it lies within ~1e-16 of a float32 rounding point).
+    """
+    x = _f32(x)
+    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True).astype(np.float32)
+    scale = (_F32(1.0) / np.sqrt(ms + _F32(eps))).astype(np.float32)
+    return (x * scale).astype(np.float32) if w is None else ((x * _f32(w)) * scale).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import numpy as np
 from . import kernels as K
 from ...gguf import quants as Q
 from ...gguf.model_file import QTensor
+from ...model import numerics as N
 from .fast import FastOps, _query_pool, _threads
 from ..numpy.ops import NumpyOps
 
@@ -101,6 +102,20 @@ class CpuOps(FastOps, NumpyOps):
         out = np.empty(x2.shape, np.float32)
         if x2.size:
             ext.rmsnorm(x2, None if w is None else _norm_row(w), float(eps), out)
+        return out if x.ndim == 2 else out.reshape(shape)
+
+    @staticmethod
+    def rmsnorm_ds4(x, w, eps):
+        """ds4 numerics' rmsnorm (numerics.rmsnorm_ds4) in C, bit for bit with the reference."""
+        ext = K._K
+        if ext is None:
+            return N.rmsnorm_ds4(x, w, eps)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        shape = x.shape
+        x2 = x if x.ndim == 2 else x.reshape(-1, shape[-1])
+        out = np.empty(x2.shape, np.float32)
+        if x2.size:
+            ext.rmsnorm(x2, None if w is None else _norm_row(w), float(eps), out, 0, 1)
         return out if x.ndim == 2 else out.reshape(shape)
 
     #: segments (keys [N, D], mask, idx [T, k]) are read in place by the C kernel (a pointer per

@@ -68,6 +68,8 @@ class MlxOps:
         self._repacked: dict = {}            # id(QTensor) -> (QTensor, MxWeight): host weights met in a call
         self._rot: dict = {}                 # id(thetas) -> (thetas, cos, sin): this pass's rotations
         self.metal = _metal()
+        if self._ds4:   # as the reference: ds4's rmsnorm in ds4 numerics, the class's static form else
+            self.rmsnorm = self.rmsnorm_ds4
 
     # -- set-up and hand-offs --------------------------------------------------------------------
     def bind_weights(self, model_file):
@@ -135,6 +137,14 @@ class MlxOps:
                                for g in range(groups)], axis=1)
 
     # -- norms and elementwise -----------------------------------------------------------------
+    @staticmethod
+    def rmsnorm_ds4(x, w, eps):
+        """numerics.rmsnorm_ds4 (ds4.c rms_norm_weight: float32 scale 1 / sqrt(ms + eps), then
+        (x * w) * scale), with the mean of squares in float32: MLX has no float64."""
+        x = _a(x)
+        scale = 1.0 / mx.sqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
+        return x * scale if w is None else (x * _a(w)) * scale
+
     @staticmethod
     def rmsnorm(x, w, eps):
         x = _a(x)

@@ -59,6 +59,8 @@ class NumpyOps:
         self.numerics = numerics
         self._ds4 = numerics == DS4     # (a shorthand inside the ops; `numerics` is the one public name)
         self._dot = self._ds4 and q8_dot == "ds4"
+        if self._ds4:   # an instance attribute: the class's static rmsnorm stays the float64 form
+            self.rmsnorm = self.rmsnorm_ds4
 
     # -- set-up and hand-offs (host memory: nothing to upload or copy) ---------------------------
     def bind_weights(self, model_file) -> tuple:
@@ -133,6 +135,11 @@ class NumpyOps:
         return Q.matvec(w.type_id, w.data, x.T, accumulate=np.float64).T
 
     # -- norms and elementwise -----------------------------------------------------------------
+    @staticmethod
+    def rmsnorm_ds4(x, w, eps):
+        """ds4 numerics' rmsnorm (ds4.c rms_norm_weight: float32 scale, (x * w) * scale)."""
+        return N.rmsnorm_ds4(x, w, eps)
+
     @staticmethod
     def rmsnorm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
         # mean of squares accumulated in float64 (as ds4 does); the result is float32

@@ -430,12 +430,12 @@ static PyObject *py_rope(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* rmsnorm(x, w_or_None, eps, out[, threads]): ops_rmsnorm */
+/* rmsnorm(x, w_or_None, eps, out[, threads[, ds4]]): ops_rmsnorm */
 static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
     PyObject *xo, *wo, *oo;
     double eps;
-    int threads = 0;
-    if (!PyArg_ParseTuple(args, "OOdO|i", &xo, &wo, &eps, &oo, &threads)) return NULL;
+    int threads = 0, ds4 = 0;
+    if (!PyArg_ParseTuple(args, "OOdO|ii", &xo, &wo, &eps, &oo, &threads, &ds4)) return NULL;
     Py_buffer xb, wb, ob;
     if (get_f32(xo, &xb, 0, "x", -1, -1) < 0) return NULL;
     const int64_t R = xb.shape[0], n = xb.shape[1];
@@ -450,7 +450,8 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    ops_rmsnorm((const float *)xb.buf, has_w ? (const float *)wb.buf : NULL, R, n, eps, (float *)ob.buf, threads);
+    ops_rmsnorm((const float *)xb.buf, has_w ? (const float *)wb.buf : NULL, R, n, eps, (float *)ob.buf, threads,
+                ds4);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&xb);
     if (has_w) PyBuffer_Release(&wb);

@@ -76,7 +76,8 @@ void ops_hc_split_args(const float *mix, int64_t T, int n, const float *sc, cons
 void ops_hc_split(const float *e, int64_t T, int n, float eps, int iters, float *pre, float *post, float *C);
 void ops_rope(const float *x, int64_t R, int64_t W, const float *cs, int64_t npair, int64_t per, float *out,
               int threads);
-void ops_rmsnorm(const float *x, const float *w, int64_t R, int64_t n, double eps, float *out, int threads);
+void ops_rmsnorm(const float *x, const float *w, int64_t R, int64_t n, double eps, float *out, int threads,
+                 int ds4);
 int ops_hc_post(const float *y, const float *X, const float *P, const float *Cm, int64_t T, int64_t n, int64_t E,
                 float *out, int threads);
 void ops_hc_pre_mix(const float *P, const float *X, int64_t T, int64_t n, int64_t E, float *out, int threads);

@@ -126,11 +126,14 @@ void ops_rope(const float *x, int64_t R, int64_t W, const float *cs, int64_t npa
     }
 }
 
-/* rmsnorm(x, w_or_None, eps, out[, threads]): NumpyOps.rmsnorm row by row (x [rows, n]): the
- * squares summed in float64 (8 partial sums), inv = float32(1 / sqrt(sum / n + eps)) in float64,
+/* rmsnorm(x, w_or_None, eps, out[, threads[, ds4]]): NumpyOps.rmsnorm row by row (x [rows, n]):
+ * the squares summed in float64 (8 partial sums), inv = float32(1 / sqrt(sum / n + eps)) in float64,
  * out = float32(x * inv) (* w). The reference sums pairwise in float64, so inv matches it except
- * in the rare case where the float64 sums' last-bit difference crosses a float32 rounding point. */
-void ops_rmsnorm(const float *x, const float *w, int64_t R, int64_t n, double eps, float *out, int threads) {
+ * in the rare case where the float64 sums' last-bit difference crosses a float32 rounding point.
+ * ds4 != 0: ds4 numerics' form (numerics.rmsnorm_ds4, ds4.c rms_norm_weight): the same float64 sum,
+ * then float32 steps inv = 1.0f / sqrtf((float)(sum / n) + eps) and out = (x * w) * inv. */
+void ops_rmsnorm(const float *x, const float *w, int64_t R, int64_t n, double eps, float *out, int threads,
+                 int ds4) {
     const int nt = thread_count(R, R * n, 64 * 1024, threads);
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t r = 0; r < R; r++) {
@@ -142,6 +145,14 @@ void ops_rmsnorm(const float *x, const float *w, int64_t R, int64_t n, double ep
             for (int k = 0; k < 8; k++) s[k] += (double)xr[i + k] * (double)xr[i + k];
         double tot = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
         for (; i < n; i++) tot += (double)xr[i] * (double)xr[i];
+        if (ds4) {
+            const float inv = 1.0f / sqrtf((float)(tot / (double)n) + (float)eps);
+            if (w)
+                for (i = 0; i < n; i++) o[i] = (xr[i] * w[i]) * inv;
+            else
+                for (i = 0; i < n; i++) o[i] = xr[i] * inv;
+            continue;
+        }
         const float inv = (float)(1.0 / sqrt(tot / (double)n + eps));
         if (w)
             for (i = 0; i < n; i++) o[i] = (xr[i] * inv) * w[i];
