@@ -136,3 +136,20 @@ def test_only_the_wrapper_imports_gitpython():
             if any(line.strip().startswith(("import git", "from git ", "from git.")) for line in text.splitlines()):
                 users.append(f.relative_to(root).as_posix())
     assert users == ["tools/gitpy.py"]
+
+
+def test_checkpoints_read_through_the_wrapper_and_run_nothing(hostile, tmp_path):
+    """The checkpoints' reads (rev-parse, ls-files, for-each-ref, diff-tree) go through GitPython,
+    their private index and identity in its environment; the writes stay on gitsafe's subprocess."""
+    from tools.checkpoints import CheckpointRepo
+    before = gitpy.calls[0]
+    cp = CheckpointRepo(hostile.root, tmp_path / "shadow")
+    tree = cp.snapshot("b1")
+    cp.commit("b1", "1", tree, {"n": 1})
+    (hostile.root / "a.txt").write_text("later\n")
+    now = cp.snapshot("b1")
+    assert list(cp.refs("b1")) == ["1"]
+    assert ("M", "a.txt") in [(s[:1], p) for s, p in cp.changes(tree, now)]
+    assert "+later" in cp.diff_text(tree, now)
+    assert gitpy.calls[0] - before >= 5
+    assert hostile.found() == set()
