@@ -18,6 +18,14 @@ SWEEP = ["--ctx-start", "64", "--ctx-max", "192", "--step-incr", "64", "--gen-to
 PAIR = ["--ctx-start", "64", "--ctx-max", "128", "--step-incr", "64", "--gen-tokens", "4"]   # two rows
 
 
+@pytest.fixture(autouse=True)
+def small_floors(monkeypatch):
+    """The floors' values are not under test: a 32 MiB read and a 256-wide GEMM instead of 512 MiB
+    and 2048 (the sweep test measured them twice: most of its ~60 s on a loaded machine)."""
+    from engine import bench
+    monkeypatch.setattr(bench, "measure_floors", functools.partial(bench.measure_floors, read_mib=32, gemm_n=256))
+
+
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
     rng = random.Random(3)
@@ -118,8 +126,6 @@ def test_peer_measures_a_second_backend_in_the_same_run(small_model, text_file, 
     agrees with the CSV, each backend's device and memory lines, both in the plot and the dump."""
     from engine import bench
     from engine.backends import registry
-    # the floors' values are not under test here: a smaller buffer and matrix keep the run short
-    monkeypatch.setattr(bench, "measure_floors", functools.partial(bench.measure_floors, read_mib=32, gemm_n=256))
     others = [n for n in registry.available_names() if n != "numpy"]
     if not others:
         pytest.skip("no backend besides numpy can serve here to be the peer")
@@ -165,7 +171,6 @@ def test_default_text_ships_with_the_package_and_the_plan_comes_first(small_mode
     """No --prompt-file: the text is package data (no folder of one machine), and before any row the
     frontiers and an estimate are printed; each row says how many are done and the time left."""
     from engine import bench
-    monkeypatch.setattr(bench, "measure_floors", functools.partial(bench.measure_floors, read_mib=32, gemm_n=256))
     text = bench.default_text()
     assert text.lstrip().startswith("I PROMESSI SPOSI") and len(text) > 200_000
     rc, out, err = _run(capsys, ["-m", str(small_model), *SWEEP])
@@ -184,7 +189,6 @@ def test_ctrl_c_keeps_the_rows_measured(small_model, text_file, tmp_path, capsys
     """Ctrl+C in the second frontier: the first row is written to the CSV (and the dump), one line says
     how many were measured, exit 130."""
     from engine import bench
-    monkeypatch.setattr(bench, "measure_floors", functools.partial(bench.measure_floors, read_mib=32, gemm_n=256))
     calls = []
     real = bench.greedy_no_eos
 
