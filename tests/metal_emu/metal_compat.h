@@ -62,11 +62,11 @@ inline void threadgroup_barrier(mem_flags) { metal_emu::block(metal_emu::WAIT_TG
 inline void simdgroup_barrier(mem_flags) { metal_emu::exchange<int>(0); }
 
 // the hardware reduces in a butterfly; doing the same keeps every lane's result identical
-template <typename T> T simd_reduce(std::vector<T> v, T (*op)(T, T)) {
+template <typename T> T simd_reduce(metal_emu::Lanes<T> v, T (*op)(T, T)) {
   size_t n = v.size();
   if (n == metal_emu::SIMD) {
     for (unsigned s = metal_emu::SIMD / 2; s; s >>= 1) {
-      std::vector<T> w(v);
+      metal_emu::Lanes<T> w(v);
       for (unsigned l = 0; l < n; ++l) w[l] = op(v[l], v[l ^ s]);
       v = w;
     }

@@ -33,7 +33,7 @@ inline unsigned lane() { return me().lin % SIMD; }
 
 // a warp collective over `mask`: every lane's value (reading a lane outside the mask is an error)
 template <typename T> struct Warp {
-  std::vector<T> v;
+  Lanes<T> v;
   uint32_t mask;
   T at(int src) const {
     if (src < 0 || src >= int(v.size()) || !((mask >> src) & 1u)) {

@@ -115,10 +115,11 @@ struct Runtime {
   Ctx sched;
   int current = -1;
   u3 tgpos{}, tgsize{}, ngroups{};
-  // warp collectives: each lane's deposit [linear thread], and at release a copy of its warp's
-  // deposits for each released lane [linear thread][lane] (a lane that runs ahead to its next
-  // collective then cannot overwrite a value another lane has still to read)
-  std::vector<unsigned char> dep, res;
+  // warp collectives: each lane's deposit [linear thread], and at release a snapshot of the
+  // released lanes' deposits [linear thread]. Every released lane reads the snapshot in the
+  // scheduler pass that follows, before any release can rewrite it (a rewrite of those lanes
+  // needs all of them to wait again); a lane that runs ahead deposits into dep, not the snapshot.
+  std::vector<unsigned char> dep, snap;
   std::string error;
   // run the ready threads last to first: a read of another thread's group-shared write with no
   // barrier between them gets the other answer in one of the two orders
@@ -191,7 +192,7 @@ inline int release_warp(size_t s0, size_t s1) {
     for (size_t i = s0; i < s1; ++i) {
       if (!((need >> (i - s0)) & 1u)) continue;
       r.fibers[i].state = READY;
-      std::memcpy(&r.res[i * SIMD * SLOT], &r.dep[s0 * SLOT], (s1 - s0) * SLOT);
+      std::memcpy(&r.snap[i * SLOT], &r.dep[i * SLOT], SLOT);
     }
     got = 1;
   }
@@ -229,7 +230,7 @@ inline std::string launch_groups(u3 ngroups, u3 tg, u3 limit, void (*fn)(void*),
   r.ngroups = ngroups;
   size_t tgn = size_t(tg.x) * tg.y * tg.z;
   if (tgn == 0 || tgn > 1024) return "group size must be 1..1024 threads";
-  r.dep.assign(tgn * SLOT, 0); r.res.assign(tgn * SIMD * SLOT, 0);
+  r.dep.assign(tgn * SLOT, 0); r.snap.assign(tgn * SLOT, 0);
   for (unsigned gz = 0; gz < ngroups.z; ++gz)
   for (unsigned gy = 0; gy < ngroups.y; ++gy)
   for (unsigned gx = 0; gx < ngroups.x; ++gx) {
@@ -277,10 +278,23 @@ inline std::string launch_groups(u3 ngroups, u3 tg, u3 limit, void (*fn)(void*),
 inline Fiber& me() { return rt().fibers[rt().current]; }
 inline unsigned lane_of(const Fiber& f) { return f.lin % SIMD; }
 
+// every lane's value at one warp collective (lane order); lanes outside the mask hold the
+// values of their last collective: the callers read only lanes of the mask
+template <typename T> struct Lanes {
+  T v[SIMD];
+  unsigned n = 0;
+  size_t size() const { return n; }
+  T& operator[](size_t i) { return v[i]; }
+  const T& operator[](size_t i) const { return v[i]; }
+  T at(size_t i) const {
+    if (i >= n) { fail("a warp collective read a lane past the warp"); return T{}; }
+    return v[i];
+  }
+};
+
 // One warp collective over the lanes of `mask` (FULL: all lanes that exist): deposit v, wait for
-// them, return every lane's deposit (lane order; lanes outside the mask hold stale bytes: the
-// callers read only lanes of the mask)
-template <typename T> std::vector<T> exchange(T v, uint32_t mask = FULL) {
+// them, return every lane's deposit
+template <typename T> Lanes<T> exchange(T v, uint32_t mask = FULL) {
   static_assert(sizeof(T) <= SLOT);
   Runtime& r = rt();
   Fiber& f = me();
@@ -291,8 +305,9 @@ template <typename T> std::vector<T> exchange(T v, uint32_t mask = FULL) {
   block(WAIT_SIMD);
   unsigned s0 = lin - lin % SIMD;
   unsigned s1 = std::min<unsigned>(unsigned(r.fibers.size()), s0 + SIMD);
-  std::vector<T> all(s1 - s0);
-  for (unsigned i = 0; i < s1 - s0; ++i) std::memcpy(&all[i], &r.res[(lin * SIMD + i) * SLOT], sizeof(T));
+  Lanes<T> all;
+  all.n = s1 - s0;
+  for (unsigned i = 0; i < all.n; ++i) std::memcpy(&all.v[i], &r.snap[(s0 + i) * SLOT], sizeof(T));
   return all;
 }
 
