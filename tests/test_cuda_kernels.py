@@ -279,3 +279,54 @@ def test_a_stray_write_is_reported_in_process_and_in_a_forked_child(monkeypatch)
     monkeypatch.setenv("DS4_CUDA_EMU_ISOLATE", "1")          # and a good launch through the child
     good = Kernels().matvec_experts("q8_0", raw, x, np.zeros(1, np.int32), np.zeros(1, np.int32))
     assert np.isfinite(good).all()
+
+
+# -- the emulation's warp rules, on small kernels of their own ----------------------------------------
+WARP_RULES = r'''
+extern "C" __global__ void halves(float* x, int n) {            // two half-warps, disjoint masks
+  const unsigned lane = threadIdx.x & 31, mask = lane < 16 ? 0x0000FFFFu : 0xFFFF0000u;
+  float v = x[threadIdx.x];
+  for (int o = 8; o; o >>= 1) v += __shfl_xor_sync(mask, v, o);
+  x[threadIdx.x] = v;
+}
+extern "C" __global__ void overlapping(float* x, int n) {       // lane 0 waits with another mask
+  const unsigned mask = (threadIdx.x & 31) == 0 ? 0x3u : 0xFFFFFFFFu;
+  x[threadIdx.x] = __shfl_xor_sync(mask, x[threadIdx.x], 1);
+}
+extern "C" __global__ void outside(float* x, int n) {           // reads lane 20 with lanes 0..15 only
+  if ((threadIdx.x & 31) < 16) x[threadIdx.x] = __shfl_sync(0x0000FFFFu, x[threadIdx.x], 20);
+}
+extern "C" __global__ void votes(float* x, int n) {             // ballot / any / all over a partial block
+  const unsigned b = __ballot_sync(0xFFFFFFFFu, x[threadIdx.x] > 0.0f);
+  x[threadIdx.x] = float(b) + (__any_sync(0xFFFFFFFFu, x[threadIdx.x] > 5.0f) ? 0.5f : 0.0f)
+                   + (__all_sync(0xFFFFFFFFu, x[threadIdx.x] > -1.0f) ? 0.25f : 0.0f);
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def rules():
+    return emu.load_module(code=WARP_RULES, opt="-O0")
+
+
+def test_disjoint_half_warp_shuffles_are_allowed(rules):
+    x = np.arange(64, dtype=np.float32)
+    rules.get_function("halves")((1, 1, 1), (64, 1, 1), (x, np.int32(64)))
+    ref = np.arange(64, dtype=np.float32).reshape(4, 16).sum(axis=1).repeat(16)
+    assert np.array_equal(x, ref)
+
+
+@pytest.mark.parametrize("kernel,message", [("overlapping", "different, overlapping masks"),
+                                            ("outside", "outside its mask")])
+def test_warp_masks_that_cannot_work_on_hardware_are_errors(rules, kernel, message):
+    with pytest.raises(emu.EmulationError, match=message):
+        rules.get_function(kernel)((1, 1, 1), (32, 1, 1), (np.ones(32, np.float32), np.int32(32)))
+
+
+def test_votes(rules):
+    x = np.array([1, -0.5, 6, 2, 0, -2] + [0] * 26, np.float32)
+    rules.get_function("votes")((1, 1, 1), (32, 1, 1), (x, np.int32(32)))
+    assert np.all(x == np.float32(0b1101 + 0.5))             # ballot of lanes 0, 2, 3; any > 5; not all > -1
+    y = np.array([1, -0.5, 6, 2] + [0] * 28, np.float32)
+    rules.get_function("votes")((1, 1, 1), (32, 1, 1), (y, np.int32(32)))
+    assert np.all(y == np.float32(0b1101 + 0.5 + 0.25))
