@@ -330,3 +330,18 @@ def test_votes(rules):
     y = np.array([1, -0.5, 6, 2] + [0] * 28, np.float32)
     rules.get_function("votes")((1, 1, 1), (32, 1, 1), (y, np.int32(32)))
     assert np.all(y == np.float32(0b1101 + 0.5 + 0.25))
+
+
+def test_an_array_passed_twice_is_one_buffer_as_on_the_device(K):
+    """rmsnorm in place (out = x): the kernel must see one buffer, as a GPU would."""
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((3, 64), dtype=np.float32)
+    ref = NumpyOps.rmsnorm(x, None, 1e-6)
+    fn = K.fn("norm_rope.cu", "rmsnorm")
+    args = (x, np.zeros(1, np.float32), x, np.int32(3), np.int32(64), np.float64(1e-6), np.int32(0))
+    fn((3, 1, 1), (256, 1, 1), args)
+    assert x.tobytes() == ref.tobytes()
+    y = np.zeros(128, np.float32)
+    with pytest.raises(emu.EmulationError, match="overlap"):
+        fn((1, 1, 1), (256, 1, 1), (y[:64], np.zeros(1, np.float32), y[32:96], np.int32(1), np.int32(64),
+                                    np.float64(1e-6), np.int32(0)))

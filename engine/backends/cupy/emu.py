@@ -232,39 +232,55 @@ class Function:
             return self._launch(g + b, args)
 
     def _launch(self, dims, args) -> None:
+        """Copies every distinct array into a guarded buffer (one array passed twice is one buffer,
+        as on the device; arrays that only partly overlap are refused) and runs the launch."""
         lib = self.module._lib
-        arrays = [(i, a) for i, a in enumerate(args) if self.params[i].pointer]
-        bufs = [lib.emu_alloc(a.nbytes) for _, a in arrays]
+        uniq, where = [], {}                # distinct arrays; argument index -> index in uniq
+        for i, (p, a) in enumerate(zip(self.params, args)):
+            if not p.pointer:
+                continue
+            key = (a.__array_interface__["data"][0], a.nbytes)
+            keys = [k for k, _, _ in uniq]
+            if key in keys:
+                u = keys.index(key)
+                uniq[u][2] = uniq[u][2] and p.const      # written if any argument writes it
+            else:
+                u = len(uniq)
+                uniq.append([key, a, p.const])
+            where[i] = u
+        spans = sorted((k[0], k[0] + k[1]) for k, _, _ in uniq if k[1])
+        if any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])):
+            raise EmulationError(f"{self.name}: two array arguments overlap without being the same array")
+        bufs = [lib.emu_alloc(a.nbytes) for _, a, _ in uniq]
         if not all(bufs):
             raise MemoryError("emu_alloc failed")
         try:
-            return self._run(lib, dims, args, arrays, bufs)
+            return self._run(lib, dims, args, uniq, where, bufs)
         finally:
-            for p, (_, a) in zip(bufs, arrays):
+            for p, (_, a, _) in zip(bufs, uniq):
                 lib.emu_free(p, a.nbytes)
 
-    def _run(self, lib, dims, args, arrays, bufs) -> None:
+    def _run(self, lib, dims, args, uniq, where, bufs) -> None:
         holders = []                        # the argument values the void** slots point at
         slots = (ctypes.c_void_p * max(1, len(args)))()
-        ptr = {i: p for (i, _), p in zip(arrays, bufs)}
         for i, (p, a) in enumerate(zip(self.params, args)):
-            h = ctypes.c_void_p(ptr[i]) if p.pointer else np.array(a, dtype=p.dtype)
+            h = ctypes.c_void_p(bufs[where[i]]) if p.pointer else np.array(a, dtype=p.dtype)
             holders.append(h)
             slots[i] = ctypes.addressof(h) if p.pointer else h.ctypes.data
         cdims = (ctypes.c_uint * 6)(*dims)
         err = ctypes.create_string_buffer(ERRLEN)
         isolate = os.environ.get("DS4_CUDA_EMU_ISOLATE", "0") == "1"
         orders = (1, 0) if os.environ.get("DS4_CUDA_EMU_ORDERS", "2") != "1" else (0,)
-        written = [(k, a) for k, (i, a) in enumerate(arrays) if not self.params[i].const]
+        written = [(u, a) for u, (_, a, const) in enumerate(uniq) if not const]
         results = []
         for reverse in orders:              # last to first, then first to last (the one kept)
-            for (_, a), p in zip(arrays, bufs):
+            for (_, a, _), p in zip(uniq, bufs):
                 ctypes.memmove(p, a.ctypes.data, a.nbytes)
             rc = lib.emu_launch(self.name.encode(), cdims, slots, reverse, int(isolate), err, ERRLEN)
             if rc:
                 raise EmulationError(f"{self.name} failed: {err.value.decode(errors='replace')}")
-            results.append([ctypes.string_at(bufs[k], a.nbytes) for k, a in written])
+            results.append([ctypes.string_at(bufs[u], a.nbytes) for u, a in written])
         if results[0] != results[-1]:
             raise EmulationError(f"{self.name}: the result depends on the order threads run in (a missing barrier?)")
-        for (k, a), data in zip(written, results[-1]):
+        for (u, a), data in zip(written, results[-1]):
             a.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
