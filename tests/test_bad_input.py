@@ -212,7 +212,7 @@ def test_every_loader_rejects_with_one_clear_line(cid, broken, capsys):
     with pytest.raises(ModelFileError) as ei:
         ModelFile.open(path)
     assert str(path) in str(ei.value) and words in str(ei.value)
-    for entry, argv in ((gguf_main, ["inspect", str(path)]), (ds4_main, ["-m", str(path)]),
+    for entry, argv in ((gguf_main, ["inspect", str(path)]), (ds4_main, ["-m", str(path), "-p", "hi"]),
                         (agent_main, ["-m", str(path)])):
         assert entry(argv) == 1
         err = capsys.readouterr().err.strip().splitlines()
