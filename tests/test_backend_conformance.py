@@ -32,9 +32,11 @@ from test_engine_oracle import stats
 from test_kernels import FORMATS, NAMES, abs_weights, weights
 
 # every backend that can serve here, and the cupy backend on its host emulation (the CuPy
-# stand-in, the CUDA kernels as host C++) where there is no GPU but a C++ compiler
+# stand-in, the CUDA kernels as host C++) where there is no GPU but a C++ compiler; a whole
+# forward pass through the emulated kernels takes minutes, so those tests of it are slow ones
 EMULATED = ("cupy",) if "cupy" not in R.available_names() and cupy_device.compiler() else ()
 BACKENDS = R.available_names() + EMULATED
+WHOLE_PASS = [*R.available_names(), *(pytest.param(n, marks=pytest.mark.slow) for n in EMULATED)]
 NUMERICS = ("exact", "ds4")
 # routed-expert formats of the real and tiny models (the shared expert and the rest are Q8_0)
 EXPERT_FORMATS = [Q.Q2_K, Q.IQ2_XXS, Q.MXFP4, Q.Q4_K, Q.Q8_0]
@@ -44,6 +46,10 @@ EXPERT_FORMATS = [Q.Q2_K, Q.IQ2_XXS, Q.MXFP4, Q.Q4_K, Q.Q8_0]
 def backend(request, monkeypatch):
     if EMULATED:            # (for the whole test: it may resume on cupy what another backend saved)
         monkeypatch.setenv(cupy_device.EMULATE_ENV, "1")
+        # one thread order, launches in this process: the kernels' own tests run both orders
+        # and the guard pages (tests/test_cuda_kernels.py); here the backend's use of them
+        monkeypatch.setenv("DS4_CUDA_EMU_ORDERS", "1")
+        monkeypatch.setenv("DS4_CUDA_EMU_ISOLATE", "0")
     return request.param
 
 
@@ -416,6 +422,7 @@ def test_glue_ops(backend, small_model):
 
 
 # -- the whole forward pass --------------------------------------------------------------------
+@pytest.mark.parametrize("backend", WHOLE_PASS, indirect=True)
 @pytest.mark.parametrize("recipe", ["q2", "q4", "mxfp4"])
 def test_exact_forward_within_the_golden_tolerance(backend, recipe, tmp_path):
     from engine.gguf.synth import config_for, write_synthetic
@@ -438,6 +445,7 @@ def _oracle():
     return next(iter(sorted(d.glob("*.gguf")))), toks, np.load(d / "ds4_logits.npz")
 
 
+@pytest.mark.parametrize("backend", WHOLE_PASS, indirect=True)
 def test_ds4_prefill_within_the_oracle_thresholds(backend):
     path, toks, ds4 = _oracle()
     with Engine.open(path, backend=backend, numerics="ds4") as e:
@@ -449,6 +457,7 @@ def test_ds4_prefill_within_the_oracle_thresholds(backend):
     assert st["median"] <= 0.2 and st["p90"] <= 0.5 and st["kl"] <= 0.02, st
 
 
+@pytest.mark.parametrize("backend", WHOLE_PASS, indirect=True)
 @pytest.mark.slow       # token by token: 20-40 s a backend (the default backend's is test_engine_oracle's)
 def test_ds4_decode_within_the_oracle_thresholds(backend):
     path, toks, ds4 = _oracle()
@@ -489,6 +498,7 @@ def _run_straight(path, backend):
         return s.snapshot(), np.array([s.eval(t).copy() for t in MORE])
 
 
+@pytest.mark.parametrize("backend", WHOLE_PASS, indirect=True)
 def test_snapshot_restore_within_and_across_backends(backend, small_model):
     payload, want = _straight(small_model, backend)
     assert np.array_equal(_resume(small_model, backend, payload), want), "restore changed the timeline"

@@ -27,6 +27,7 @@ from ...model import numerics as N
 from ...model.kv_state import KVState
 from ...model.numerics import DS4, NUMERICS
 from ..protocol import BindReport
+from . import ds4_dot
 from . import numerics as DN
 from . import quant
 from .bind import bind_device
@@ -54,6 +55,8 @@ class CupyOps:
         self._rot: dict = {}          # id(thetas) -> (thetas, cos, sin): this pass's rotations
         # the attention kernel reads the indexer's picks in place (segments (keys, mask, idx))
         self.attention_index = kernels is not None and kernels.has("attn_segment")
+        if self._ds4:   # as the reference: ds4's RMSNorm in ds4 numerics (an instance attribute)
+            self.rmsnorm = self.rmsnorm_ds4
 
     # -- set-up and hand-offs --------------------------------------------------------------------
     def bind_weights(self, model_file):
@@ -102,20 +105,18 @@ class CupyOps:
         return w
 
     # -- matmuls -------------------------------------------------------------------------------
-    def _linear_in(self, w, x):
-        """ds4: a Q8_0 weight's input rounded to Q8_0 blocks (exact float64 values for the
-        array-op product, float32 values for a kernel)."""
-        if self._ds4 and w.type_id == Q.Q8_0:
-            kern = self.k is not None and self.k.has_dense(w)
-            return DN.q8_0_round(self.xp, x, _F32 if kern else np.float64)
-        return x.astype(self.xp.float32)
-
     def linear(self, w, x, rows=None):
-        w, x = self._w(w), self._a(x)
-        xin = self._linear_in(w, x)
+        """x [T, in] -> [T, out] with W's rows `rows`. ds4 numerics, Q8_0 weight: ds4's Q8_0
+        activation; the kernel takes its float32 values, the array-op form ds4's own integer
+        block dots (ds4_dot, the reference's bit for bit)."""
+        xp = self.xp
+        w, x = self._w(w), self._a(x).astype(xp.float32)
+        q8 = self._ds4 and w.type_id == Q.Q8_0
         if self.k is not None and self.k.has_dense(w):
-            return self.k.matvec_dense(w, xin, rows)
-        return quant.matmul(self.xp, w, xin, rows)
+            return self.k.matvec_dense(w, DN.q8_0_round(xp, x) if q8 else x, rows)
+        if q8:
+            return ds4_dot.matmul(xp, w, ds4_dot.act_for(xp, Q.Q8_0, x), rows)
+        return quant.matmul(xp, w, x, rows)
 
     def linears(self, ws, x):
         return [self.linear(w, x) for w in ws]
@@ -134,6 +135,14 @@ class CupyOps:
         ms = xp.mean(xp.square(x.astype(xp.float64)), axis=-1, keepdims=True)
         y = (x * (1.0 / xp.sqrt(ms + eps)).astype(xp.float32)).astype(xp.float32)
         return y if w is None else (y * self._a(w)).astype(xp.float32)
+
+    def rmsnorm_ds4(self, x, w, eps):
+        """numerics.rmsnorm_ds4 (ds4.c rms_norm_weight): the mean of squares in float64, then a
+        float32 scale 1 / sqrt(ms + eps), (x * w) * scale."""
+        xp, x = self.xp, self._a(x).astype(self.xp.float32)
+        ms = xp.mean(xp.square(x.astype(xp.float64)), axis=-1, keepdims=True).astype(xp.float32)
+        scale = (_F32(1.0) / xp.sqrt(ms + _F32(eps))).astype(xp.float32)
+        return (x * scale).astype(xp.float32) if w is None else ((x * self._a(w)) * scale).astype(xp.float32)
 
     def sigmoid(self, x):
         xp = self.xp
@@ -275,12 +284,24 @@ class CupyOps:
 
     # -- experts -------------------------------------------------------------------------------
     def _act(self, w, x, kern: bool):
-        """ds4: a routed-expert input's Q8 rounding (float32 values for a kernel, the exact
-        float64 ones for the array-op product); identity in exact numerics."""
+        """ds4: a routed-expert input's Q8 activation; identity in exact numerics. For a kernel its
+        float32 values; for the array-op form what the reference takes: ds4's codes (ds4_dot.Act)
+        where ds4 has an integer dot (IQ2_XXS, Q2_K, Q8_0), else the exact float64 values."""
+        xp = self.xp
         if not self._ds4 or w.type_id in _DENSE:
             return x
-        dt = _F32 if kern else np.float64
-        return DN.q8_0_round(self.xp, x, dt) if w.type_id in _EXPERT_ACT_Q8_0 else DN.q8_k_round(self.xp, x, dt)
+        q8_0 = w.type_id in _EXPERT_ACT_Q8_0
+        if kern:
+            return DN.q8_0_round(xp, x) if q8_0 else DN.q8_k_round(xp, x)
+        if ds4_dot.has_dot(w.type_id):
+            return ds4_dot.act_for(xp, w.type_id, x)
+        return DN.q8_0_round(xp, x, np.float64) if q8_0 else DN.q8_k_round(xp, x, np.float64)
+
+    def _emm(self, w, x):
+        """One expert's product in the array-op form (x from _act)."""
+        if isinstance(x, ds4_dot.Act):
+            return ds4_dot.matmul(self.xp, w, x)
+        return quant.matmul(self.xp, w, x)
 
     @staticmethod
     def _swiglu(xp, g, v, limit):
@@ -309,11 +330,11 @@ class CupyOps:
             rows, slot = xp.asarray(rows_h), xp.asarray(slot_h)
             we = wsel[rows, slot][:, None]
             xe = ua[rows]
-            g = quant.matmul(xp, gate.expert(int(e)), xe)
-            v = quant.matmul(xp, up.expert(int(e)), xe)
+            g = self._emm(gate.expert(int(e)), xe)
+            v = self._emm(up.expert(int(e)), xe)
             m = self._swiglu(xp, g, v, limit)
             if self._ds4:
-                d = quant.matmul(xp, down.expert(int(e)), self._act(down, m * we, False))
+                d = self._emm(down.expert(int(e)), self._act(down, m * we, False))
             else:
                 d = quant.matmul(xp, down.expert(int(e)), m) * we
             out[rows] = out[rows] + d
