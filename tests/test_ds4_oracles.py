@@ -1,0 +1,227 @@
+"""Every available backend against every ds4 oracle, token by token (issue 33, item 4).
+
+The oracles are logits from ds4's own C CPU path: tests/oracles/<name>/ (made by
+scripts/build_ds4_oracle.py; the model is regenerated here from its `ds4-gguf synth` arguments
+and checked by sha256) and ../shared/ds4-oracle (and any sibling oracle folder, as in
+test_engine_oracle.py) when present. Per position the max-abs logit error; over positions the
+median, p90, top-1 agreement and mean KL(ds4 || ours), with the issue's bars: median <= 0.2,
+p90 <= 0.5, top-1 >= 85 %, KL <= 0.02. The default run feeds the first 200 tokens one at a time;
+the slow run feeds every token up to the oracle's last kept row. A table of the figures is
+written to the terminal at the end of the module (whatever -s says), so a drift shows in CI logs.
+
+A backend x oracle that misses the bars today is xfail(strict=True) with its measured figures:
+when a numerics fix brings it within them the xfail turns into a failure, and the mark goes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import Engine, Session
+from engine.backends import registry
+
+from test_engine_oracle import ORACLES as SHARED_ORACLES, stats
+
+OURS = Path(__file__).resolve().parent / "oracles"
+DEFAULT_POSITIONS = 200
+BARS = {"median": 0.2, "p90": 0.5, "top1": 0.85, "kl": 0.02}
+# a handful of prefill checkpoints: test_engine_oracle's prefill bars (no p90 / top-1 over ~8 rows)
+PREFILL_BARS = {"median": 0.3, "p90": float("inf"), "top1": 0.0, "kl": 0.03}
+BACKENDS = [b for b in ("numpy", "cpu", "mlx") if b in registry.available_names()]
+REGENERATE = ".venv/bin/python scripts/build_ds4_oracle.py --ds4-src DS4_TREE make NAME"
+
+# (test, backend, oracle) -> why it misses the bars today: the figures measured on Linux x86-64
+# (mlx there runs on its CPU device; a Mac's Metal run was not measured, so no mark applies there)
+KNOWN_MISSES: dict[tuple[str, str, str], str] = {
+    ("decode", "numpy", "s101-q2"): "median 0.173 p90 0.732 top-1 84.5% KL 0.0062",
+    ("decode", "cpu", "s101-q2"): "median 0.160 p90 0.826 top-1 85.0% KL 0.0069",
+    ("decode", "mlx", "s101-q2"): "median 0.207 p90 0.971 top-1 83.5% KL 0.0090",
+    ("decode", "mlx", "s202-q2-16experts"): "median 0.168 p90 0.562 top-1 88.0% KL 0.0034",
+    ("decode", "mlx", "ds4-oracle"): "median 0.167 p90 0.363 top-1 83.5% KL 0.0100",
+    ("decode", "numpy", "s404-q4-8layers"): "median 0.229 p90 0.920 top-1 83.0% KL 0.0091",
+    ("decode", "cpu", "s404-q4-8layers"): "median 0.194 p90 0.744 top-1 86.5% KL 0.0076",
+    ("decode", "mlx", "s404-q4-8layers"): "median 0.237 p90 0.891 top-1 82.5% KL 0.0091",
+}
+
+
+@dataclass
+class Oracle:
+    name: str
+    folder: Path
+    token_ids: list
+    decode_positions: np.ndarray     # rows of decode_logits: positions, ascending
+    decode_logits: np.ndarray        # float32 [rows, vocab]
+    prefill_positions: np.ndarray
+    prefill_logits: np.ndarray
+    synth: list | None = None        # ds4-gguf synth arguments of the model (None: a GGUF on disk)
+    gguf_sha256: str | None = None
+
+
+def _ours(folder: Path) -> Oracle:
+    meta = json.loads((folder / "oracle.json").read_text())
+    z = np.load(folder / "ds4_logits.npz")
+    return Oracle(folder.name, folder, meta["token_ids"], z["decode_positions"], z["decode_logits"],
+                  z["prefill_positions"], z["prefill_logits"], meta["synth"], meta["gguf_sha256"])
+
+
+def _shared(folder: Path) -> Oracle:
+    z = np.load(folder / "ds4_logits.npz")
+    ids = json.loads((folder / "tokens.json").read_text())["token_ids"]
+    dec = z["decode_logits_all"]
+    return Oracle(folder.name, folder, ids, np.arange(len(dec)), dec, z["positions"],
+                  z["prefill_logits_at_positions"])
+
+
+def _all_oracles() -> list[Path]:
+    ours = sorted(p for p in OURS.iterdir() if (p / "oracle.json").exists()) if OURS.exists() else []
+    return ours + [p for p in SHARED_ORACLES if (p / "ds4_logits.npz").exists()]
+
+
+ORACLE_DIRS = _all_oracles()
+
+
+def _params(test: str):
+    out = []
+    for b in BACKENDS:
+        for d in ORACLE_DIRS:
+            why = KNOWN_MISSES.get((test, b, d.name))
+            marks = [pytest.mark.xfail(sys.platform == "linux", strict=True, reason=why)] if why else []
+            out.append(pytest.param(b, d, marks=marks, id=f"{b}-{d.name}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def table(request):
+    """Rows of figures; written to the terminal when the module ends (not captured by pytest)."""
+    rows: list[tuple] = []
+    yield rows
+    tr = request.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None or not rows:
+        return
+    capman = request.config.pluginmanager.get_plugin("capturemanager")
+    with capman.global_and_fixture_disabled():     # fd capture would swallow it otherwise
+        _write_table(tr, rows)
+
+
+def _write_table(tr, rows) -> None:
+    tr.line("")
+    tr.write_line(f"ds4 oracles, ds4 numerics: max-abs logit error per position (bars: median <= "
+                  f"{BARS['median']}, p90 <= {BARS['p90']}, top-1 >= {BARS['top1']:.0%}, KL <= {BARS['kl']}; "
+                  f"prefill rows: median <= {PREFILL_BARS['median']}, KL <= {PREFILL_BARS['kl']})")
+    tr.write_line(f"{'backend':8} {'oracle':22} {'path':8} {'n':>5} {'pos0':>6} {'median':>7} {'p90':>7} "
+                  f"{'max':>7} {'@pos':>5} {'top-1':>7} {'KL':>8}  verdict")
+    for r in rows:
+        tr.write_line("{:8} {:22} {:8} {:5d} {:6.3f} {:7.3f} {:7.3f} {:7.3f} {:5d} {:6.1%} {:8.4f}  {}".format(*r))
+
+
+@pytest.fixture(scope="module")
+def oracles(models_dir):
+    """name -> (Oracle, its GGUF path); synth models are written once, into the session's folder."""
+    cache: dict[str, tuple[Oracle, Path]] = {}
+
+    def get(folder: Path):
+        if folder.name not in cache:
+            o = _ours(folder) if (folder / "oracle.json").exists() else _shared(folder)
+            cache[folder.name] = (o, _model(o, models_dir))
+        return cache[folder.name]
+    return get
+
+
+def _model(o: Oracle, models_dir: Path) -> Path:
+    if o.synth is None:
+        return next(iter(sorted(o.folder.glob("*.gguf"))))
+    from engine.gguf.gguf_cli import main as gguf_main
+    path = models_dir / f"oracle-{o.name}.gguf"
+    if not path.exists():
+        assert gguf_main(["synth", str(path), *o.synth]) == 0, o.synth
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == o.gguf_sha256, (
+        f"ds4-gguf synth {' '.join(o.synth)} no longer writes the model oracle {o.name} was made from "
+        f"(sha256 {digest[:12]} != {o.gguf_sha256[:12]}); regenerate it: {REGENERATE}")
+    return path
+
+
+def decode_logits(gguf: Path, backend: str, token_ids, n: int) -> np.ndarray:
+    """Logits after each of the first n tokens, fed one at a time (the decode path)."""
+    with Engine.open(gguf, backend=backend, numerics="ds4", threads=1) as e:
+        s = Session(e, n + 16)
+        return np.array([np.asarray(s.eval(t), dtype=np.float32) for t in token_ids[:n]])
+
+
+def figures(ours: np.ndarray, ref: np.ndarray, positions: np.ndarray) -> dict:
+    st = stats(ours, ref)
+    d = np.abs(ours - ref).max(axis=1)
+    return dict(st, n=len(d), pos0=float(d[0]), max=float(d.max()), worst=int(positions[int(d.argmax())]))
+
+
+def check(st: dict, backend: str, o: Oracle, path: str, table: list, bars: dict = BARS) -> None:
+    ok = (st["median"] <= bars["median"] and st["p90"] <= bars["p90"] and st["top1"] >= bars["top1"]
+          and st["kl"] <= bars["kl"])
+    table.append((backend, o.name, path, st["n"], st["pos0"], st["median"], st["p90"], st["max"],
+                  st["worst"], st["top1"], st["kl"], "ok" if ok else "MISSES"))
+    assert ok, (f"{backend} on {o.name} ({path}): median {st['median']:.3f} p90 {st['p90']:.3f} "
+                f"top-1 {st['top1']:.1%} KL {st['kl']:.4f}")
+
+
+@pytest.mark.parametrize("backend,folder", _params("decode"))
+def test_decode_first_positions_match_ds4(backend, folder, oracles, table, record_property):
+    o, gguf = oracles(folder)
+    n = min(DEFAULT_POSITIONS, len(o.token_ids))
+    rows = np.flatnonzero(o.decode_positions < n)
+    assert len(rows) == n and (o.decode_positions[rows] == np.arange(n)).all()
+    ours = decode_logits(gguf, backend, o.token_ids, n)
+    st = figures(ours, o.decode_logits[rows], o.decode_positions[rows])
+    record_property("figures", st)
+    check(st, backend, o, f"dec<{n}", table)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,folder", _params("decode-all"))
+def test_decode_all_positions_match_ds4(backend, folder, oracles, table):
+    o, gguf = oracles(folder)
+    n = int(o.decode_positions.max()) + 1
+    ours = decode_logits(gguf, backend, o.token_ids, n)[o.decode_positions]
+    check(figures(ours, o.decode_logits, o.decode_positions), backend, o, "dec-all", table)
+
+
+@pytest.mark.parametrize("backend,folder", _params("prefill"))
+def test_prefill_checkpoints_match_ds4_prefill(backend, folder, oracles, table):
+    """One batched prefill, logits of every row kept; compared at ds4's prefill checkpoints below
+    DEFAULT_POSITIONS (a fresh ds4 session prefilled to each)."""
+    o, gguf = oracles(folder)
+    keep = np.flatnonzero(o.prefill_positions < DEFAULT_POSITIONS)
+    pos = o.prefill_positions[keep]
+    with Engine.open(gguf, backend=backend, numerics="ds4", threads=1) as e:
+        ours = Session(e, int(pos.max()) + 16).sync(o.token_ids[:int(pos.max()) + 1], keep_logits=True)[pos]
+    check(figures(np.asarray(ours, np.float32), o.prefill_logits[keep], pos), backend, o, "prefill", table,
+          PREFILL_BARS)
+
+
+@pytest.mark.parametrize("folder", [d for d in ORACLE_DIRS if (d / "oracle.json").exists()], ids=lambda d: d.name)
+def test_oracle_files_agree_with_their_description(folder):
+    """What the tests rely on: the ids, positions and arrays of oracle.json and ds4_logits.npz agree,
+    the prompt is 700+ tokens, every position below DEFAULT_POSITIONS is kept, and a README says how
+    the oracle was made."""
+    meta = json.loads((folder / "oracle.json").read_text())
+    z = np.load(folder / "ds4_logits.npz")
+    assert list(z["token_ids"]) == meta["token_ids"] and len(meta["token_ids"]) >= 700
+    assert list(z["decode_positions"]) == meta["decode_positions"]
+    assert list(z["prefill_positions"]) == meta["prefill_positions"]
+    assert set(range(DEFAULT_POSITIONS)) <= set(meta["decode_positions"])
+    assert z["decode_logits"].dtype == np.float32 and z["prefill_logits"].dtype == np.float32
+    assert z["decode_logits"].shape == (len(meta["decode_positions"]), meta["n_vocab"])
+    assert z["prefill_logits"].shape == (len(meta["prefill_positions"]), meta["n_vocab"])
+    assert "build_ds4_oracle.py" in (folder / "README.md").read_text()
+
+
+def test_known_misses_name_existing_oracles():
+    """A stale xfail entry (an oracle renamed or removed) would silently stop meaning anything."""
+    names = {d.name for d in ORACLE_DIRS} | {"ds4-oracle"}
+    assert {k[2] for k in KNOWN_MISSES} <= names
+    assert {k[0] for k in KNOWN_MISSES} <= {"decode", "decode-all", "prefill"}
