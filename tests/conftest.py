@@ -86,11 +86,30 @@ def small_engine(small_model):
         yield e
 
 
+@pytest.fixture(scope="session")
+def sysprompt_seed(tmp_path_factory) -> Path:
+    """The system prefixes cached by any module's store so far (sessions/sysprompt_cache.py names
+    each file by model, quantization and exact text): a module's store starts with them."""
+    return tmp_path_factory.mktemp("sysprompt-seed")
+
+
 @pytest.fixture(scope="module")
-def sessions_root(tmp_path_factory):
-    """One session folder for the module: its sysprompt.kv makes every agent after the first
-    start without prefilling the ~3.7k-token tool prompt."""
-    return tmp_path_factory.mktemp("sessions")
+def sessions_root(tmp_path_factory, sysprompt_seed):
+    """One session folder for the module: its sysprompt-*.kv makes every agent after the first
+    start without prefilling the ~3.7k-token tool prompt. It starts with the prefixes earlier
+    modules cached and hands its new ones on: the same prompt on the same model was prefilled
+    once per module (~15 s each on 2 cores), now once per run. A test of the cache itself uses
+    its own folder."""
+    import shutil
+    root = tmp_path_factory.mktemp("sessions")
+    for f in sysprompt_seed.glob("sysprompt-*.kv"):
+        shutil.copyfile(f, root / f.name)
+    yield root
+    for f in root.glob("sysprompt-*.kv"):
+        if not (sysprompt_seed / f.name).exists():
+            tmp = sysprompt_seed / (f.name + ".tmp")
+            shutil.copyfile(f, tmp)
+            tmp.replace(sysprompt_seed / f.name)
 
 
 @pytest.fixture
@@ -121,12 +140,13 @@ def user_repo(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tui_env(tiny_q2, tmp_path_factory):
+def tui_env(agent_model, tmp_path_factory):
     """One engine, one git project, one session store for a module's TUI tests; the system prefix
-    prefilled once (helpers_tui.start_env)."""
+    prefilled once (helpers_tui.start_env). On `agent_model`, made for UI tests: on `tiny_q2` (six
+    layers, a 4k vocabulary, so a longer prompt) that one prefill took ~40 s of CPU a module."""
     # imported here, not at the top: the agent and its tools load only for the modules that use them
     from helpers_tui import start_env
-    return start_env(tiny_q2, tmp_path_factory.mktemp("app"))
+    return start_env(agent_model, tmp_path_factory.mktemp("app"))
 
 
 @pytest.fixture

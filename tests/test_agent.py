@@ -251,11 +251,14 @@ def assert_consistent(agent):
 
 def test_timeline_stays_consistent_on_every_path(make, agent_engine, hello_project):
     (hello_project / "big.txt").write_text("".join(f"line {i} of a long file\n" for i in range(300)))
-    agent, rec = make(chunk=16)
+    agent, rec = make()
     agent.force("plain answer")
     agent.submit("one")
     assert_consistent(agent)
-    # Esc while the (long) tool result is being prefilled: the result still goes in whole
+    # Esc while the (long) tool result is being prefilled: the result still goes in whole. Small
+    # chunks for this step only, so Esc lands between them (the whole test at 16-token chunks
+    # prefilled the ~3k-token system prompt in ~200 steps, three times: 353 s on a loaded machine)
+    agent.session.chunk = 16
     orig = rec.__call__
 
     def emit(ev):
@@ -268,6 +271,7 @@ def test_timeline_stays_consistent_on_every_path(make, agent_engine, hello_proje
     assert fin.interrupted and agent.transcript[-1].role == "tool"
     assert timeline(agent).endswith("</tool_result>")
     assert_consistent(agent)
+    agent.session.chunk = 2048
     agent.emit = rec
     agent.force("after the interrupted tool round")
     agent.submit("go on")
