@@ -38,9 +38,9 @@ def test_every_kernel_compiles_for_four_architectures_without_spills_and_the_tab
 
 def test_a_syntax_error_fails_the_compile():
     src = (cuda_compile.KERNELS / "norm_rope.cu").read_text()
-    broken = src.replace("const float sc = sh_scale;", "const float sc = sh_scale", 1)
+    broken = src.replace(") {\n", ") {\n  int missing_semicolon = 1\n", 1)    # in the first function body
     assert broken != src
-    with pytest.raises(cuda_compile.CompileError, match="error"):
+    with pytest.raises(cuda_compile.CompileError, match='expected a ";"'):
         cuda_compile.compile_all({"norm_rope.cu": broken}, archs=("sm_80",))
 
 
