@@ -19,11 +19,11 @@ class ServerThread:
         import socket
         import threading
 
-        from .server import make_server
+        from .server import _Listener, make_server
         self.shim = shim
         # proto given: asyncio sets TCP_NODELAY only on IPPROTO_TCP sockets (else every keep-alive
         # request stalls ~40 ms on Nagle + delayed ACK)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.sock = _Listener(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"

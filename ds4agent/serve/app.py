@@ -11,12 +11,14 @@ Malformed input is always a 4xx in the API's error shape; nothing a client sends
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import gc
 import hmac
 import logging
+import threading
 import time
 import weakref
 
@@ -48,6 +50,7 @@ _CLIENT_ERRORS = (RequestError, ClientDisconnect)
 # After a body this large is done with, freed heap is handed back to the system: glibc keeps it
 # in its arenas otherwise (a 10 MB prompt's tokenization peaks near 2 GB and stayed resident).
 TRIM_AFTER_BYTES = 1 << 20
+PREPARE_THREADS = 40
 
 
 def create_app(shim: Shim) -> Starlette:
@@ -67,6 +70,7 @@ def create_app(shim: Shim) -> Starlette:
                     exception_handlers={Exception: _internal_error, HTTPException: h.http_error})
     app.state.shim = shim
     app.state.interrupt = h.interrupt          # the server calls it when a stop's grace period ends
+    app.state.stopping = h.stopping            # ... and this one as the stop begins
     return app
 
 
@@ -80,6 +84,21 @@ class _Handlers:
         # event queue -> job of each open request; weak, so a stream whose body never started
         # (its client left first: no `done`) does not keep its job and prompt
         self.open: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # loop-agnostic (an app may serve from more than one loop in tests): a flag, the futures
+        # of the requests waiting on a preparation, and a thread limit per loop
+        self._stopped = False
+        self._stop_waiters: set[asyncio.Future] = set()
+        self._limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def stopping(self) -> None:
+        """The server begins to stop (runs on the event loop): a request still being read or
+        tokenized is answered 503 now rather than queued to a server on its way out, and its
+        thread is left to finish alone (issue 32 item 6: SIGTERM under a 40 s tokenization gave
+        two ASGI tracebacks, no answer, and an exit after 27.9 s)."""
+        self._stopped = True
+        for f in list(self._stop_waiters):
+            if not f.done():
+                f.set_result(None)
 
     def interrupt(self) -> None:
         """The server is stopping and its grace period is over (or a second signal skipped it):
@@ -188,7 +207,25 @@ class _Handlers:
             self.shim.worker.check_room()
             body = await _read_body(request)
             size = len(body)
-            return await anyio.to_thread.run_sync(self.shim.prepare, api, body, emit)
+            loop = asyncio.get_running_loop()
+            limit = self._limits.get(loop)
+            if limit is None:
+                limit = self._limits[loop] = asyncio.Semaphore(PREPARE_THREADS)
+            async with limit:
+                if self._stopped:
+                    return self.fail(api, 503, "server shutting down", {"Retry-After": "1"})
+                work = _in_daemon_thread(self.shim.prepare, api, body, emit)
+                stop = loop.create_future()
+                self._stop_waiters.add(stop)
+                try:
+                    await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    self._stop_waiters.discard(stop)
+                    if not work.done():        # stopping, or this request was cancelled
+                        work.add_done_callback(_retrieved)
+                if not work.done():
+                    return self.fail(api, 503, "server shutting down", {"Retry-After": "1"})
+            return work.result()
         except ContextLengthError as e:
             return self.json_response(e.body(api), e.status)
         except _BodyTooLarge:
@@ -312,6 +349,35 @@ def _allowed_methods(path: str) -> str | None:
     if path == "/v1/models" or path.startswith("/v1/models/"):
         return "GET, HEAD"
     return None
+
+
+def _in_daemon_thread(fn, *args) -> asyncio.Future:
+    """fn(*args) on a thread of its own, as a future of this loop. A daemon thread: a stop
+    does not wait for a tokenization it no longer needs (anyio's pool threads are joined at
+    exit, so one busy thread held the exit for as long as it ran)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value):
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def run():
+        try:
+            ok, value = True, fn(*args)
+        except BaseException as e:         # handed to the awaiting request, whatever it is
+            ok, value = False, e
+        with contextlib.suppress(RuntimeError):     # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=run, name="ds4-prepare", daemon=True).start()
+    return fut
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """An abandoned request's outcome: read, so that asyncio does not log it as never read."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _trim_heap() -> None:

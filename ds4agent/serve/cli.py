@@ -67,6 +67,10 @@ def config_from(a, ctx: int) -> ServeConfig:
             raise ValueError(f"--{name.replace('_', '-')} must not be negative")
     if a.port is not None and a.port > 65535:
         raise ValueError("--port must be at most 65535")
+    if a.api_key is not None and not a.api_key.strip():
+        # an empty key would serve with no authentication while the command line asked for one
+        raise ValueError("--api-key is empty or blank: give a key, or leave the flag out to serve "
+                         "without one")
     if a.max_tokens is not None and a.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
     if a.tool_memory_max_ids < 1:

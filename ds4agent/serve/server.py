@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+import os
+
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -259,6 +261,34 @@ def protocol_for(cfg: ServeConfig, cap: int) -> type[Protocol]:
     return type("DS4Protocol", (Protocol,), {"cfg": cfg, "cap": cap, "noted": _Once()})
 
 
+# How long accept() rests after running out of files (asyncio retries after 1 s: see _Listener)
+ACCEPT_REST_S = 0.5
+_OUT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class _Listener(socket.socket):
+    """A listening socket whose accept() rests after running out of files (issue 32 item 11).
+
+    asyncio's accept loop (3.11-3.12) handles EMFILE by removing its reader and scheduling a
+    retry in a second, but then goes on through the rest of its backlog-long loop: every further
+    attempt fails too and schedules one more retry, and each retry adds back a reader that fires
+    at once. With connections waiting, that made 240k-520k attempts a minute (36 % of a core)
+    while the log said "retrying every second". Here the attempts after the first failure, until
+    asyncio's own retry, end the loop as an empty backlog would: one attempt a second."""
+
+    _rest_until = 0.0
+
+    def accept(self):
+        if time.monotonic() < self._rest_until:
+            raise BlockingIOError(errno.EAGAIN, "resting after running out of files")
+        try:
+            return super().accept()
+        except OSError as e:
+            if e.errno in _OUT_OF:
+                self._rest_until = time.monotonic() + ACCEPT_REST_S
+            raise
+
+
 class BindError(Exception):
     """The address cannot be served; the message is the one line the user sees."""
 
@@ -282,7 +312,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
             seen.add((family, addr[:2]))
             # proto given: asyncio sets TCP_NODELAY only on IPPROTO_TCP sockets (else every
             # keep-alive request stalls ~40 ms on Nagle + delayed ACK)
-            s = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            s = _Listener(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             socks.append(s)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a restart within TIME_WAIT
             if family == socket.AF_INET6:      # `::` beside 0.0.0.0 (asyncio does the same)
@@ -324,11 +354,12 @@ class Server(uvicorn.Server):
     disk-cache save) must still run, and the process exit 0. `interrupt`: called on the event
     loop when the grace period is over, to end the open answers (the app's Handlers.interrupt)."""
 
-    def __init__(self, config: uvicorn.Config, interrupt=None):
+    def __init__(self, config: uvicorn.Config, interrupt=None, stopping=None):
         super().__init__(config)
         self.signals: list[int] = []
         self._accept_noted = _Once()
         self.interrupt = interrupt
+        self.stopping = stopping      # called on the loop as the stop begins (the app's Handlers.stopping)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -344,8 +375,16 @@ class Server(uvicorn.Server):
 
     def handle_exit(self, sig, frame):
         self.signals.append(sig)
+        # said at once (issue 35 item 10): the wait for open requests can last the grace period.
+        # os.write: a signal handler may run while the main thread is inside a print to stderr
+        what = "Ctrl-C" if sig == signal.SIGINT else "the signal"
         if self.should_exit:
             self.force_exit = True
+            _say("ds4-agent: stopping now: ending the open requests")
+        else:
+            grace = self.config.timeout_graceful_shutdown
+            _say(f"ds4-agent: stopping: draining the open requests (up to {grace:g} s); "
+                 f"{what} again stops now")
         self.should_exit = True
 
     async def startup(self, sockets=None):
@@ -357,6 +396,8 @@ class Server(uvicorn.Server):
         after a second signal) is ended by the app in its API's terms, and only a connection
         that will not take its last frames is closed; no task is cancelled, so nothing is logged
         as an exception."""
+        if self.stopping is not None:
+            self.stopping()                # requests not yet queued are refused from now on
         for server in self.servers:
             server.close()
         for sock in sockets or []:
@@ -406,7 +447,13 @@ def make_server(app, cfg: ServeConfig, *, graceful_s: float = 10) -> Server:
                             lifespan="off", log_level="warning", backlog=ACCEPT_BACKLOG,
                             timeout_keep_alive=cfg.idle_timeout_s, timeout_graceful_shutdown=graceful_s)
     state = getattr(app, "state", None)
-    return Server(config, interrupt=getattr(state, "interrupt", None))
+    return Server(config, interrupt=getattr(state, "interrupt", None),
+                  stopping=getattr(state, "stopping", None))
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode("utf-8", "replace"))
 
 
 @contextlib.contextmanager
