@@ -296,6 +296,10 @@ extern "C" __global__ void overlapping(float* x, int n) {       // lane 0 waits 
 extern "C" __global__ void outside(float* x, int n) {           // reads lane 20 with lanes 0..15 only
   if ((threadIdx.x & 31) < 16) x[threadIdx.x] = __shfl_sync(0x0000FFFFu, x[threadIdx.x], 20);
 }
+extern "C" __global__ void split_barrier(float* x, int n) {   // two __syncthreads, half the block at each
+  if (threadIdx.x < 16) { x[threadIdx.x] = 1.0f; __syncthreads(); }
+  else { __syncthreads(); x[threadIdx.x] = 2.0f; }
+}
 extern "C" __global__ void votes(float* x, int n) {             // ballot / any / all over a partial block
   const unsigned b = __ballot_sync(0xFFFFFFFFu, x[threadIdx.x] > 0.0f);
   x[threadIdx.x] = float(b) + (__any_sync(0xFFFFFFFFu, x[threadIdx.x] > 5.0f) ? 0.5f : 0.0f)
@@ -317,7 +321,8 @@ def test_disjoint_half_warp_shuffles_are_allowed(rules):
 
 
 @pytest.mark.parametrize("kernel,message", [("overlapping", "different, overlapping masks"),
-                                            ("outside", "outside its mask")])
+                                            ("outside", "outside its mask"),
+                                            ("split_barrier", "different group barriers")])
 def test_warp_masks_that_cannot_work_on_hardware_are_errors(rules, kernel, message):
     with pytest.raises(emu.EmulationError, match=message):
         rules.get_function(kernel)((1, 1, 1), (32, 1, 1), (np.ones(32, np.float32), np.int32(32)))

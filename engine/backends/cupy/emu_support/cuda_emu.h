@@ -2,7 +2,8 @@
 // (g++) and run on the CPU on the fiber core (fibers.h): one block at a time, a fiber per thread.
 // Force-included before a kernel file (g++ -include); engine/backends/cupy/emu.py generates the
 // launch entries after it. Stricter than hardware where it can be:
-//  - __syncthreads() that only some threads of the block reach is an error, not a hang;
+//  - __syncthreads() that only some threads of the block reach is an error, not a hang, and so
+//    are threads waiting at different __syncthreads (by source line);
 //  - a warp shuffle/vote whose mask names a lane that returned, lanes at one collective with
 //    overlapping but different masks, a lane outside the mask it passes, or a shuffle that reads
 //    a lane outside the mask: errors;
@@ -61,7 +62,8 @@ template <typename T> Warp<T> warp(T x, uint32_t mask) { return {exchange<T>(x, 
 #define __shared__ static
 #define __constant__ const
 
-inline void __syncthreads() { cuda_emu::block(cuda_emu::WAIT_TG); }
+// the line of each __syncthreads: threads of a block that wait at different ones are an error
+#define __syncthreads() cuda_emu::barrier(__LINE__)
 inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) { cuda_emu::exchange<int>(0, mask); }
 inline void __threadfence_block() {}
 inline void __threadfence() {}

@@ -107,6 +107,7 @@ struct Fiber {
   unsigned lin = 0;          // linear index in the group (x fastest; warps are runs of 32)
   u3 tpig{}, tptg{};         // position in the grid (threads) / in the group
   uint32_t mask = FULL;      // the mask of the collective it waits at
+  int site = 0;              // the source line of the group barrier it waits at (0: not told)
 };
 
 struct Runtime {
@@ -213,6 +214,16 @@ inline bool release() {
   }
   if (any) return true;
   if (at_tg && at_tg + done == n) {
+    const Fiber* first = nullptr;
+    for (auto& f : r.fibers) {
+      if (f.state != WAIT_TG) continue;
+      if (!first) first = &f;
+      if (f.site != first->site) {
+        fail("threads wait at different group barriers (lines " + std::to_string(first->site) + " and " +
+             std::to_string(f.site) + "): a barrier in divergent code");
+        return false;
+      }
+    }
     if (done) { fail("a group barrier (threadgroup_barrier / __syncthreads) was reached by only some threads (others returned)"); return false; }
     for (auto& f : r.fibers) f.state = READY;
     return true;
@@ -276,6 +287,12 @@ inline std::string launch_groups(u3 ngroups, u3 tg, u3 limit, void (*fn)(void*),
 }
 
 inline Fiber& me() { return rt().fibers[rt().current]; }
+
+// a group barrier at source line `site`: every thread must wait at the same one
+inline void barrier(int site) {
+  me().site = site;
+  block(WAIT_TG);
+}
 inline unsigned lane_of(const Fiber& f) { return f.lin % SIMD; }
 
 // every lane's value at one warp collective (lane order); lanes outside the mask hold the
