@@ -42,6 +42,8 @@ def device_line(eng) -> str:
                      else "MLX's default device here is its CPU")
             line += f" ({where}: these are CPU figures)"
         return line
+    if eng.backend == "cupy":
+        return "device: " + ops.device_line()
     if eng.backend == "cpu":
         from .backends.cpu import kernels
         return f"device: cpu, the C kernels on {kernels.get_threads()} thread(s)"

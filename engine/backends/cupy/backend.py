@@ -11,7 +11,11 @@ from . import device
 
 
 def _make_ops(numerics: str):
-    xp = device.namespace()
+    try:
+        xp = device.namespace()
+    except Exception as e:          # CuPy installed but its CUDA libraries missing, ...
+        raise BackendError(f"backend 'cupy' is not available: cupy cannot be imported ({e}); "
+                           f"pip install 'ds4-agent[cuda]'".splitlines()[0]) from None
     from .kernels import load
     from .ops import CupyOps
     try:

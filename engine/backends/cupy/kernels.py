@@ -77,8 +77,11 @@ class Kernels:
             return None
         if getattr(self.xp.cuda, "emulated", False):          # the stand-in: emu.load_module
             return self.xp.RawModule(path=str(f))
-        # NVRTC: includes relative to the sources' folder (common.cuh), C++17
-        return self.xp.RawModule(code=f.read_text(), options=(f"-I{self.src}", "--std=c++17"))
+        # NVRTC: includes relative to the sources' folder (common.cuh), C++17; compiled now (CuPy
+        # compiles lazily at the first get_function, which would hide a build error in `has`)
+        mod = self.xp.RawModule(code=f.read_text(), options=(f"-I{self.src}", "--std=c++17"))
+        mod.compile()
+        return mod
 
     def fn(self, name: str):
         if name not in self._fns:

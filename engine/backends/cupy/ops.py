@@ -89,6 +89,17 @@ class CupyOps:
             return logits.astype(np.float32, copy=False)
         return self.xp.asnumpy(logits).astype(np.float32, copy=False)
 
+    def device_line(self) -> str:
+        """Where this runs, one line (ds4-bench's device line)."""
+        kern = "off" if self.k is None else "on"
+        if getattr(self.xp.cuda, "emulated", False):
+            return f"cupy on the CuPy stand-in (DS4_CUDA_EMULATE=1: the kernels' host emulation), kernels {kern}"
+        import cupy
+        p = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+        return (f"cupy {cupy.__version__} on {name} (sm_{p['major']}{p['minor']}, "
+                f"{p['totalGlobalMem'] / 2**30:.0f} GiB), kernels {kern}")
+
     # -- host inputs -----------------------------------------------------------------------------
     def _a(self, x):
         """A device array of x (host arrays uploaded; device arrays as they are)."""
