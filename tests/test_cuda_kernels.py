@@ -23,16 +23,26 @@ from engine.backends.numpy.ops import NumpyOps
 from engine.model import numerics as N
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
-from harness import FORMATS, Kernels, rel_err, weights  # noqa: E402
+from harness import FORMATS, Kernels, cupy_device, rel_err, weights  # noqa: E402
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="g++ is not installed: the CUDA emulation needs it")
+# the comparisons run on the emulation, and where CuPy sees a CUDA device on the device as well
+# (scripts/gpu_check.sh); the tests that break a kernel or rely on the emulation's reports are
+# emulation-only
+RUNNERS = ["emu"] + (["cupy"] if cupy_device() else [])
 
 PRODUCT_TOL = 2e-6
 BLOCK_32 = {"q8_0", "f16", "mxfp4"}       # formats of 32-value blocks (the others: 256)
 
 
+@pytest.fixture(scope="module", params=RUNNERS)
+def K(request):
+    return Kernels(runner=request.param)
+
+
 @pytest.fixture(scope="module")
-def K():
+def E():
+    """The emulation only (its own checks of the arguments)."""
     return Kernels()
 
 
@@ -254,8 +264,8 @@ def test_the_emulation_reports_races_overruns_and_bad_warp_masks(name):
                              np.zeros(3, np.int32), np.array([0, 1, 0], np.int32))
 
 
-def test_arguments_of_the_wrong_type_are_refused(K):
-    fn = K.fn("norm_rope.cu", "rmsnorm")
+def test_arguments_of_the_wrong_type_are_refused(E):
+    fn = E.fn("norm_rope.cu", "rmsnorm")
     x = np.zeros((2, 8), np.float32)
     good = (x, np.zeros(8, np.float32), x.copy(), np.int32(2), np.int32(8), np.float64(1e-6), np.int32(1))
     for i, bad in [(3, 2), (5, np.float32(1e-6)), (0, x.astype(np.float64)), (2, np.zeros((8, 2), np.float32).T)]:
@@ -337,12 +347,12 @@ def test_votes(rules):
     assert np.all(y == np.float32(0b1101 + 0.5 + 0.25))
 
 
-def test_an_array_passed_twice_is_one_buffer_as_on_the_device(K):
+def test_an_array_passed_twice_is_one_buffer_as_on_the_device(E):
     """rmsnorm in place (out = x): the kernel must see one buffer, as a GPU would."""
     rng = np.random.default_rng(17)
     x = rng.standard_normal((3, 64), dtype=np.float32)
     ref = NumpyOps.rmsnorm(x, None, 1e-6)
-    fn = K.fn("norm_rope.cu", "rmsnorm")
+    fn = E.fn("norm_rope.cu", "rmsnorm")
     args = (x, np.zeros(1, np.float32), x, np.int32(3), np.int32(64), np.float64(1e-6), np.int32(0))
     fn((3, 1, 1), (256, 1, 1), args)
     assert x.tobytes() == ref.tobytes()

@@ -27,8 +27,36 @@ def _nan(shape, dtype=np.float32):
     return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype=dtype)
 
 
+def cupy_device() -> bool:
+    """A CUDA device that real CuPy can use (then the same comparisons run on it too)."""
+    try:
+        import cupy
+        return bool(cupy.is_available())
+    except Exception:               # not installed, no driver, no device
+        return False
+
+
+class _OnDevice:
+    """A cupy.RawModule kernel called like the emulation's: NumPy arguments go to the device and
+    every array comes back into its NumPy original (the kernels write in place)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, grid, block, args):
+        import cupy
+        dev = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        self.fn(tuple(grid), tuple(block), tuple(dev))
+        cupy.cuda.Device().synchronize()
+        for a, d in zip(args, dev):
+            if isinstance(a, np.ndarray):
+                a[...] = cupy.asnumpy(d)
+
+
 class Kernels:
-    def __init__(self, patch: dict | None = None):
+    def __init__(self, patch: dict | None = None, runner: str = "emu"):
+        """runner "emu": the host emulation; "cupy": real CuPy on a CUDA device (NVRTC)."""
+        self.runner = runner
         self.patch = patch or {}
         self._mods = {}
         self._hdr = None
@@ -46,11 +74,17 @@ class Kernels:
 
     def fn(self, file: str, name: str):
         if file not in self._mods:
-            opts = ("-I", str(self._hdr)) if self._hdr else ()
-            # -O0 for the one-off builds of deliberately broken kernels: they compile faster
-            self._mods[file] = emu.load_module(code=self._text(file), options=opts,
-                                               opt="-O0" if self.patch else "-O1")
-        return self._mods[file].get_function(name)
+            if self.runner == "cupy":
+                import cupy
+                inc = [f"-I{self._hdr}"] if self._hdr else []
+                self._mods[file] = cupy.RawModule(code=self._text(file), options=(*inc, f"-I{KDIR}", "--std=c++17"))
+            else:
+                opts = ("-I", str(self._hdr)) if self._hdr else ()
+                # -O0 for the one-off builds of deliberately broken kernels: they compile faster
+                self._mods[file] = emu.load_module(code=self._text(file), options=opts,
+                                                   opt="-O0" if self.patch else "-O1")
+        fn = self._mods[file].get_function(name)
+        return _OnDevice(fn) if self.runner == "cupy" else fn
 
     # -- matvec.cu ---------------------------------------------------------------------------
     def matvec_experts(self, fmt, raw, x, experts, toks):
