@@ -23,6 +23,8 @@ from engine.options import EngineOptions, add_engine_flags
 from prompts.messages import Message
 from prompts.render import render_messages, think_mode_for_context
 
+from .perplexity import add_flags as add_perplexity_flags, main_perplexity
+
 
 def render_user_turn(prompt: str, think: str) -> str:
     """One plain user turn, rendered by the prompt layer exactly as ds4 renders it."""
@@ -59,6 +61,7 @@ def _parser():
     p.add_argument("--dump-logprobs", metavar="FILE", help="write the top-k log-probabilities of every step as JSON")
     p.add_argument("--logprobs-top-k", type=int, default=20, help="how many log-probabilities --dump-logprobs keeps per step")
     p.add_argument("--dump-logits", metavar="FILE", help="write every step's full logits (.npy, float32)")
+    add_perplexity_flags(p)
     return p
 
 
@@ -99,6 +102,8 @@ def _prompt(a, stdin) -> str:
 @console_main
 def main(argv=None, stdin=None) -> int:
     a = _parser().parse_args(argv)
+    if a.perplexity:                    # a file to score, not a prompt (ds4agent/perplexity.py)
+        return main_perplexity(a)
     try:
         prompt = _prompt(a, sys.stdin if stdin is None else stdin)
     except ValueError as e:
