@@ -7,8 +7,8 @@ arithmetic on small shapes with partial tiles; not that they are fast (docs/cuda
 Tolerances: decoded weights bit for bit (the row dequantizer, and one-hot inputs through the
 matvec and GEMM); rmsnorm and rope bit for bit; topk exactly; products (matvec, GEMM, attention,
 indexer scores) within 2e-6 relative to the float64 reference (max-abs error over the
-reference's largest magnitude; float32 sums of a few hundred terms); hc_split within 1e-6 (its
-expf is not NumPy's float32 exp).
+reference's largest magnitude; float32 sums of a few hundred terms), the GEMM within 5e-6 (one
+running float32 sum per output); hc_split within 1e-6 (its expf is not NumPy's float32 exp).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="g++ is not insta
 RUNNERS = ["emu"] + (["cupy"] if cupy_device() else [])
 
 PRODUCT_TOL = 2e-6
+GEMM_TOL = 5e-6          # one float32 running sum per output over n_in (measured up to 1.7e-6 here)
 BLOCK_32 = {"q8_0", "f16", "mxfp4"}       # formats of 32-value blocks (the others: 256)
 
 
@@ -108,7 +109,7 @@ def test_gemm_experts_grouped_by_expert(K, fmt):
     toks = rng.integers(0, 6, 27).astype(np.int32)
     got = K.gemm_experts(fmt, raw, x, experts, toks)
     ref = np.einsum("pod,pd->po", W[experts].astype(np.float64), x[toks].astype(np.float64))
-    assert rel_err(got, ref) < PRODUCT_TOL
+    assert rel_err(got, ref) < GEMM_TOL
 
 
 # -- attention ------------------------------------------------------------------------------------
