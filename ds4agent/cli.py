@@ -64,6 +64,8 @@ def find_model(arg: str | None, cfg: dict) -> tuple[str | None, list[str]]:
 EPILOG = """other commands:
   ds4-agent download q2|q4|q2-imatrix|q4-imatrix [--dir DIR]
                         download ds4's published GGUF (resumable) and record its path
+  ds4-agent doctor [--model PATH] [--hash]
+                        check the model file, run the official test vectors, measure speed
   ds4-agent sessions [list [--all] | show ID|NAME | delete ID|NAME | prune --max-size SIZE [--yes]]
                         the saved sessions, without loading a model"""
 DEFAULT_CTX = 65536
@@ -174,6 +176,9 @@ def _subcommand(argv: list) -> int | None:
     if argv[:1] == ["sessions"]:
         from .sessions_cli import main as sessions_main
         return sessions_main(argv[1:])
+    if argv[:1] == ["doctor"]:
+        from .doctor import main as doctor_main
+        return doctor_main(argv[1:])
     return None
 
 
