@@ -311,6 +311,13 @@ extern "C" __global__ void split_barrier(float* x, int n) {   // two __syncthrea
   if (threadIdx.x < 16) { x[threadIdx.x] = 1.0f; __syncthreads(); }
   else { __syncthreads(); x[threadIdx.x] = 2.0f; }
 }
+extern "C" __global__ void unwritten(float* x, int n) {       // reads a shared slot no thread wrote
+  __shared__ float s[64];
+  float* xb = x + blockIdx.x * 64;
+  if (threadIdx.x < 32) s[threadIdx.x] = xb[threadIdx.x];
+  __syncthreads();
+  xb[threadIdx.x] = s[threadIdx.x];
+}
 extern "C" __global__ void votes(float* x, int n) {             // ballot / any / all over a partial block
   const unsigned b = __ballot_sync(0xFFFFFFFFu, x[threadIdx.x] > 0.0f);
   x[threadIdx.x] = float(b) + (__any_sync(0xFFFFFFFFu, x[threadIdx.x] > 5.0f) ? 0.5f : 0.0f)
@@ -337,6 +344,13 @@ def test_disjoint_half_warp_shuffles_are_allowed(rules):
 def test_warp_masks_that_cannot_work_on_hardware_are_errors(rules, kernel, message):
     with pytest.raises(emu.EmulationError, match=message):
         rules.get_function(kernel)((1, 1, 1), (32, 1, 1), (np.ones(32, np.float32), np.int32(32)))
+
+
+def test_shared_memory_starts_as_poison_in_every_block(rules):
+    x = np.arange(128, dtype=np.float32)
+    rules.get_function("unwritten")((2, 1, 1), (64, 1, 1), (x, np.int32(64)))
+    assert np.array_equal(x[:32], np.arange(32)) and np.isnan(x[32:64]).all()   # not block 0's values
+    assert np.array_equal(x[64:96], np.arange(64, 96)) and np.isnan(x[96:]).all()
 
 
 def test_votes(rules):

@@ -8,8 +8,7 @@
 //    overlapping but different masks, a lane outside the mask it passes, or a shuffle that reads
 //    a lane outside the mask: errors;
 //  - __shared__ becomes `static` (the fibers of a block share it; blocks run one after another),
-//    and is NOT zeroed between blocks: a kernel that reads shared memory before writing it reads
-//    the previous block's values.
+//    filled with 0xFF bytes before every block: a read before any write gives NaN / -1.
 // Not emulated: dynamic shared memory (extern __shared__), tensor-core mma, cooperative groups.
 #pragma once
 #include <cmath>
@@ -59,7 +58,12 @@ template <typename T> Warp<T> warp(T x, uint32_t mask) { return {exchange<T>(x, 
 #define __noinline__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-#define __shared__ static
+// __shared__ variables are statics in one section, which the launch fills with 0xFF bytes (NaN,
+// -1) before every block: a block that reads shared memory it did not write reads poison, not
+// the previous block's values
+#define __shared__ static __attribute__((section("emu_shared"), used))
+static __attribute__((section("emu_shared"), used)) char emu_shared_anchor[16];   // the section exists
+extern "C" __attribute__((visibility("hidden"))) char __start_emu_shared[], __stop_emu_shared[];
 #define __constant__ const
 
 // the line of each __syncthreads: threads of a block that wait at different ones are an error

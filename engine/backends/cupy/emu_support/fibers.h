@@ -127,6 +127,7 @@ struct Runtime {
   bool reverse = false;
   void (*body)(void*) = nullptr;
   void* arg = nullptr;
+  void (*on_group)() = nullptr;   // called before each group runs (the CUDA emulation poisons shared memory)
 };
 
 inline Runtime& rt() { static Runtime r; return r; }
@@ -247,6 +248,7 @@ inline std::string launch_groups(u3 ngroups, u3 tg, u3 limit, void (*fn)(void*),
   for (unsigned gx = 0; gx < ngroups.x; ++gx) {
     r.tgpos = {gx, gy, gz};
     r.tgsize = tg;
+    if (r.on_group) r.on_group();
     r.fibers.clear();
     r.fibers.reserve(tgn);
     for (unsigned z = 0; z < tg.z; ++z) for (unsigned y = 0; y < tg.y; ++y) for (unsigned x = 0; x < tg.x; ++x) {
