@@ -7,7 +7,8 @@ the kernel parameter's exact type (checked here: CuPy would pass a wrong one sil
 
 How it runs (emu_support/): cuda_emu.h maps the CUDA vocabulary onto the fiber core shared with
 the Metal emulation (fibers.h: a fiber per thread, one block at a time, strict __syncthreads and
-warp collectives); every array is copied into a buffer that ends at a guard page; each launch runs
+warp collectives; __shared__ memory poisoned before every block); every array is copied into a
+buffer that ends at a guard page (one array passed twice is one buffer); each launch runs
 with SIGSEGV caught (a stray read or write is an error, not a crash of the caller); and twice, with
 the threads of a block scheduled first to last and last to first: results that differ mean a
 missing barrier. For tiny models only (DS4_CUDA_EMULATE=1): it is slow, and needs g++.
