@@ -8,7 +8,10 @@ so `set -o pipefail` scripts still see that the output was cut short). stdout is
 
 Leaving while a thread is inside MLX. See ds4agent/worker.py: such a process must not finalize the
 interpreter, so `exit_now` runs the exit handlers (the bash tool's kill of its jobs' process trees,
-the engine's page-ins), flushes, and ends the process with os._exit.
+the engine's page-ins), flushes, and ends the process with os._exit. Even a quiet MLX process
+aborted now and then at exit (`ds4-agent --serve --backend mlx` on SIGTERM, after every slot was
+saved: MLX's thread teardown), so a console script run (main called without arguments) that
+opened an MLX backend (`threads_kept`) always ends that way once its main has returned.
 """
 from __future__ import annotations
 
@@ -18,6 +21,12 @@ import os
 import sys
 
 PIPE_EXIT = 141
+_KEPT = [False]       # an MLX backend was opened in this process
+
+
+def threads_kept():
+    """Called by a backend whose threads must live as long as the process (MLX)."""
+    _KEPT[0] = True
 
 
 def _silence_stdout():
@@ -38,10 +47,12 @@ def console_main(main):
             rc = main(*args, **kwargs)
             if sys.stdout is not None:
                 sys.stdout.flush()     # what is still buffered meets the closed pipe here, not at exit
-            return rc
         except BrokenPipeError:
             _silence_stdout()
-            return PIPE_EXIT
+            rc = PIPE_EXIT
+        if _KEPT[0] and not args and not kwargs:
+            exit_now(rc if isinstance(rc, int) else 1)     # the console script itself (module docstring)
+        return rc
     return wrapper
 
 

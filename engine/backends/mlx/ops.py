@@ -23,6 +23,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
+from ...console import threads_kept
 from ...gguf import quants as Q
 from ...gguf.model_file import QTensor
 from ...model import numerics as N
@@ -68,6 +69,7 @@ class MlxOps:
         self._repacked: dict = {}            # id(QTensor) -> (QTensor, MxWeight): host weights met in a call
         self._rot: dict = {}                 # id(thetas) -> (thetas, cos, sin): this pass's rotations
         self.metal = _metal()
+        threads_kept()            # the console command ends through os._exit (engine/console.py)
         if self._ds4:   # as the reference: ds4's rmsnorm in ds4 numerics, the class's static form else
             self.rmsnorm = self.rmsnorm_ds4
 
