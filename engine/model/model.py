@@ -265,7 +265,9 @@ class Model:
             kvs, scs = all_kv[cur_x], all_sc[cur_x]
         a = ops.softmax(scs, axis=1)
         pooled = (a * kvs).sum(axis=1)                                             # [n, hd] float32
-        rows = ops.rmsnorm(pooled, cw.norm, c.rms_eps)
+        # (x * scale) * w: ds4's compressor norms inline (compressor_decode_one), where every other
+        # norm is rms_norm_weight's (x * w) * scale in ds4 numerics (docs/numerics.md, rule 12)
+        rows = ops.rmsnorm(pooled, None, c.rms_eps) * cw.norm
         rows = ops.rope(rows, self._thetas(r, ws, c.n_rot))                       # at the window's first position
         # row i holds the window starting at i * r: placed by position, not appended, so a step
         # run again (the batcher's retry after a failed batch) writes the same rows
