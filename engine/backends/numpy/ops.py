@@ -8,7 +8,7 @@ CuPy) implement the same methods and are tested against this one. Two numerics m
 * "ds4": the numerics of ds4's CPU reference path — Q8_0 rounding of the input of every Q8_0-weight
   matmul, Q8_K rounding of the routed experts' input and weighted SwiGLU output, FP8 E4M3 round
   trip of the non-RoPE KV dims, F16 rounding of every cached row, Hadamard + FP4 round trip of the
-  indexer's queries and keys, RoPE angles built by repeated float32 products.
+  indexer's queries and keys, RoPE angles built by repeated float32 products, ds4's RMSNorm.
 
 Weights are QTensors: bytes in the map, decoded a chunk of rows at a time, never whole. Matmuls
 accumulate in float64 and round once, so a token's result does not depend on how many tokens share
@@ -16,7 +16,8 @@ the batch: chunked prefill and decode agree to the last bit far more often than 
 which matters in ds4 mode, where a one-ulp change can move an activation across a Q8 rounding step.
 In ds4 mode the Q8_0, IQ2_XXS and Q2_K matmuls are ds4's own: integer dots of the activation
 codes per block, times the scales, summed over the blocks in float32 in ds4's order
-(model/ds4_matmul.py; docs/numerics.md has every rule with its ds4 function).
+(model/ds4_matmul.py; docs/numerics.md has every rule with its ds4 function). That order does not
+depend on the batch either: each output is summed over its own blocks.
 """
 from __future__ import annotations
 
