@@ -256,8 +256,8 @@ def test_timeline_stays_consistent_on_every_path(make, agent_engine, hello_proje
     agent.submit("one")
     assert_consistent(agent)
     # Esc while the (long) tool result is being prefilled: the result still goes in whole. Small
-    # chunks for this step only, so Esc lands between them (the whole test at 16-token chunks
-    # prefilled the ~3k-token system prompt in ~200 steps, three times: 353 s on a loaded machine)
+    # chunks for this step only, so Esc lands between them (at 16-token chunks throughout, the
+    # compactions' ~4k-token prefills took ~250 steps each: 353 s on a loaded machine)
     agent.session.chunk = 16
     orig = rec.__call__
 
@@ -282,6 +282,19 @@ def test_timeline_stays_consistent_on_every_path(make, agent_engine, hello_proje
     agent.force("fine")
     agent.submit("short one")
     assert "</think>fine" in timeline(agent)
+    assert_consistent(agent)
+
+
+@pytest.mark.slow
+def test_timeline_stays_consistent_through_compactions(make, agent_engine, hello_project):
+    """Two compactions, each a fresh ~4k-token prefill (~40 s of CPU together): slow. The default
+    run keeps compaction's consistency in test_compaction_keeps_summary_and_recent_tail and
+    test_compaction_before_a_tool_continuation_adds_results_once."""
+    agent, rec = make()
+    agent.force("plain answer")
+    agent.submit("one")
+    agent.force("fine")
+    agent.submit("short one")
     assert_consistent(agent)
     # compaction then more turns; switch back and compact again (no duplicated tools block)
     agent.force("SUMMARY: short.")
