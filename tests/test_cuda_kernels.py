@@ -20,6 +20,7 @@ import pytest
 
 from engine.backends.cupy import emu
 from engine.backends.numpy.ops import NumpyOps
+from engine.model import ds4_matmul as DM
 from engine.model import numerics as N
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
@@ -110,6 +111,30 @@ def test_gemm_experts_grouped_by_expert(K, fmt):
     got = K.gemm_experts(fmt, raw, x, experts, toks)
     ref = np.einsum("pod,pd->po", W[experts].astype(np.float64), x[toks].astype(np.float64))
     assert rel_err(got, ref) < GEMM_TOL
+
+
+# -- ds4's dot products ---------------------------------------------------------------------------
+def test_ds4_q8_0_dot_bit_for_bit_with_the_reference(K):
+    rng = np.random.default_rng(18)
+    n_in = 32 * 40                                        # more blocks than a warp has lanes
+    raw, _ = weights("q8_0", rng, 1, 9, n_in, any_bytes=True)
+    x = rng.standard_normal((3, n_in), dtype=np.float32) * np.float32(3)
+    act = DM.q8_0_act(x)
+    T = x.shape[0]
+    got = K.ds4_matvec("q8_0", raw, act.q.reshape(T, -1), act.d, np.zeros(T, np.int32), np.arange(T, dtype=np.int32))
+    assert got.tobytes() == DM.q8_0_matmul(raw[0], act).tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["iq2_xxs", "q2_k"])
+def test_ds4_q8_k_dots_bit_for_bit_with_the_reference(K, fmt):
+    rng = np.random.default_rng(19)
+    raw, _ = weights(fmt, rng, 3, 6, 512, any_bytes=True)
+    x = rng.standard_normal((4, 512), dtype=np.float32)
+    act = DM.q8_k_act(x)
+    experts, toks = np.array([2, 0, 1, 2, 0], np.int32), np.array([0, 3, 1, 2, 0], np.int32)
+    got = K.ds4_matvec(fmt, raw, act.q.reshape(4, -1), act.d, experts, toks)
+    ref = np.stack([DM.q8_k_matmul(FORMATS[fmt], raw[e], act[t:t + 1])[0] for e, t in zip(experts, toks)])
+    assert got.tobytes() == ref.tobytes()
 
 
 # -- attention ------------------------------------------------------------------------------------

@@ -102,6 +102,18 @@ class Kernels:
                                                     (raw, x, out, i32(n_out), i32(x.shape[1]), i32(x.shape[0])))
         return out
 
+    # -- ds4_dot.cu --------------------------------------------------------------------------
+    def ds4_matvec(self, fmt, raw, xq, xd, experts, toks):
+        """ds4's dot products: xq int8 [T, n_in] and xd float32 [T, n_in / block] (Q8_0 or Q8_K)."""
+        E, n_out, _ = raw.shape
+        P = len(experts)
+        out = _nan((P, n_out))
+        self.fn("ds4_dot.cu", f"ds4_matvec_{fmt}")(
+            (-(-n_out // 4), P, 1), (128, 1, 1),
+            (raw, np.ascontiguousarray(xq, dtype=np.int8), np.ascontiguousarray(xd, dtype=f32), experts, toks, out,
+             i32(n_out), i32(xq.shape[1]), i32(P)))
+        return out
+
     def dequant_rows(self, fmt, raw2d, rows, n_in):
         out = _nan((len(rows), n_in))
         self.fn("matvec.cu", f"dequant_rows_{fmt}")((-(-(n_in // 32) // 128), len(rows), 1), (128, 1, 1),
