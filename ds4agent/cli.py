@@ -178,7 +178,7 @@ def _subcommand(argv: list) -> int | None:
         return sessions_main(argv[1:])
     if argv[:1] == ["doctor"]:
         from .doctor import main as doctor_main
-        return doctor_main(argv[1:])
+        return doctor_main(argv[1:], find=lambda arg: find_model(arg, load_config()))
     return None
 
 

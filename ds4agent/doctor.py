@@ -62,7 +62,9 @@ class Table:
                 + ("; interrupted" if interrupted else ""))
 
 
-def main(argv=None) -> int:
+def main(argv=None, find=None) -> int:
+    """find(arg) -> (path or None, paths tried): how `ds4-agent` finds its model (ds4agent/cli.py
+    passes it; without it only --model is looked at)."""
     a = _parser().parse_args(argv)
     if a.ctx < 16 or a.bench_tokens < 0:
         print("error: --ctx must be >= 16 and --bench-tokens >= 0", file=sys.stderr)
@@ -72,8 +74,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    from .cli import find_model, load_config
-    model, tried = find_model(a.model, load_config())
+    model, tried = find(a.model) if find else (a.model, [])
     if model is None:
         print(f"error: no model found (looked for {', '.join(tried) or 'nothing'}); pass --model PATH", file=sys.stderr)
         return 1
