@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.cli_help import DefaultsHelpFormatter
 from engine.console import PIPE_EXIT
 
 BIN = Path(sys.executable).parent
@@ -39,7 +40,7 @@ def test_every_flag_and_argument_of_every_command_has_help_and_shows_its_default
     missing, no_default = [], []
     for top, parser in _parsers().items():
         for name, p in _walk(top, parser):
-            shows = issubclass(p.formatter_class, __import__("engine.cli_help").cli_help.DefaultsHelpFormatter)
+            shows = issubclass(p.formatter_class, DefaultsHelpFormatter)
             for a in p._actions:
                 if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
                     continue
