@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "cuda_kernels"
 DOC = ROOT / "docs" / "cuda.md"
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_120")
-NO_SPILL = ("matvec_", "attn_")          # kernel name prefixes that must not spill
+NO_SPILL = ("matvec_", "ds4_matvec_", "attn_")   # kernel name prefixes that must not spill
 BEGIN, END = "<!-- ptxas-table:begin (scripts/cuda_compile.py) -->", "<!-- ptxas-table:end -->"
 
 

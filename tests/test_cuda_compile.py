@@ -29,7 +29,8 @@ def test_every_kernel_compiles_for_four_architectures_without_spills_and_the_tab
     assert all(set(t) == names for t in table.values())
     for fmt in ("q8_0", "f16", "iq2_xxs", "q2_k", "q4_k", "mxfp4"):
         assert {f"matvec_experts_{fmt}", f"gemm_experts_{fmt}", f"dequant_rows_{fmt}"} <= names
-    assert {"attn_segment", "attn_finish", "rmsnorm", "rope", "hc_split", "topk", "indexer_scores"} <= names
+    assert {"attn_segment", "attn_finish", "rmsnorm", "rmsnorm_ds4", "rope", "hc_split", "topk", "indexer_scores",
+            "ds4_matvec_q8_0", "ds4_matvec_iq2_xxs", "ds4_matvec_q2_k"} <= names
     assert cuda_compile.spills(table) == []
     doc = cuda_compile.DOC.read_text()
     assert cuda_compile.current_table(doc) == cuda_compile.render(table), \
