@@ -22,21 +22,31 @@ def load_case(folder: Path, entry: dict) -> tuple[str, dict]:
     return prompt, official
 
 
-def check_case(eng, prompt: str, official: dict, ctx: int) -> tuple[str, str]:
-    """(status, detail) of one vector: PASS, FAIL, or SKIP when it does not fit `ctx`."""
+def prompt_ids(eng, prompt: str, official: dict) -> tuple[list[int], str | None]:
+    """The prompt's tokens as ds4 renders it, and why they are wrong: a count other than the API's
+    `usage.prompt_tokens` (rendering or tokenizer), else None. Needs only the vocabulary."""
+    from .ds4_cli import render_user_turn
+    ids = eng.tokenizer.encode(render_user_turn(prompt, "none"))
+    want = official.get("usage", {}).get("prompt_tokens")
+    if want is not None and want != len(ids):
+        return ids, f"the prompt is {len(ids)} tokens here, {want} at the API (rendering or tokenizer)"
+    return ids, None
+
+
+def check_case(eng, prompt: str, official: dict, ctx: int, progress=None) -> tuple[str, str]:
+    """(status, detail) of one vector: PASS, FAIL, or SKIP when it does not fit `ctx`.
+    progress(done, total) is called after each prefill chunk."""
     from engine import Session
 
-    from .ds4_cli import render_user_turn
     tok = eng.tokenizer
-    ids = tok.encode(render_user_turn(prompt, "none"))
+    ids, bad = prompt_ids(eng, prompt, official)
     steps = official["steps"]
-    want = official.get("usage", {}).get("prompt_tokens")
     if len(ids) + len(steps) + 1 >= ctx:
         return "SKIP", f"{len(ids)} prompt tokens do not fit --ctx {ctx}"
-    if want is not None and want != len(ids):
-        return "FAIL", f"the prompt is {len(ids)} tokens here, {want} at the API (rendering or tokenizer)"
+    if bad:
+        return "FAIL", bad
     sess = Session(eng, ctx)
-    sess.sync(ids)
+    sess.sync(ids, progress)
     worst = 0.0
     for i, step in enumerate(steps):
         top = sess.top_logprobs(TOP_N)
@@ -60,8 +70,9 @@ def check_case(eng, prompt: str, official: dict, ctx: int) -> tuple[str, str]:
     return "PASS", f"{len(ids)} prompt tokens, {len(steps)} steps match, worst logprob delta {worst:.3f}"
 
 
-def run_vectors(eng, folder: Path, ctx: int, table):
-    """One table row per vector in the folder's manifest."""
+def run_vectors(eng, folder: Path, ctx: int, table, prompts_only: bool = False):
+    """One table row per vector in the folder's manifest. prompts_only: check only that each
+    prompt renders to the API's token count (a synthetic model with the real vocabulary)."""
     try:
         cases = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["prompts"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -71,10 +82,29 @@ def run_vectors(eng, folder: Path, ctx: int, table):
         name = f"vector {entry.get('id', '?')}"
         try:
             prompt, official = load_case(folder, entry)
-            status, detail = check_case(eng, prompt, official, ctx)
+            if prompts_only:
+                ids, bad = prompt_ids(eng, prompt, official)
+                status, detail = ("FAIL", bad) if bad else (
+                    "SKIP", f"prompt renders to the API's {len(ids)} tokens; the continuation needs the real weights")
+            else:
+                status, detail = check_case(eng, prompt, official, ctx, _progress(name))
         except (OSError, ValueError, KeyError, TypeError) as e:
             status, detail = "FAIL", f"cannot read the vector: {e}"
         table.row(status, name, detail)
+
+
+def _progress(name: str):
+    """Prefill progress on stderr for a long prompt (every 5 s)."""
+    import sys
+    import time
+    t0 = [time.perf_counter(), time.perf_counter()]
+
+    def on_chunk(done: int, total: int):
+        now = time.perf_counter()
+        if now - t0[1] >= 5:
+            t0[1] = now
+            print(f"  {name}: prefill {done}/{total} tokens, {now - t0[0]:.0f} s", file=sys.stderr)
+    return on_chunk
 
 
 def _show(b: bytes) -> str:

@@ -59,7 +59,7 @@ def vectors(small_engine, tmp_path_factory):
 
 
 def _rows(out: str) -> dict:
-    return {line[6:32].strip(): (line[:5].strip(), line[33:]) for line in out.splitlines() if line[:4] in
+    return {line[6:36].strip(): (line[:5].strip(), line[37:]) for line in out.splitlines() if line[:4] in
             ("PASS", "FAIL", "SKIP", "INFO")}
 
 
@@ -111,3 +111,25 @@ def test_ctrl_c_prints_the_rows_so_far(small_model):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
     assert "Traceback" not in err and "interrupted" in (seen + out)
+
+
+def test_prompts_only_checks_the_rendered_token_count(small_engine, vectors, tmp_path):
+    """A synthetic model with the real vocabulary still checks rendering + tokenizer against the
+    API's prompt_tokens: a count that differs fails."""
+    import shutil
+
+    from ds4agent.doctor import Table
+    from ds4agent.vectors import run_vectors
+    folder = tmp_path / "v"
+    shutil.copytree(vectors, folder)
+    f = folder / "official" / "code.official.json"
+    v = json.loads(f.read_text())
+    v["usage"]["prompt_tokens"] += 1
+    f.write_text(json.dumps(v))
+    import io
+    out = io.StringIO()
+    run_vectors(small_engine, folder, 64, Table(out), prompts_only=True)
+    rows = _rows(out.getvalue())
+    assert rows["vector fact"][0] == "SKIP" and "renders to the API's" in rows["vector fact"][1]
+    assert rows["vector bad_token"][0] == "SKIP"          # its prompt is right; only generation would fail
+    assert rows["vector code"][0] == "FAIL" and "tokens here" in rows["vector code"][1]
