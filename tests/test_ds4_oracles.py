@@ -47,6 +47,14 @@ KNOWN_MISSES: dict[tuple[str, str, str], str] = {
     ("decode", "numpy", "s404-q4-8layers"): "median 0.229 p90 0.920 top-1 83.0% KL 0.0091",
     ("decode", "cpu", "s404-q4-8layers"): "median 0.194 p90 0.744 top-1 86.5% KL 0.0076",
     ("decode", "mlx", "s404-q4-8layers"): "median 0.237 p90 0.891 top-1 82.5% KL 0.0091",
+    # slow: every kept row (positions 0..299 and the checkpoints up to 1024 and the last)
+    ("decode-all", "numpy", "s101-q2"): "median 0.208 p90 0.952 top-1 82.6% KL 0.0083",
+    ("decode-all", "numpy", "s202-q2-16experts"): "median 0.179 p90 0.539 top-1 87.1% KL 0.0037",
+    ("decode-all", "numpy", "s404-q4-8layers"): "median 0.299 p90 1.044 top-1 79.4% KL 0.0124",
+    ("decode-all", "cpu", "s101-q2"): "median 0.190 p90 0.804 top-1 84.6% KL 0.0075",
+    ("decode-all", "cpu", "s202-q2-16experts"): "median 0.188 p90 0.597 top-1 90.0% KL 0.0043",
+    ("decode-all", "cpu", "s303-q2-r128first"): "median 0.195 p90 0.702 top-1 89.7% KL 0.0061",
+    ("decode-all", "cpu", "s404-q4-8layers"): "median 0.265 p90 0.917 top-1 82.0% KL 0.0098",
 }
 
 
