@@ -23,6 +23,7 @@ from importlib.resources import files
 from engine.cli_help import ArgumentParser, DefaultsHelpFormatter, add_version_flag
 from engine.console import console_main
 from engine.options import EngineOptions, add_engine_flags
+from prompts.render import THINK_MAX_MIN_CONTEXT as THINK_MAX_CTX
 
 from . import eval_items as ev
 
@@ -67,6 +68,10 @@ def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     if a.max_tokens < 1 or a.reply_budget < 0 or a.limit < 0 or a.ctx < 0 or a.temp < 0:
         return _fail("-n must be >= 1; --reply-budget, --limit, --ctx and --temp >= 0")
+    if a.think == "max" and a.ctx < THINK_MAX_CTX:
+        # ds4's gate: Think Max only with a context that can hold its reasoning
+        print(f"note: --think-max needs --ctx >= {THINK_MAX_CTX} (ds4's gate); using --think", file=sys.stderr)
+        a.think = "high"
     try:
         options = EngineOptions.from_args(a)
         items = ev.load_items(a.items or default_items())
@@ -85,6 +90,9 @@ def main(argv=None) -> int:
         raise
     except (ModelFileError, ValueError, OSError) as e:
         return _fail(str(e))
+    except KeyboardInterrupt:          # while the model opens: nothing measured yet
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 def _start_trace(path: str, settings: dict, resume: bool) -> list[dict]:

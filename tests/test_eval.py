@@ -123,6 +123,15 @@ def test_ctrl_c_keeps_the_items_done(small_model, tmp_path):
     assert 1 <= done < 40
 
 
+def test_think_max_needs_its_context(tmp_path, capsys):
+    """ds4's gate: without --ctx >= 393216, --think-max falls back to --think (said on stderr)."""
+    items = _items(tmp_path, 1)
+    rc = eval_main(["-m", str(tmp_path / "none.gguf"), "--items", str(items), "--think-max",
+                    "--trace", str(tmp_path / "t.jsonl")])
+    err = capsys.readouterr().err
+    assert "--think-max needs --ctx" in err and rc == 1 and err.strip().splitlines()[-1].startswith("error:")
+
+
 def test_help(capsys):
     with pytest.raises(SystemExit):
         eval_main(["--help"])
