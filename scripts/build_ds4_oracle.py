@@ -39,6 +39,10 @@ match the stated number of times, else the script stops and says which edit fail
     except the routed experts' block dot, which is ours: it referees everything around the
     experts, not ds4's own Q4_K float order.  No other code changes.
 
+Checked: with these edits, ds4 8d576642c39b (the newest commit when this was written; the shared
+oracle's README names none) reproduces ../shared/ds4-oracle's decode and prefill logits bit for
+bit (`check-shared`), so the edits are the ones that oracle was made with.
+
 The driver writes, for the token ids: the logits after every id fed one at a time (the first
 through ds4_session_sync, the prefill path; the rest through ds4_session_eval, the decode path),
 and for a few positions p the last row of a fresh session synced to ids[0..p] in one call.
@@ -49,6 +53,7 @@ tokenized by ds4 itself (ds4_encode_chat_prompt, no thinking) from a text file o
 
     .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src make [NAME ...]
     .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src check-shared
+    .venv/bin/python scripts/build_ds4_oracle.py readmes     # README.md of each from its oracle.json
 """
 from __future__ import annotations
 
@@ -418,7 +423,8 @@ def check_shared(src: Path, keep: bool) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ds4-src", required=True, type=Path, help="a ds4 source tree (git archive of antirez/ds4)")
+    p.add_argument("--ds4-src", type=Path, help="a ds4 source tree (a checkout of antirez/ds4); "
+                   "make and check-shared need it")
     p.add_argument("--keep", action="store_true", help="keep the temp build folder")
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make", help="write tests/oracles/NAME (all when none named)")
@@ -426,8 +432,8 @@ def main(argv=None) -> int:
     sub.add_parser("check-shared", help="rebuild ../shared/ds4-oracle's logits and compare")
     sub.add_parser("readmes", help="rewrite every oracle's README.md from its oracle.json")
     a = p.parse_args(argv)
-    if not (a.ds4_src / "ds4.c").exists():
-        p.error(f"{a.ds4_src} has no ds4.c")
+    if a.cmd != "readmes" and not (a.ds4_src and (a.ds4_src / "ds4.c").exists()):
+        p.error(f"--ds4-src {a.ds4_src} is not a ds4 source tree (no ds4.c)")
     unknown = [n for n in getattr(a, "names", []) if n not in ORACLES]
     if unknown:
         p.error(f"unknown oracle {unknown[0]!r}; known: {', '.join(ORACLES)}")
