@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from ds4agent import events as E
 from ds4agent.mcp_client import McpManager, McpTool, _tool
 from ds4agent.mcp_config import McpConfig
 from helpers_agent import SYSTEM, call, say, start_agent
@@ -143,3 +144,34 @@ def test_headless_takes_checkpoints_and_never_waits(agent_engine, user_repo, ses
     assert (user_repo / "h.txt").exists()
     steps = made[0].checkpoints._steps
     assert [s.meta["tool"] for s in steps.values()] == ["write"] and steps[1].files == ["h.txt"]
+
+
+# -- issue 35 items 5 and 12 (here, where the module's system prompt is already cached) -------------
+def test_undo_of_the_first_turn_after_a_resume_uses_the_cached_system_prompt(agent_engine, user_repo,
+                                                                              sessions_root):
+    first, _ = start_agent(agent_engine, user_repo, sessions_root, yolo=True)
+    system_tokens = first.session.tokens
+    say(first, "write it", call("write", path="r.txt", content="r\n"), "done")
+    say(first, "and more", "fine " * 30)      # the first turn is beyond what the loaded state can cut
+    first.save_on_exit()
+    assert (user_repo / "r.txt").exists() and first.current_sha
+    again, _ = start_agent(agent_engine, user_repo, sessions_root, yolo=True)     # a new process: --resume
+    assert again.command("/resume").startswith("switched to session")
+    out = again.command("/undo 1")
+    assert "undid step 1" in out and "not rewound" not in out, out
+    assert "cached system prompt, no prefill" in out
+    assert again.session.tokens == system_tokens and [m.role for m in again.transcript] == ["system"]
+    assert not (user_repo / "r.txt").exists()
+
+
+def test_an_interrupted_compaction_says_so(agent_engine, user_repo, sessions_root):
+    agent, rec = start_agent(agent_engine, user_repo, sessions_root)
+    for i in range(2):
+        say(agent, f"question {i}", f"answer {i}")
+    before = agent.session.tokens
+    agent.interrupt()
+    assert agent.compact("test") is False
+    notes = [n.text for n in rec.of(E.Notice)]
+    assert "compaction interrupted; the conversation is unchanged" in notes, notes
+    assert not any(n.startswith("compaction failed") for n in notes)
+    assert agent.session.tokens == before
