@@ -18,6 +18,7 @@ import sys
 import time
 
 PROGRESS_EVERY_S = 2.0
+MANY_WINDOWS = 100
 
 
 def add_flags(p):
@@ -125,7 +126,9 @@ def _score(a, eng, Session, q, tokens, windows, scores, base, limit) -> bool:
                 break
             q.score_window(sess, tokens, w, scores, piece=piece, base_ids=base_ids, stop_at=stop_pos,
                            on_piece=progress)
-            if len(windows) > 1:
+            # a line per window, unless there are so many that only one every PROGRESS_EVERY_S is read
+            if len(windows) > 1 and (len(windows) <= MANY_WINDOWS or time.perf_counter() - last >= PROGRESS_EVERY_S):
+                last = time.perf_counter()
                 print(f"  window {i + 1}/{len(windows)}: {len(scores)}/{limit} tokens scored", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"\ninterrupted: reporting the {len(scores)} tokens scored so far", file=sys.stderr)
