@@ -125,7 +125,7 @@ def test_help_names_the_flags(capsys):
 def test_ctrl_c_keeps_what_was_scored(small_model, tmp_path):
     """SIGINT mid-run: the PPL of the tokens scored so far, the partial base saved, no traceback."""
     f, base = tmp_path / "long.txt", tmp_path / "base.npz"
-    f.write_text(TEXT * 40)
+    f.write_text(TEXT * 12)          # ~640 tokens: 80 windows of 8, each with its progress line
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, "-m", "ds4agent.ds4_cli", "-m", str(small_model), "--perplexity", str(f),
                           "--ctx", "8", "--kl-base", str(base)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
