@@ -133,3 +133,13 @@ def test_prompts_only_checks_the_rendered_token_count(small_engine, vectors, tmp
     assert rows["vector fact"][0] == "SKIP" and "renders to the API's" in rows["vector fact"][1]
     assert rows["vector bad_token"][0] == "SKIP"          # its prompt is right; only generation would fail
     assert rows["vector code"][0] == "FAIL" and "tokens here" in rows["vector code"][1]
+
+
+def test_hash_of_a_file_that_is_not_published(small_model, capsys):
+    """--hash reads the whole file; a name the Hub does not publish gets the digest and no verdict."""
+    import hashlib
+    rc = doctor_main(["--model", str(small_model), "--hash", "--bench-tokens", "0"])
+    rows = _rows(capsys.readouterr().out)
+    want = hashlib.sha256(small_model.read_bytes()).hexdigest()
+    assert rows["sha256"] == ("INFO", f"{want} (not a published file name: nothing to compare with)")
+    assert rows["speed"][0] == "SKIP" and rc == 0
