@@ -126,6 +126,20 @@ class Kernels:
                      (raw, x, out, _I32(n), _I32(w.n_in), _I32(T)))
         return out
 
+    def gemm_dense(self, w: DevTensor, x, rows=None, chunk_elems: int = 1 << 26):
+        """x [T, n_in] float32 -> [T, n_sel] = x @ W[rows].T for a prefill chunk: a block of rows
+        decoded by dequant_rows (bit for bit the reference's values), then a float32 GEMM."""
+        xp = self.xp
+        data = w.data if rows is None else w.data[rows]
+        step = max(1, chunk_elems // max(1, w.n_in))
+        x = self._c(x, xp.float32)
+        outs = []
+        for r0 in range(0, data.shape[0], step):
+            part = DevTensor(w.name, w.type_id, w.dims, data[r0:r0 + step])
+            wd = self.dequant_rows(part, xp.arange(part.data.shape[0], dtype=xp.int32))
+            outs.append(x @ wd.T)
+        return outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=1)
+
     def experts(self, w: DevTensor, x, experts, toks):
         """out [P, n_out]: out[p] = dequant(expert experts[p]) @ x[toks[p]]: the decode matvec,
         or for a batch whose pairs share experts the grouped GEMM."""

@@ -36,6 +36,7 @@ from .quant import DevTensor
 _EXPERT_ACT_Q8_0 = frozenset({Q.MXFP4, Q.Q8_0})
 _DENSE = frozenset({Q.F32, Q.F16, Q.BF16})
 _F32 = np.float32
+GEMM_MIN_ROWS = 16        # tokens from which a dense product decodes its weight once and runs a GEMM
 
 
 class CupyOps:
@@ -124,7 +125,12 @@ class CupyOps:
         w, x = self._w(w), self._a(x).astype(xp.float32)
         q8 = self._ds4 and w.type_id == Q.Q8_0
         if self.k is not None and self.k.has_dense(w):
-            return self.k.matvec_dense(w, DN.q8_0_round(xp, x) if q8 else x, rows)
+            xin = DN.q8_0_round(xp, x) if q8 else x
+            if x.shape[0] >= GEMM_MIN_ROWS and self.k.has_dequant(w):
+                # a prefill chunk: the rows decoded once by the kernel, then a float32 GEMM (cuBLAS);
+                # the matvec would read every weight row once per token
+                return self.k.gemm_dense(w, xin, rows)
+            return self.k.matvec_dense(w, xin, rows)
         if q8:
             return ds4_dot.matmul(xp, w, ds4_dot.act_for(xp, Q.Q8_0, x), rows)
         return quant.matmul(xp, w, x, rows)
