@@ -74,8 +74,11 @@ def agent_model(models_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def agent_engine(agent_model):
-    """The engine on `agent_model` for one module's agent, serve and checkpoint tests."""
-    with Engine.open(agent_model) as e:
+    """The engine on `agent_model` for one module's agent, serve and checkpoint tests. In `exact`
+    numerics: these tests check the agent and the shim, not the arithmetic (the engine's own tests
+    check ds4's), and on the NumPy reference exact is about twice as fast as ds4's integer block
+    dots (a 512-token prefill: 1.3 s of CPU against 2.8 s)."""
+    with Engine.open(agent_model, numerics="exact") as e:
         yield e
 
 

@@ -42,7 +42,7 @@ def start_env(model: Path, root: Path) -> dict:
     git(proj, "init", "-q")
     git(proj, "add", ".")
     git(proj, "commit", "-qm", "init")
-    engine = Engine.open(model)
+    engine = Engine.open(model, numerics="exact")     # as conftest's agent_engine, and why
     store_root = root / "sessions"
     warm = Agent(engine, proj, config=AgentConfig(ctx=CTX, think_mode="none"),
                  store=SessionStore(root=store_root, project_dir=proj))
