@@ -485,18 +485,19 @@ def test_keepalive_during_long_prefill(srv, monkeypatch):
     url, shim = srv
     wait_idle(shim)
     sess = shim.worker.session
-    # small chunks, each held 50 ms: the prefill lasts >= 1.4 s and reports progress all along,
-    # whatever the machine's speed
+    # small chunks, each held 100 ms: the prefill lasts >= 1.4 s and reports progress all along,
+    # whatever the machine's speed (half the tokens and twice the hold of the first version: the
+    # same length of prefill, half its compute)
     monkeypatch.setattr(sess, "chunk", 64)
     real_forward = sess._forward
 
     def slow_forward(part, all_logits):
         if len(part) > 1:
-            time.sleep(0.05)
+            time.sleep(0.1)
         return real_forward(part, all_logits)
 
     monkeypatch.setattr(sess, "_forward", slow_forward)
-    words = " ".join(f"w{i}" for i in range(900))       # ~1,800 tokens: ~28 chunks of 64
+    words = " ".join(f"w{i}" for i in range(450))       # ~900 tokens: ~14 chunks of 64
     c = Client(url, "/v1/completions", {"prompt": words, "max_tokens": 2, "temperature": 0, **NO_THINK})
     c.run()
     if c.error:

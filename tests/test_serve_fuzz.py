@@ -706,7 +706,9 @@ def test_fuzz_lone_surrogates_in_any_string(srv):
 def test_fuzz_tools_every_endpoint(srv):
     statuses: Counter = Counter()
 
-    @fuzz(120)
+    # 60 cases in the default run (each one a generation: 120 took ~25 s of CPU); the long run
+    # (test_serve_fuzz_long.py, -m slow) multiplies them
+    @fuzz(60)
     @given(req=tool_requests())
     @example(req=("/v1/responses", {"input": "x", "tools": [
         {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "a"}, 5, {"name": ""}]},
