@@ -37,7 +37,7 @@ BACKENDS = [b for b in ("numpy", "cpu", "mlx") if b in registry.available_names(
 REGENERATE = ".venv/bin/python scripts/build_ds4_oracle.py --ds4-src DS4_TREE make NAME"
 
 # (test, backend, oracle) -> why it misses the bars today: the figures measured on Linux x86-64 at
-# efe4e45 (slow rows: numpy/cpu at 0344465, mlx at e080dd9)
+# efe4e45 (slow rows: numpy/cpu at 52efae4, before e080dd9; mlx at e080dd9)
 # (mlx there runs on its CPU device; a Mac's Metal run was not measured, so no mark applies there)
 KNOWN_MISSES: dict[tuple[str, str, str], str] = {
     ("decode", "numpy", "s101-q2"): "median 0.173 p90 0.732 top-1 84.5% KL 0.0062",
