@@ -250,7 +250,8 @@ def assert_consistent(agent):
 
 
 def test_timeline_stays_consistent_on_every_path(make, agent_engine, hello_project):
-    (hello_project / "big.txt").write_text("".join(f"line {i} of a long file\n" for i in range(300)))
+    # ~700 tokens: ~45 chunks of 16 for the Esc to land between
+    (hello_project / "big.txt").write_text("".join(f"line {i} of a long file\n" for i in range(100)))
     agent, rec = make()
     agent.force("plain answer")
     agent.submit("one")
