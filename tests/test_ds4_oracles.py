@@ -9,8 +9,9 @@ p90 <= 0.5, top-1 >= 85 %, KL <= 0.02. The default run feeds the first 200 token
 the slow run feeds every token up to the oracle's last kept row. A table of the figures is
 written to the terminal at the end of the module (whatever -s says), so a drift shows in CI logs.
 
-A backend x oracle that misses the bars today is xfail(strict=True) with its measured figures:
-when a numerics fix brings it within them the xfail turns into a failure, and the mark goes.
+A backend x oracle that misses the bars today is listed in KNOWN_MISSES with its measured figures.
+It is reported as xfail only while it stays within SLACK of those figures: a regression past them
+fails, and so does a fix that brings it within the bars (then its entry goes).
 """
 from __future__ import annotations
 
@@ -104,9 +105,7 @@ def _params(test: str):
     out = []
     for b in BACKENDS:
         for d in ORACLE_DIRS:
-            why = KNOWN_MISSES.get((test, b, d.name))
-            marks = [pytest.mark.xfail(sys.platform == "linux", strict=True, reason=why)] if why else []
-            out.append(pytest.param(b, d, marks=marks, id=f"{b}-{d.name}"))
+            out.append(pytest.param(b, d, id=f"{b}-{d.name}"))
     return out
 
 
@@ -174,13 +173,35 @@ def figures(ours: np.ndarray, ref: np.ndarray, positions: np.ndarray) -> dict:
     return dict(st, n=len(d), pos0=float(d[0]), max=float(d.max()), worst=int(positions[int(d.argmax())]))
 
 
-def check(st: dict, backend: str, o: Oracle, path: str, table: list, bars: dict = BARS) -> None:
+# how far a known miss may drift from its recorded figures before it counts as a regression
+SLACK = {"median": 0.02, "p90": 0.05, "top1": 0.015, "kl": 0.001}
+
+
+def recorded(why: str) -> dict:
+    """The figures of a KNOWN_MISSES entry ("median M p90 P top-1 T% KL K")."""
+    w = why.split()
+    return {"median": float(w[w.index("median") + 1]), "p90": float(w[w.index("p90") + 1]),
+            "top1": float(w[w.index("top-1") + 1].rstrip("%")) / 100, "kl": float(w[w.index("KL") + 1])}
+
+
+def check(st: dict, backend: str, o: Oracle, path: str, table: list, bars: dict = BARS, test: str = "") -> None:
     ok = (st["median"] <= bars["median"] and st["p90"] <= bars["p90"] and st["top1"] >= bars["top1"]
           and st["kl"] <= bars["kl"])
+    # the misses were measured on Linux x86-64 (mlx on its CPU device); elsewhere no entry applies
+    why = KNOWN_MISSES.get((test, backend, o.name)) if sys.platform == "linux" else None
     table.append((backend, o.name, path, st["n"], st["pos0"], st["median"], st["p90"], st["max"],
-                  st["worst"], st["top1"], st["kl"], "ok" if ok else "MISSES"))
-    assert ok, (f"{backend} on {o.name} ({path}): median {st['median']:.3f} p90 {st['p90']:.3f} "
-                f"top-1 {st['top1']:.1%} KL {st['kl']:.4f}")
+                  st["worst"], st["top1"], st["kl"], "ok" if ok else ("known" if why else "MISSES")))
+    now = (f"{backend} on {o.name} ({path}): median {st['median']:.3f} p90 {st['p90']:.3f} "
+           f"top-1 {st['top1']:.1%} KL {st['kl']:.4f}")
+    if why is None:
+        assert ok, now
+        return
+    assert not ok, f"{now}: within the bars now, remove its KNOWN_MISSES entry ({why})"
+    rec = recorded(why)
+    worse = [k for k in ("median", "p90", "kl") if st[k] > rec[k] + SLACK[k]]
+    worse += ["top1"] if st["top1"] < rec["top1"] - SLACK["top1"] else []
+    assert not worse, f"{now}: worse than its recorded miss ({why}) in {', '.join(worse)}"
+    pytest.xfail(f"known miss, within {SLACK} of its record: {now}")
 
 
 @pytest.mark.parametrize("backend,folder", _params("decode"))
@@ -192,7 +213,7 @@ def test_decode_first_positions_match_ds4(backend, folder, oracles, table, recor
     ours = decode_logits(gguf, backend, o.token_ids, n)
     st = figures(ours, o.decode_logits[rows], o.decode_positions[rows])
     record_property("figures", st)
-    check(st, backend, o, f"dec<{n}", table)
+    check(st, backend, o, f"dec<{n}", table, test="decode")
 
 
 @pytest.mark.slow
@@ -201,7 +222,7 @@ def test_decode_all_positions_match_ds4(backend, folder, oracles, table):
     o, gguf = oracles(folder)
     n = int(o.decode_positions.max()) + 1
     ours = decode_logits(gguf, backend, o.token_ids, n)[o.decode_positions]
-    check(figures(ours, o.decode_logits, o.decode_positions), backend, o, "dec-all", table)
+    check(figures(ours, o.decode_logits, o.decode_positions), backend, o, "dec-all", table, test="decode-all")
 
 
 @pytest.mark.parametrize("backend,folder", _params("prefill"))
@@ -214,7 +235,7 @@ def test_prefill_checkpoints_match_ds4_prefill(backend, folder, oracles, table):
     with Engine.open(gguf, backend=backend, numerics="ds4", threads=1) as e:
         ours = Session(e, int(pos.max()) + 16).sync(o.token_ids[:int(pos.max()) + 1], keep_logits=True)[pos]
     check(figures(np.asarray(ours, np.float32), o.prefill_logits[keep], pos), backend, o, "prefill", table,
-          PREFILL_BARS)
+          PREFILL_BARS, test="prefill")
 
 
 @pytest.mark.parametrize("folder", [d for d in ORACLE_DIRS if (d / "oracle.json").exists()], ids=lambda d: d.name)
@@ -239,3 +260,19 @@ def test_known_misses_name_existing_oracles():
     names = {d.name for d in ORACLE_DIRS} | {"ds4-oracle"}
     assert {k[2] for k in KNOWN_MISSES} <= names
     assert {k[0] for k in KNOWN_MISSES} <= {"decode", "decode-all", "prefill"}
+
+
+def test_a_known_miss_that_gets_worse_or_passes_fails(monkeypatch):
+    """The KNOWN_MISSES bookkeeping can fail: a miss past its record's slack, or one now within the
+    bars, is an error, not an xfail."""
+    monkeypatch.setattr(sys, "platform", "linux")
+    key = next(iter(KNOWN_MISSES))
+    rec = recorded(KNOWN_MISSES[key])
+    o = Oracle(key[2], Path("."), [], np.zeros(0), np.zeros((0, 0)), np.zeros(0), np.zeros((0, 0)))
+    base = dict(rec, n=1, pos0=0.0, max=1.0, worst=0)
+    with pytest.raises(AssertionError, match="worse than its recorded miss"):
+        check(dict(base, p90=rec["p90"] + 0.2), key[1], o, "x", [], test=key[0])
+    with pytest.raises(AssertionError, match="within the bars now"):
+        check(dict(base, median=0.1, p90=0.3, top1=0.9, kl=0.001), key[1], o, "x", [], test=key[0])
+    with pytest.raises(pytest.xfail.Exception):
+        check(base, key[1], o, "x", [], test=key[0])
