@@ -128,10 +128,12 @@ def test_undo_falls_back_to_the_saved_turn_start(agent_engine, user_repo, sessio
     out = agent.command("/undo")
     assert "(loaded, no prefill)" in out, out
     assert agent.session.tokens == tokens0 and agent.session.stats["prefill_tokens"] == prefill
-    # again, with nothing saved to load: the files only, after asking
+    # again, with nothing saved to load and no cached system prompt (which a first turn's undo
+    # falls back to: test_checkpoints_timelines.py): the files only, after asking
     agent2, rec2 = start_agent(agent_engine, user_repo, sessions_root, autosave=False)
     edit_and_delete(agent2)
     monkeypatch.setattr(agent2.session.state, "can_truncate", lambda *a: False)
+    monkeypatch.setattr(agent2.store, "sysprompt_path", lambda *a: str(user_repo / "no-cached-prompt"))
     tokens = agent2.session.tokens
     rec2.answer = "n"
     assert agent2.command("/undo").startswith("undo cancelled")

@@ -181,7 +181,10 @@ def test_a_cpu_pass_is_the_references(tmp_path):
     logits of a 3-layer tiny model (a hash layer with the indexer, top-k routing, ratio-4 and
     ratio-128 compression) over 192 positions in chunks of 64 are identical, and so is every
     decision. (A build without the attention kernel runs the reference's own attention.)
-    tests/test_cpu_fidelity.py does the same over 704 positions on three fresh models."""
+    tests/test_cpu_fidelity.py does the same over 704 positions on three fresh models.
+    The reference runs with q8_dot="exact" (its Q8 matmuls round the exact sum once, the function
+    the integer kernels compute); its default since issue 33 is ds4's float32 block order, which
+    the kernels do not follow yet (docs/numerics.md)."""
     from engine import Engine, Session
     from engine.gguf.synth import config_for, write_synthetic
 
@@ -190,6 +193,8 @@ def test_a_cpu_pass_is_the_references(tmp_path):
     logits = {}
     for backend in ("numpy", "cpu"):
         with Engine.open(path, backend=backend, numerics="ds4", paging="none") as eng:
+            if backend == "numpy":
+                eng.model.ops._dot = False           # q8_dot="exact"
             toks = np.random.default_rng(7).integers(0, eng.config.n_vocab, 192).tolist()
             logits[backend] = Session(eng, 200, chunk=64).sync(toks, keep_logits=True)
     assert np.array_equal(logits["cpu"], logits["numpy"])

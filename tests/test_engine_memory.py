@@ -17,6 +17,7 @@ import pytest
 from engine import Engine, Session
 from engine.gguf import quants
 from engine.gguf.synth import config_for, write_synthetic
+from engine.model import ds4_matmul
 
 
 def test_decode_touches_only_selected_expert_slabs(small_model, monkeypatch):
@@ -33,7 +34,19 @@ def test_decode_touches_only_selected_expert_slabs(small_model, monkeypatch):
             touched.append((raw.__array_interface__["data"][0], raw.size))
             return real(type_id, raw, *dtype)
         monkeypatch.setattr(quants, "dequantize", spy)
+        # ds4's integer dots decode a copy of an expert's blocks with its scales replaced
+        # (ds4_matmul._with_scales): the copy's source is what the map gave, so record that
+        copies = {}
+        real_ws = ds4_matmul._with_scales
+
+        def with_scales(blocks, *a):
+            out = real_ws(blocks, *a)
+            copies[out.__array_interface__["data"][0]] = blocks
+            return out
+        monkeypatch.setattr(ds4_matmul, "_with_scales", with_scales)
         s.eval(123)
+    touched = [(copies[a].__array_interface__["data"][0], copies[a].size) if a in copies else (a, n)
+               for a, n in touched]
     per_expert_tensor = {}
     for addr, size in touched:
         owner = [n for n, (a, nb) in spans.items() if a <= addr < a + nb]
