@@ -595,7 +595,10 @@ def test_fuzz_completions_schema(srv):
 
 
 def test_fuzz_responses_schema(srv):
-    _run_schema(srv, "/v1/responses", RESPONSES, 220, 0.15, 0.3, examples=[
+    # the share answered 200 moves with the draws: 13-25 % here (the same 233 bodies are not drawn
+    # in every process: alone 48 were answered, after the whole suite 31, after a quarter of it 59;
+    # every 400 read back was a right refusal), so the floor is 10 %
+    _run_schema(srv, "/v1/responses", RESPONSES, 220, 0.10, 0.3, examples=[
         {"input": 5}, {"input": [5]}, {"input": [{"type": "bogus"}]},
         {"input": [{"role": "user", "content": "x", "status": "in_progress"}]},
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
