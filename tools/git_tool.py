@@ -15,23 +15,23 @@ from . import gitpy, gitrevs, gitsafe
 from .base import MAX_RESULT_CHARS, Tool, ToolContext, ToolError, ToolResult, register, truncate
 
 
-def _git_cmd(ctx: ToolContext) -> gitsafe.Git:
+def _open(make, ctx: ToolContext):
+    """make(root) as the tools' git, its refusals as tool errors."""
     try:
-        return gitsafe.Git(ctx.root)
+        return make(ctx.root)
     except gitsafe.NotARepository:
         raise ToolError("the project directory is not inside a git repository") from None
     except gitsafe.GitError as e:
         raise ToolError(str(e)) from None
+
+
+def _git_cmd(ctx: ToolContext) -> gitsafe.Git:
+    return _open(gitsafe.Git, ctx)
 
 
 def _git_read(ctx: ToolContext) -> gitpy.SafeGit:
     """The read commands' git: GitPython, with gitsafe's environment and command line."""
-    try:
-        return gitpy.safe_git(ctx.root)
-    except gitsafe.NotARepository:
-        raise ToolError("the project directory is not inside a git repository") from None
-    except gitsafe.GitError as e:
-        raise ToolError(str(e)) from None
+    return _open(gitpy.safe_git, ctx)
 
 
 def _run(g: gitsafe.Git | gitpy.SafeGit, *args: str, ok=(0,)) -> tuple[int, str]:

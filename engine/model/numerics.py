@@ -510,6 +510,23 @@ def rope_thetas_exact(pos, n_rot: int, base: float, *, yarn: dict | None = None)
     return (p[:, None] * inv[None, :]).astype(np.float32)
 
 
+def rotate_pairs(xp, x, c, s, inverse: bool = False):
+    """apply_rope's rotation with the angles' float32 cosines and sines given (c, s: [*L, n_pairs],
+    L a prefix of x's leading axes), in any array namespace xp with numpy's stack/concatenate (the
+    mlx and cupy backends): products and sums rounded to float32 one at a time."""
+    npair = c.shape[-1]
+    n_rot, W = 2 * npair, x.shape[-1]
+    lead_x, lead_t = x.shape[:-1], c.shape[:-1]
+    shape = lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,)
+    c, s = c.reshape(shape), s.reshape(shape)
+    if inverse:
+        s = -s
+    tail = x[..., W - n_rot:].reshape(lead_x + (npair, 2))
+    x0, x1 = tail[..., 0], tail[..., 1]
+    rot = xp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(lead_x + (n_rot,))
+    return rot if n_rot == W else xp.concatenate([x[..., :W - n_rot], rot], axis=-1)
+
+
 def apply_rope(x, thetas, inverse: bool = False) -> np.ndarray:
     """Rotate the last n_rot = 2 * thetas.shape[-1] dims of x in interleaved pairs.
 

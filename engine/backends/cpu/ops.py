@@ -43,6 +43,17 @@ SUM_ROWS = 16
 _KERNEL_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4})
 
 
+def _rmsnorm_c(x, w, eps, *mode):
+    """The extension's rmsnorm over x's last axis (mode: its trailing flags; (0, 1) is ds4's form)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    shape = x.shape
+    x2 = x if x.ndim == 2 else x.reshape(-1, shape[-1])
+    out = np.empty(x2.shape, np.float32)
+    if x2.size:
+        K._K.rmsnorm(x2, None if w is None else _norm_row(w), float(eps), out, *mode)
+    return out if x.ndim == 2 else out.reshape(shape)
+
+
 class CpuOps(FastOps, NumpyOps):
     name = "cpu"
 
@@ -93,30 +104,16 @@ class CpuOps(FastOps, NumpyOps):
         # in C: float64 sums like the reference (so nearly always bit-identical to it), no
         # float64 copy of x, both threads; the NumPy form's fixed cost a call adds up at decode (30 a
         # token), and so did kernels.rmsnorm's conversions: the weight's [1, n] row is kept (_norm_row)
-        ext = K._K
-        if ext is None:
+        if K._K is None:
             return FastOps.rmsnorm(x, w, eps)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        shape = x.shape
-        x2 = x if x.ndim == 2 else x.reshape(-1, shape[-1])
-        out = np.empty(x2.shape, np.float32)
-        if x2.size:
-            ext.rmsnorm(x2, None if w is None else _norm_row(w), float(eps), out)
-        return out if x.ndim == 2 else out.reshape(shape)
+        return _rmsnorm_c(x, w, eps)
 
     @staticmethod
     def rmsnorm_ds4(x, w, eps):
         """ds4 numerics' rmsnorm (numerics.rmsnorm_ds4) in C, bit for bit with the reference."""
-        ext = K._K
-        if ext is None:
+        if K._K is None:
             return N.rmsnorm_ds4(x, w, eps)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        shape = x.shape
-        x2 = x if x.ndim == 2 else x.reshape(-1, shape[-1])
-        out = np.empty(x2.shape, np.float32)
-        if x2.size:
-            ext.rmsnorm(x2, None if w is None else _norm_row(w), float(eps), out, 0, 1)
-        return out if x.ndim == 2 else out.reshape(shape)
+        return _rmsnorm_c(x, w, eps, 0, 1)
 
     #: segments (keys [N, D], mask, idx [T, k]) are read in place by the C kernel (a pointer per
     #: attended key): the model hands the indexer's picks over without a [block, k, D] gather

@@ -209,17 +209,7 @@ class MlxOps:
             self._keep_rot(thetas, np.array(thetas))
             hit = self._rot[id(thetas)]
         _, c, s = hit
-        npair = c.shape[-1]
-        n_rot, W = 2 * npair, x.shape[-1]
-        lead_x, lead_t = x.shape[:-1], c.shape[:-1]
-        shape = lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,)
-        c, s = c.reshape(shape), s.reshape(shape)
-        if inverse:
-            s = -s
-        tail = x[..., W - n_rot:].reshape(lead_x + (npair, 2))
-        x0, x1 = tail[..., 0], tail[..., 1]
-        rot = mx.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(lead_x + (n_rot,))
-        return rot if n_rot == W else mx.concatenate([x[..., :W - n_rot], rot], axis=-1)
+        return N.rotate_pairs(mx, x, c, s, inverse)
 
     # -- attention -----------------------------------------------------------------------------
     def attention(self, q, segments, sinks, scale):
