@@ -10,8 +10,9 @@ extra). NVRTC emits PTX for compute_XX; ptxas assembles it for sm_XX, as the dri
     python scripts/cuda_compile.py            # compile, check, rewrite the table in docs/cuda.md
     python scripts/cuda_compile.py --check    # compile, check, fail if docs/cuda.md's table is stale
 
-Fails (exit 1) on a compile error, or on a spill in a kernel that must not spill (the decode
-matvecs and the attention: NO_SPILL below).
+Fails (exit 1) on a compile error, on a spill in a kernel that must not spill (the decode
+matvecs, ds4's GEMM and the attention: NO_SPILL below), or where the tensor-core kernels' PTX lacks
+their mma instruction (MMA below).
 """
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "cuda_kernels"
 DOC = ROOT / "docs" / "cuda.md"
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_120")
-NO_SPILL = ("matvec_", "ds4_matvec_", "attn_")   # kernel name prefixes that must not spill
+NO_SPILL = ("matvec_", "ds4_matvec_", "ds4_gemm_", "attn_")   # kernel name prefixes that must not spill
+# files whose PTX must hold a tensor-core instruction on every architecture (the mma path, not its
+# sm < 80 trap, is what the arch guard selects)
+MMA = {"ds4_mma.cu": "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"}
 BEGIN, END = "<!-- ptxas-table:begin (scripts/cuda_compile.py) -->", "<!-- ptxas-table:end -->"
 
 
@@ -128,7 +132,10 @@ def compile_all(sources: dict[str, str] | None = None, archs=ARCHS) -> dict[str,
 
     def one(job):
         name, arch = job
-        return arch, name, ptxas(tool, nv.ptx(sources[name], name, arch, [KERNELS, include]), arch, name)
+        ptx = nv.ptx(sources[name], name, arch, [KERNELS, include])
+        if name in MMA and MMA[name] not in ptx:
+            raise CompileError(f"{name} ({arch}): no {MMA[name]} in its PTX (the tensor-core path is not compiled)")
+        return arch, name, ptxas(tool, ptx, arch, name)
 
     table: dict[str, dict[str, dict]] = {a: {} for a in archs}
     with ThreadPoolExecutor(max_workers=2) as ex:

@@ -114,6 +114,17 @@ class Kernels:
              i32(n_out), i32(xq.shape[1]), i32(P)))
         return out
 
+    def ds4_gemm(self, fmt, raw, xq, xd, experts, toks):
+        """ds4_mma.cu: ds4's dot products of the pairs grouped by expert (int8 mma), as ds4_matvec."""
+        E, n_out, _ = raw.shape
+        perm, chunks = batch_plan(experts, tile_pairs=16)
+        out = _nan((len(experts), n_out))
+        self.fn("ds4_mma.cu", f"ds4_gemm_{fmt}")(
+            (-(-n_out // 64), len(chunks), 1), (128, 1, 1),
+            (raw, np.ascontiguousarray(xq, dtype=np.int8), np.ascontiguousarray(xd, dtype=f32), experts, toks,
+             perm, np.ascontiguousarray(chunks), out, i32(n_out), i32(xq.shape[1]), i32(len(chunks))))
+        return out
+
     def dequant_rows(self, fmt, raw2d, rows, n_in):
         out = _nan((len(rows), n_in))
         self.fn("matvec.cu", f"dequant_rows_{fmt}")((-(-(n_in // 32) // 128), len(rows), 1), (128, 1, 1),

@@ -9,7 +9,9 @@
 //    a lane outside the mask: errors;
 //  - __shared__ becomes `static` (the fibers of a block share it; blocks run one after another),
 //    filled with 0xFF bytes before every block: a read before any write gives NaN / -1.
-// Not emulated: dynamic shared memory (extern __shared__), tensor-core mma, cooperative groups.
+//  - the int8 tensor-core mma (mma_m16n8k32_s8 below: the PTX fragment layout) needs all 32 lanes
+//    of the warp; a lane that returned is an error.
+// Not emulated: dynamic shared memory (extern __shared__), other mma shapes, cooperative groups.
 #pragma once
 #include <cmath>
 #include <math.h>
@@ -44,6 +46,35 @@ template <typename T> struct Warp {
   }
 };
 template <typename T> Warp<T> warp(T x, uint32_t mask) { return {exchange<T>(x, mask), mask}; }
+
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32: D = A B + C over the warp, as PTX lays out the
+// fragments (lane l: group g = l / 4, t = l % 4; 4 int8 values a register, lowest byte first):
+//   A 16 x 32: a[0] = A[g][4t..4t+3], a[1] = A[g+8][4t..], a[2] = A[g][16+4t..], a[3] = A[g+8][16+4t..]
+//   B 32 x 8:  b[0] = B[4t..4t+3][g], b[1] = B[16+4t..16+4t+3][g]
+//   C, D 16 x 8: c[0] = C[g][2t], c[1] = C[g][2t+1], c[2] = C[g+8][2t], c[3] = C[g+8][2t+1]
+// (the real instruction runs on sm_80+: the kernels' tests run the same source on a device too)
+struct Frag4 { unsigned v[4]; };
+struct Frag2 { unsigned v[2]; };
+inline void mma_m16n8k32_s8(int d[4], const unsigned a[4], const unsigned b[2], const int c[4]) {
+  Frag4 fa; Frag2 fb;
+  for (int i = 0; i < 4; ++i) fa.v[i] = a[i];
+  for (int i = 0; i < 2; ++i) fb.v[i] = b[i];
+  const Lanes<Frag4> A = exchange<Frag4>(fa, FULL);
+  const Lanes<Frag2> B = exchange<Frag2>(fb, FULL);
+  if (A.size() != 32) { fail("mma.sync needs a whole warp of 32 lanes"); return; }
+  auto byte = [](unsigned reg, int k) { return int((signed char)((reg >> (8 * (k & 3))) & 0xFFu)); };
+  auto a_at = [&](int row, int k) { return byte(A[size_t(4 * (row & 7) + ((k & 15) >> 2))].v[(row >> 3) + 2 * (k >> 4)], k); };
+  auto b_at = [&](int k, int n) { return byte(B[size_t(4 * n + ((k & 15) >> 2))].v[k >> 4], k); };
+  const int l = int(lane()), g = l >> 2, t = l & 3;
+  int r[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+    long long s = c[i];
+    for (int k = 0; k < 32; ++k) s += (long long)a_at(row, k) * b_at(k, col);
+    r[i] = int((unsigned)s);                          // s32 wraps, as the hardware's accumulator
+  }
+  for (int i = 0; i < 4; ++i) d[i] = r[i];
+}
 }  // namespace cuda_emu
 
 #define threadIdx (cuda_emu::thread_idx())
@@ -58,6 +89,7 @@ template <typename T> Warp<T> warp(T x, uint32_t mask) { return {exchange<T>(x, 
 #define __noinline__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 // __shared__ variables are statics in one section, which the launch fills with 0xFF bytes (NaN,
 // -1) before every block: a block that reads shared memory it did not write reads poison, not
 // the previous block's values

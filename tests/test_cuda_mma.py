@@ -1,0 +1,65 @@
+"""The tensor-core prefill of `ds4` numerics (cuda_kernels/ds4_mma.cu: ds4's quantized dot products
+with the integer part on int8 mma.sync m16n8k32) under the host emulation, whose mma follows the
+PTX fragment layout (engine/backends/cupy/emu_support/cuda_emu.h), and on a CUDA device where CuPy
+sees one (scripts/gpu_check.sh): bit for bit with engine/model/ds4_matmul.py. The integer dots are
+exact on either, and the float32 steps are ds4's, in block order, so no tolerance is needed.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.backends.cupy import emu
+from engine.model import ds4_matmul as DM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
+from harness import FORMATS, Kernels, cupy_device, weights  # noqa: E402
+
+pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="g++ is not installed: the CUDA emulation needs it")
+RUNNERS = ["emu"] + (["cupy"] if cupy_device() else [])
+
+
+@pytest.fixture(scope="module", params=RUNNERS)
+def K(request):
+    return Kernels(runner=request.param)
+
+
+def _pairs(rng, n_experts, n_tok):
+    """27 pairs: expert 0 has 19 (a chunk of 16 and one of 3), shuffled; tokens repeat."""
+    experts = np.array([0] * 19 + [n_experts - 1] * 5 + [1 % n_experts] * 3, np.int32)[rng.permutation(27)]
+    return experts, rng.integers(0, n_tok, 27).astype(np.int32)
+
+
+def _reference(fmt, raw, act, experts, toks):
+    if fmt == "q8_0":
+        return np.stack([DM.q8_0_matmul(raw[e], act[t:t + 1])[0] for e, t in zip(experts, toks)])
+    return np.stack([DM.q8_k_matmul(FORMATS[fmt], raw[e], act[t:t + 1])[0] for e, t in zip(experts, toks)])
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "iq2_xxs", "q2_k"])
+def test_ds4_gemm_bit_for_bit_with_the_reference(K, fmt):
+    rng = np.random.default_rng(40)
+    n_in = 32 * 5 if fmt == "q8_0" else 512                 # several blocks: the block order matters
+    raw, _ = weights(fmt, rng, 3, 70, n_in, any_bytes=True)  # 70 rows: a partial tile of 64
+    x = rng.standard_normal((6, n_in), dtype=np.float32) * np.float32(2)
+    act = DM.q8_0_act(x) if fmt == "q8_0" else DM.q8_k_act(x)
+    experts, toks = _pairs(rng, 3, 6)
+    got = K.ds4_gemm(fmt, raw, act.q.reshape(6, -1), act.d, experts, toks)
+    assert got.tobytes() == _reference(fmt, raw, act, experts, toks).tobytes()
+
+
+# the fragment layout and the block order are what the comparison above proves: a kernel that
+# loads A's second and third registers swapped, sums the Q8_0 blocks' terms in another rounding,
+# or drops IQ2_XXS's per-group multiplier must fail it
+@pytest.mark.parametrize("fmt,old,new", [
+    ("q2_k", "a[1] = ld_s4(t + (r0 + g + 8) * LD + 4 * tq);", "a[1] = ld_s4(t + (r0 + g) * LD + 16 + 4 * tq);"),
+    ("q8_0", "term = __fmul_rn(__fmul_rn(sd[r], dx), float(isum[j][i]));",
+     "term = __fmul_rn(sd[r], __fmul_rn(dx, float(isum[j][i])));"),
+    ("iq2_xxs", "smul[16 * warp + g + 8 * (i >> 1)] * d[i]", "smul[16 * warp + g] * d[i]"),
+])
+def test_a_broken_mma_kernel_fails_the_comparison(fmt, old, new):
+    with pytest.raises(AssertionError):
+        test_ds4_gemm_bit_for_bit_with_the_reference(Kernels(patch={"ds4_mma.cu": (old, new)}), fmt)
