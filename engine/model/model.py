@@ -48,6 +48,11 @@ class Model:
         # layer's selected experts as soon as routing has picked them (a hash layer's at the
         # step's start: its routing is the token ids')
         self.pager = None
+        # MTP (engine/runtime/speculative.py): keep_hc > 0 keeps a pass's last keep_hc final HC
+        # rows in last_hc, for the draft that starts from them; last_hc_at says whose they are:
+        # (id(state), position after the last row), None after a pass of several timelines
+        self.keep_hc = 0
+        self.last_hc = self.last_hc_at = None
         self._theta_cache: dict = {}
         head = [t.data for t in (weights.hc_head_fn, weights.output) if isinstance(t, QTensor)]   # (map views)
         self._dense = [dense_arrays(lw) for lw in weights.layers] + [head]
@@ -75,6 +80,15 @@ class Model:
             raise ValueError("forward_batch got one state twice: a timeline advances one token a step")
         return self._run(tokens, [Segment(b, b + 1, p, s) for b, (p, s) in enumerate(zip(positions, states))], True)
 
+    def forward_verify(self, tokens, pos0: int, state: KVState):
+        """Logits [T, vocab] of T tokens at positions pos0.. on one timeline, every row computed as
+        a decode step of it computes it (one segment a row, in order, on the same state: each
+        row's KV work follows the row before it), while each weight is read once for all rows:
+        the MTP verify step, whose accepted rows must equal plain decoding's bit for bit."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        segs = [Segment(t, t + 1, int(pos0) + t, state) for t in range(len(tokens))]
+        return self._run(tokens, segs, True)
+
     def _run(self, tokens: np.ndarray, segs: list, all_logits: bool):
         """The layers over the rows of every segment stacked ([N, ...], N = len(tokens)): the
         token-independent work once over all rows, each segment's cache-dependent work on its own
@@ -95,6 +109,11 @@ class Model:
                 self.pager(self._dense[i + 1])
             X = self._attention(lw, i, X, segs, pos)
             X = self._ffn(lw, X, tokens)
+        if self.keep_hc:
+            last = X[-self.keep_hc:]
+            self.last_hc = last.copy() if hasattr(last, "copy") else last * 1
+            one = len({id(g.state) for g in segs}) == 1
+            self.last_hc_at = (id(segs[-1].state), segs[-1].pos0 + segs[-1].r1 - segs[-1].r0) if one else None
         if len(segs) > 1:
             return self._head(X)
         if not all_logits:
