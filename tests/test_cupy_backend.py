@@ -193,8 +193,9 @@ def test_emulated_logits_within_the_oracle_thresholds_short(emulate, two_layers)
     st, launches = _token_by_token(two_layers, 10, emulate)
     print("emulated cupy vs numpy, 2 layers, 10 tokens:", st)
     assert all(st[k] <= v for k, v in THRESHOLDS.items() if k != "top1") and st["top1"] >= THRESHOLDS["top1"]
-    # the kernels ran: the experts' matvecs, attention, the norms and the Q8_0 products
-    for name in ("matvec_experts_q2_k", "attn_segment", "attn_finish", "rope", "matvec_dense_q8_0"):
+    # the kernels ran: ds4's dot products for the experts and the Q8_0 weights (ds4 numerics),
+    # attention, the norms
+    for name in ("ds4_matvec_q2_k", "ds4_matvec_iq2_xxs", "attn_segment", "attn_finish", "rope", "ds4_matvec_q8_0"):
         assert launches.get(name, 0) > 0, (name, launches)
 
 

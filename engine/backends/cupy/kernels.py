@@ -20,8 +20,11 @@ BLOCK = (128, 1, 1)
 ROWS_PER_BLOCK = 4            # matvec: one warp per output row, 4 rows a block
 GEMM_ROWS, GEMM_TILE_PAIRS = 64, 16
 TOPK_MAX = 1024
+DS4_DOT_BLOCK = {"q8_0": 32, "iq2_xxs": 256, "q2_k": 256}    # ds4's integer dots: activation block
+MMA_MIN_CC = 80               # ds4_gemm_* (int8 mma.sync m16n8k32) needs sm_80
 # which file holds a kernel, by name prefix (cuda_kernels/README.md)
 FILES = (("matvec_", "matvec.cu"), ("dequant_rows_", "matvec.cu"), ("gemm_experts_", "gemm.cu"),
+         ("ds4_matvec_", "ds4_dot.cu"), ("ds4_gemm_", "ds4_mma.cu"),
          ("attn_", "attention.cu"), ("rmsnorm", "norm_rope.cu"), ("rope", "norm_rope.cu"),
          ("hc_split", "hc_topk.cu"), ("topk", "hc_topk.cu"), ("indexer_scores", "hc_topk.cu"))
 _MODULES: dict = {}           # (id(xp), file) -> module or None: built once a process
@@ -62,6 +65,8 @@ class Kernels:
         self.xp, self.src = xp, src
         self._fns: dict = {}
         self.launches: dict = {}          # name -> count (tests: which kernels a pass ran)
+        # the tensor-core GEMM where the device has int8 mma (the emulation runs it as sm_90)
+        self.mma = int(xp.cuda.Device().compute_capability) >= MMA_MIN_CC
 
     # -- loading -----------------------------------------------------------------------------
     def _module(self, file: str):
@@ -160,6 +165,43 @@ class Kernels:
         self._launch(f"matvec_experts_{w.kind}", (_cdiv(n_out, ROWS_PER_BLOCK), P, 1), BLOCK,
                      (raw, x, experts, toks, out, _I32(n_out), _I32(w.n_in), _I32(P)))
         return out
+
+    # -- ds4's dot products (`ds4` numerics) ------------------------------------------------------
+    def has_ds4(self, w: DevTensor) -> bool:
+        """ds4's integer dot product serves w (Q8_0, IQ2_XXS, Q2_K, n_in whole blocks)."""
+        blk = DS4_DOT_BLOCK.get(w.kind)
+        return blk is not None and w.n_in % blk == 0 and self.has(f"ds4_matvec_{w.kind}")
+
+    def ds4_experts(self, w: DevTensor, xq, xd, experts, toks, raw=None):
+        """out [P, n_out] = ds4_matmul's product of expert experts[p] with token toks[p]'s Q8
+        activation (xq int8 [T, n_in], xd float32 [T, n_in / block]): ds4_matvec_FMT, or where
+        the pairs share experts (a prefill) the tensor-core ds4_gemm_FMT; bit for bit either way."""
+        xp = self.xp
+        raw = self._c(w.experts3() if raw is None else raw)
+        xq, xd = self._c(xq, xp.int8), self._c(xd, xp.float32)
+        experts, toks = self._c(experts, xp.int32), self._c(toks, xp.int32)
+        P, n_out, n_in = experts.shape[0], raw.shape[1], xq.shape[1]
+        out = xp.empty((P, n_out), dtype=xp.float32)
+        name = f"ds4_gemm_{w.kind}"
+        if P >= GEMM_TILE_PAIRS and self.mma and self.has(name):
+            e_h = xp.asnumpy(experts)
+            if P >= 2 * len(np.unique(e_h)):
+                perm, chunks = batch_plan(e_h)
+                self._launch(name, (_cdiv(n_out, GEMM_ROWS), len(chunks), 1), BLOCK,
+                             (raw, xq, xd, experts, toks, xp.asarray(perm), xp.asarray(chunks), out,
+                              _I32(n_out), _I32(n_in), _I32(len(chunks))))
+                return out
+        self._launch(f"ds4_matvec_{w.kind}", (_cdiv(n_out, ROWS_PER_BLOCK), P, 1), BLOCK,
+                     (raw, xq, xd, experts, toks, out, _I32(n_out), _I32(n_in), _I32(P)))
+        return out
+
+    def ds4_dense(self, w: DevTensor, xq, xd, rows=None):
+        """A dense Q8_0 weight's ds4 product [T, n_sel]: one expert, the tokens as its pairs."""
+        xp = self.xp
+        data = w.data if rows is None else w.data[rows]
+        T = xq.shape[0]
+        raw = self._c(data).reshape(1, data.shape[0], data.shape[1])
+        return self.ds4_experts(w, xq, xd, xp.zeros(T, dtype=xp.int32), xp.arange(T, dtype=xp.int32), raw=raw)
 
     def dequant_rows(self, w: DevTensor, idx):
         xp = self.xp

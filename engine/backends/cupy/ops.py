@@ -119,11 +119,14 @@ class CupyOps:
     # -- matmuls -------------------------------------------------------------------------------
     def linear(self, w, x, rows=None):
         """x [T, in] -> [T, out] with W's rows `rows`. ds4 numerics, Q8_0 weight: ds4's Q8_0
-        activation; the kernel takes its float32 values, the array-op form ds4's own integer
-        block dots (ds4_dot, the reference's bit for bit)."""
+        activation codes and ds4's integer block dots, the reference's bit for bit, on the kernels
+        (ds4_matvec_q8_0; a prefill chunk: the tensor-core ds4_gemm_q8_0) or in array ops (ds4_dot)."""
         xp = self.xp
         w, x = self._w(w), self._a(x).astype(xp.float32)
         q8 = self._ds4 and w.type_id == Q.Q8_0
+        if q8 and self.k is not None and self.k.has_ds4(w):      # ds4's own dots, the reference's bits
+            xq, xd = DN.q8_0_quantize(xp, x)
+            return self.k.ds4_dense(w, xq.reshape(x.shape[0], -1), xd, rows)
         if self.k is not None and self.k.has_dense(w):
             xin = DN.q8_0_round(xp, x) if q8 else x
             if x.shape[0] >= GEMM_MIN_ROWS and self.k.has_dequant(w):
@@ -357,6 +360,16 @@ class CupyOps:
             out[rows] = out[rows] + d
         return out
 
+    def _kexperts(self, w, x, experts, toks):
+        """One matrix's gathered expert products on the kernels. ds4 numerics with ds4's integer
+        dot for w (Q8_0, IQ2_XXS, Q2_K): x is the float input, quantized here to ds4's codes for
+        ds4_matvec / ds4_gemm (the reference's bits); else x as _act gives it."""
+        xp = self.xp
+        if self._ds4 and self.k.has_ds4(w):
+            xq, xd = (DN.q8_0_quantize if w.type_id == Q.Q8_0 else DN.q8_k_quantize)(xp, x)
+            return self.k.ds4_experts(w, xq.reshape(x.shape[0], -1), xd, experts, toks)
+        return self.k.experts(w, self._act(w, x, True), experts, toks)
+
     def _routed_kernels(self, gate, up, down, u, sel, wsel, limit):
         """Pairs (token, expert) in token-major order, each token's experts ascending so its
         outputs are summed in the reference's order; one gathered product per matrix."""
@@ -367,13 +380,12 @@ class CupyOps:
         experts = sel_s.reshape(-1).astype(xp.int32)
         toks = xp.repeat(xp.arange(T, dtype=xp.int32), k)
         we = w_s.reshape(-1)[:, None].astype(xp.float32)
-        ua = self._act(gate, u, True)
-        g = self.k.experts(gate, ua, experts, toks)
-        v = self.k.experts(up, ua, experts, toks)
+        g = self._kexperts(gate, u, experts, toks)
+        v = self._kexperts(up, u, experts, toks)
         m = self._swiglu(xp, g, v, limit)
         pairs = xp.arange(T * k, dtype=xp.int32)
         if self._ds4:
-            d = self.k.experts(down, self._act(down, m * we, True), experts, pairs)
+            d = self._kexperts(down, m * we, experts, pairs)
         else:
             d = self.k.experts(down, m, experts, pairs) * we
         d = d.reshape(T, k, -1)
