@@ -53,6 +53,9 @@ class Model:
         # (id(state), position after the last row), None after a pass of several timelines
         self.keep_hc = 0
         self.last_hc = self.last_hc_at = None
+        # the routed experts' bounded cache (engine/gguf/expert_cache.py; --expert-cache): it
+        # holds a layer's experts in its slots for ops.moe and reads hash layers' ahead
+        self.experts = None
         self._theta_cache: dict = {}
         head = [t.data for t in (weights.hc_head_fn, weights.output) if isinstance(t, QTensor)]   # (map views)
         self._dense = [dense_arrays(lw) for lw in weights.layers] + [head]
@@ -104,6 +107,8 @@ class Model:
         X = xp.repeat(xp.asarray(e, dtype=xp.float32)[:, None, :], c.n_hc, axis=1)
         if self.pager:
             self._hint_step(tokens)
+        if self.experts is not None:
+            self.experts.begin_step(self.w.layers, tokens)
         for i, lw in enumerate(self.w.layers):
             if self.pager:
                 self.pager(self._dense[i + 1])
@@ -129,7 +134,7 @@ class Model:
         if begin is not None:
             begin(len(tokens))
         self.pager(self._dense[0])
-        if len(tokens) <= EXPERT_HINT_TOKENS:
+        if len(tokens) <= EXPERT_HINT_TOKENS and self.experts is None:
             for lw in self.w.layers:
                 if lw.tid2eid is not None:
                     self.pager(_expert_views(lw, np.unique(lw.tid2eid[tokens])))
@@ -367,7 +372,7 @@ class Model:
         f32 = xp.float32
         tot = xp.maximum(tot, xp.asarray(2.0 ** -14, dtype=f32)) if ops.numerics == "ds4" else tot + xp.asarray(1e-20, dtype=f32)
         wsel = (wsel / tot * xp.asarray(c.expert_weights_scale, dtype=f32)).astype(f32)
-        if self.pager and len(tokens) <= EXPERT_HINT_TOKENS:
+        if self.pager and len(tokens) <= EXPERT_HINT_TOKENS and self.experts is None:
             # asked for in this thread (the next thing read); a hash layer's were asked for
             # ahead at the step's start, and again here in case that thread fell behind
             now = getattr(self.pager, "now", None)
@@ -375,7 +380,11 @@ class Model:
                 now(_expert_views(lw, xp.unique(sel)))
             elif lw.tid2eid is None:
                 self.pager(_expert_views(lw, xp.unique(sel)))
-        y = ops.moe(lw, u, sel, wsel, np.float32(self.c.swiglu_clamp[lw.il]))      # routed + shared
+        limit = np.float32(self.c.swiglu_clamp[lw.il])
+        if self.experts is not None:                                               # (slots: read now)
+            y = self.experts.moe(ops, lw, u, sel, wsel, limit)
+        else:
+            y = ops.moe(lw, u, sel, wsel, limit)                                   # routed + shared
         return self._hc_post(y, X, post, C)
 
     # -- output head (§3.12) -------------------------------------------------------------------
