@@ -439,6 +439,11 @@ def _expert_views(ops, lw, experts) -> list:
     """(gate, up, down) map views of each of these routed experts of layer lw, each view made once
     (a decode step asked expert_data 18-24 times a layer). Kept by the ops object (one an engine:
     the views go with it), by the layer's id with the layer held (the id is not reused)."""
+    if getattr(lw.gate_exps, "streamed", False):
+        # experts in the expert cache's slots (engine/gguf/expert_cache.py): a slot holds
+        # another expert after eviction, so its views are asked for each call, never kept
+        return [(lw.gate_exps.expert_data(e), lw.up_exps.expert_data(e), lw.down_exps.expert_data(e))
+                for e in experts]
     kept = ops.__dict__.setdefault("_expert_views", {})
     got = kept.get(id(lw))
     if got is None or got[0] is not lw:
