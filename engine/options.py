@@ -38,6 +38,8 @@ class EngineOptions:
     numerics: str = DS4
     paging: str = "auto"
     threads: int | None = None
+    # the routed experts' bounded cache (engine/gguf/expert_cache.py): None off, "auto", or bytes
+    expert_cache: int | str | None = None
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or not self.backend.strip():
@@ -49,11 +51,15 @@ class EngineOptions:
         t = self.threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_THREADS):
             raise ValueError(f"threads must be a whole number from 1 to {MAX_THREADS}, not {t!r}")
+        if self.expert_cache is not None:
+            from .gguf.expert_cache import parse_size
+            object.__setattr__(self, "expert_cache", parse_size(self.expert_cache))
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "EngineOptions":
         """The options from a namespace parsed by a parser that add_engine_flags() set up."""
-        return cls(backend=ns.backend, numerics=ns.numerics, paging=ns.paging, threads=ns.threads)
+        return cls(backend=ns.backend, numerics=ns.numerics, paging=ns.paging, threads=ns.threads,
+                   expert_cache=getattr(ns, "expert_cache", None))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,4 +99,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument("-t", "--threads", type=int, default=d.threads, metavar="N",
                    help="compute threads (default: the backend's; for cpu $DS4_KERNEL_THREADS, else every "
                         "core this process may use)")
+    g.add_argument("--expert-cache", default=None, metavar="SIZE|auto",
+                   help="read the routed experts from the file into a cache of SIZE bytes (8G, 512M) "
+                        "instead of mapping them: for files larger than the memory; auto: the memory left "
+                        "after the other weights and a margin (cpu and numpy backends)")
     return g
