@@ -86,8 +86,13 @@ class Engine:
         m = ModelFile.open(path, check_merges=False)
         try:
             avail = mem_available()
+            if o.expert_cache is not None and paging == "auto":
+                paging = "lowmem"     # (resident or prefault would read the experts the cache stands in for)
             paging = _paging_mode(m, paging, backend, avail)
             eng = cls(m, backend, numerics, threads, ops)
+            if o.expert_cache is not None:
+                from ..gguf.expert_cache import attach
+                attach(eng.model, m, o.expert_cache)
             if paging == "resident":
                 # after the bind (open's own work does not share a core with the copy): the
                 # weights are on the map, and each switches to the copy when its bytes are in.
@@ -140,6 +145,8 @@ class Engine:
         # the last reference goes (a host backend's weights are views of the map, closed below)
         if getattr(self, "model", None) is not None and self.model.xp is not np:
             self.model.w = None
+        if getattr(getattr(self, "model", None), "experts", None) is not None:
+            self.model.experts.close()      # (its read threads and file descriptor)
         self.file.close()
 
     def __enter__(self):
