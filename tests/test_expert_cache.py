@@ -1,0 +1,210 @@
+"""The routed experts' bounded cache (engine/gguf/expert_cache.py, expert_reader.py): tokens equal
+the resident run's at any budget, eviction policies on a routing trace, read errors and short
+reads end a step with one ModelFileError, and the cache serves again afterwards."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from engine.backends.cpu import kernels
+from engine.errors import ModelFileError
+from engine.gguf import expert_cache as X
+from engine.gguf.expert_reader import ALIGN, ExpertReader, Span, direct_read_speed
+from engine.options import EngineOptions
+from engine.runtime.session import Engine, Session
+
+PROMPT = list(range(3, 15))
+
+
+def _greedy(e, n=3, toks=PROMPT):
+    s = Session(e, 64)
+    s.sync(toks)
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(s.logits))
+        out.append(t)
+        s.eval(t)
+    return out, np.array(s.logits, copy=True)
+
+
+def _open(path, backend, cache, **kw):
+    e = Engine.open(path, EngineOptions(backend=backend, paging="resident", expert_cache=cache))
+    if cache is not None:
+        for k, v in kw.items():
+            setattr(e.model.experts, k, v)
+    return e
+
+
+@pytest.fixture(scope="module")
+def reference(small_model):
+    got = {}
+    for b in ("numpy", "cpu"):
+        if b == "cpu" and not kernels.available():
+            continue
+        with _open(small_model, b, None) as e:
+            got[b] = _greedy(e)
+    return got
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("budget", ["zero", "one-more-slot", "larger-than-file"])
+def test_tokens_and_logits_equal_the_resident_run(small_model, reference, backend, budget):
+    """Budget 0 (the working set: one token's experts of one layer; the 12-token prefill runs in
+    row groups that fit it), one slot more than that (eviction on every layer), and more than
+    the file (nothing evicted): the greedy tokens and last logits are the resident run's, bit for
+    bit, with the experts read from the file into the slots (the map's expert bytes unread)."""
+    if backend not in reference:
+        pytest.skip("the C kernels are not built")
+    with _open(small_model, backend, 0) as e:
+        used, slot = e.config.n_expert_used, e.model.experts.slot_bytes
+        size = os.path.getsize(small_model)
+    cache = {"zero": 0, "one-more-slot": (used + 1) * slot, "larger-than-file": 2 * size}[budget]
+    with _open(small_model, backend, cache) as e:
+        c = e.model.experts
+        assert c.n_slots == {"zero": used, "one-more-slot": used + 1}.get(budget, c.n_slots)
+        toks, logits = _greedy(e)
+        st = c.stats()
+        with pytest.raises(RuntimeError, match="expert cache"):
+            e.model.w.layers[0].gate_exps.data            # nothing reads the experts whole
+    assert toks == reference[backend][0]
+    assert np.array_equal(logits, reference[backend][1])
+    assert st["misses"] > 0 and st["bytes_read"] >= st["misses"] * c.layers[0].bytes
+    if budget == "larger-than-file":
+        # every expert read at most once: the rest are hits
+        assert st["misses"] <= e.config.n_layer * e.config.n_expert and st["hit_rate"] > 0.5
+    else:
+        assert st["hit_rate"] < 0.5
+
+
+def test_expert_cache_option_parses_and_refuses():
+    assert X.parse_size("8G") == 8 << 30 and X.parse_size("512MiB") == 512 << 20
+    assert X.parse_size("auto") == "auto" and X.parse_size("0") == 0
+    assert EngineOptions(expert_cache="1.5G").expert_cache == int(1.5 * (1 << 30))
+    for bad in ("lots", "-1G", "8X"):
+        with pytest.raises(ValueError, match="--expert-cache takes a size"):
+            EngineOptions(expert_cache=bad)
+
+
+def test_auto_leaves_the_resident_weights_and_a_margin(small_model):
+    with Engine.open(small_model, paging="none") as e:
+        m = e.file
+        ex = X.expert_bytes(m)
+        assert 0 < ex < m.gguf.size
+        assert X.auto_size(m, m.gguf.size + X.MARGIN + 1000) == ex + 1000
+        assert X.auto_size(m, 10) == 0
+    with Engine.open(small_model, EngineOptions(expert_cache="auto")) as e:
+        assert e.paging == "lowmem" and e.model.experts.n_slots >= e.config.n_expert_used
+
+
+# -- eviction on a routing trace -------------------------------------------------------------------
+def test_replay_counts_hits_by_hand():
+    trace = [(0, [1, 2]), (0, [1, 2]), (1, [1, 2]), (0, [1, 2])]
+    assert X.replay(trace, 2, "lru") == 2 / 8           # layer 1 evicts both of layer 0's
+    assert X.replay(trace, 4, "lru") == 4 / 8
+    assert X.replay(trace, 4, "slru") == 4 / 8
+
+
+def test_slru_keeps_reused_experts_through_a_scan_where_lru_does_not():
+    """Experts 0-1 used every token, each token also one expert never seen again: with 3 slots
+    LRU keeps the hot pair too (recency suffices); a burst of 3 one-off experts in one request
+    flushes LRU's hot pair but not SLRU's protected segment."""
+    hot = [(0, [0, 1])] * 4
+    scan = [(0, [10, 11, 12])]
+    trace = hot + scan + hot
+    # after the scan LRU misses the hot pair once more; SLRU's protected pair is evicted too
+    # (the scan needs every slot at once), so both miss: the scan needs all 3 slots
+    assert X.replay(trace, 3, "lru") == X.replay(trace, 3, "slru")
+    trace = hot + [(0, [10]), (0, [11]), (0, [12])] + hot
+    assert X.replay(trace, 4, "slru") > X.replay(trace, 4, "lru")
+
+
+def test_the_trace_records_what_each_layer_held(small_model):
+    with _open(small_model, "numpy", "auto") as e:
+        e.model.experts.trace = []
+        _greedy(e, 2, PROMPT[:3])
+        tr = e.model.experts.trace
+    n_layer, used = e.config.n_layer, e.config.n_expert_used
+    assert len(tr) == 3 * n_layer                           # the prefill (3 rows: fits) + 2 steps
+    assert [il for il, _ in tr[:n_layer]] == list(range(n_layer))
+    assert all(len(ex) == used for il, ex in tr[n_layer:])
+
+
+# -- the reader -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("direct", [False, True])
+def test_reader_puts_the_file_bytes_at_the_span(tmp_path, direct):
+    p = tmp_path / "f.bin"
+    data = np.random.default_rng(0).integers(0, 256, 5 * ALIGN + 123, dtype=np.uint8)
+    p.write_bytes(data.tobytes())
+    import mmap
+    mem = mmap.mmap(-1, 4 * ALIGN)
+    r = ExpertReader(str(p), memoryview(mem), direct=direct, depth=2)
+    spans = [Span(ALIGN + 7, 1000, 0), Span(5 * ALIGN + 100, 23, 2 * ALIGN)]   # the last ends at EOF
+    r.submit(spans).result()
+    buf = np.frombuffer(mem, np.uint8)
+    for s in spans:
+        assert np.array_equal(buf[s.dst + s.skip:s.dst + s.skip + s.n], data[s.off:s.off + s.n])
+    with pytest.raises(ModelFileError, match="truncated"):
+        r.submit([Span(5 * ALIGN + 100, 100, 2 * ALIGN)]).result()      # past the end
+    r.close()
+
+
+def test_direct_read_speed_is_measured(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"\1" * (8 << 20))
+    got = direct_read_speed(str(p), 8 << 20, 1 << 20, 2)
+    assert got is None or got > 0                # None: this file system refuses O_DIRECT
+
+
+# -- errors: one ModelFileError, no crash, the session's save still loads ---------------------------
+def _faulty(kind):
+    state = {"on": True}
+
+    def pread(fd, view, off):
+        if state["on"]:
+            if kind == "eio":
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return 0                               # a short read: the end of the file
+        return os.preadv(fd, [view], off)
+    return pread, state
+
+
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_a_read_fault_ends_the_step_with_one_error(small_model, reference, kind, tmp_path):
+    pread, state = _faulty(kind)
+    with _open(small_model, "numpy", 0) as e:
+        state["on"] = False
+        e.model.experts.reader.pread = pread
+        s = Session(e, 64)
+        s.sync(PROMPT)
+        saved = s.snapshot()
+        state["on"] = True
+        with pytest.raises(ModelFileError, match="routed expert" if kind == "eio" else "truncated"):
+            s.eval(int(np.argmax(s.logits)))
+        assert not e.model.experts.held and not e.model.experts.pending
+        state["on"] = False                        # the disk is back: the cache serves again
+        s2 = Session(e, 64)
+        s2.restore(saved)
+        out = []
+        for _ in range(3):
+            t = int(np.argmax(s2.logits))
+            out.append(t)
+            s2.eval(t)
+    assert out == reference["numpy"][0]
+
+
+def test_a_file_truncated_under_the_engine_is_one_error(small_model, tmp_path):
+    """The file cut short while the engine runs (the other weights are in a resident copy; the
+    experts' reads are preads, which return short where a map's fault would be SIGBUS)."""
+    p = tmp_path / "m.gguf"
+    shutil.copyfile(small_model, p)
+    with _open(p, "numpy", 0) as e:
+        s = Session(e, 64)
+        s.sync(PROMPT[:4])
+        first = e.model.experts.layers[0].spans[0][0]
+        os.truncate(p, first + 10)
+        with pytest.raises(ModelFileError, match="truncated"):
+            s.eval(1)
