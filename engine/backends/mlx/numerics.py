@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.model import numerics as N
 
-__all__ = ["f16_round", "q8_0_round", "q8_k_round", "e4m3_round", "fp8_e4m3_roundtrip",
+__all__ = ["f16_round", "q8_0_codes", "q8_0_round", "q8_k_codes", "q8_k_round", "exp64", "expf", "e4m3_round", "fp8_e4m3_roundtrip",
            "e2m1_round", "hadamard128", "indexer_qat"]
 
 _F32 = np.float32
@@ -104,9 +104,10 @@ def _codes(scaled: mx.array) -> mx.array:
     return _int_valued(mx.clip(mx.where(mx.isnan(q), _c(0.0), q), -127, 127))
 
 
-def q8_0_round(x) -> mx.array:
-    """N.q8_0_round: per 32 (a short last block padded with zeros), d = amax * fl(1/127),
-    q = clamp(rint(x * (127 / amax)), -127, 127) (NaN -> 0), value q * d."""
+def q8_0_codes(x) -> tuple[mx.array, mx.array]:
+    """N.q8_0_quantize: per 32 (a short last block padded with zeros), d = amax * fl(1/127),
+    q = clamp(rint(x * (127 / amax)), -127, 127) (NaN -> 0). Returns the codes as float32
+    integers [..., n_blocks, 32] and d float32 [..., n_blocks]."""
     x = _f32(x)
     n = x.shape[-1]
     pad = (-n) % 32
@@ -116,14 +117,21 @@ def q8_0_round(x) -> mx.array:
     amax = mx.max(mx.abs(b), axis=-1, keepdims=True)
     d = amax * _INV_127
     idv = mx.where(amax != 0, _c(127.0) / amax, _c(0.0))
-    q = _codes(b * idv)
-    v = (q * d).reshape(*x.shape[:-1], n + pad)
+    return _codes(b * idv), d[..., 0]
+
+
+def q8_0_round(x) -> mx.array:
+    """N.q8_0_round: the value q * d of q8_0_codes, rounded to float32."""
+    x = _f32(x)
+    n = x.shape[-1]
+    q, d = q8_0_codes(x)
+    v = (q * d[..., None]).reshape(*x.shape[:-1], q.shape[-2] * 32)
     return v[..., :n]
 
 
-def q8_k_round(x) -> mx.array:
-    """N.q8_k_round: per 256, m = the first element of largest |x|, q = clamp(rint((-127/m) x)),
-    value q * (m * fl(-1/127)); an all-zero block gives zeros."""
+def q8_k_codes(x) -> tuple[mx.array, mx.array]:
+    """N.q8_k_quantize: per 256, m = the first element of largest |x|, q = clamp(rint((-127/m) x)),
+    d = m * fl(-1/127); an all-zero block gives zeros. Codes float32 [..., nb, 256], d [..., nb]."""
     x = _f32(x)
     b = _blocks(x, x.shape[-1], 256, "q8_k_round")
     idx = mx.argmax(mx.abs(b), axis=-1, keepdims=True)       # MLX's argmax returns the first maximum
@@ -131,8 +139,14 @@ def q8_k_round(x) -> mx.array:
     nz = m != 0
     iscale = mx.where(nz, _c(-127.0) / m, _c(0.0))
     d = mx.where(nz, m * _NEG_INV_127, _c(0.0))
-    q = _codes(iscale * b)
-    return (q * d).reshape(x.shape)
+    return _codes(iscale * b), d[..., 0]
+
+
+def q8_k_round(x) -> mx.array:
+    """N.q8_k_round: the value q * d of q8_k_codes, rounded to float32."""
+    x = _f32(x)
+    q, d = q8_k_codes(x)
+    return (q * d[..., None]).reshape(x.shape)
 
 
 def e4m3_round(v) -> mx.array:
@@ -203,3 +217,37 @@ def indexer_qat(x) -> mx.array:
     scale = _pow2_scale(mx.max(mx.abs(b), axis=-1, keepdims=True), _FP4_FLOOR, _INV_6)
     v = mx.clip(b / scale, -6.0, 6.0)
     return (e2m1_round(v) * scale).reshape(h.shape)
+
+
+# ---------------------------------------------------------------------------
+# exp with the reference's precision. MLX's exp is a float32 approximation (on float64 input too:
+# measured, 81 % of float32 results differ from the correctly rounded ones); the reference's float64
+# steps need float64 exp, and libm's expf (ds4's) is within 0.502 ulp of the true value. Here:
+# k = rint(x / ln 2), r = x - k ln2_hi - k ln2_lo (Cody-Waite, exact for |k| < 2^20), exp(r) by
+# its Taylor series to r^13 (|r| <= 0.35: truncation below 4e-18), times 2^k from the exponent bits.
+
+_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+_INV_FACT = [1.0 / math.factorial(i) for i in range(14)]
+
+
+def exp64(x: mx.array) -> mx.array:
+    """exp of a float64 mx array to ~1 ulp (the CPU device: Metal has no float64); 0 below -746
+    (-inf included), inf above 709.79."""
+    xin = x
+    x = mx.clip(x, -746.0, 709.78)
+    k = mx.round(x * (1.0 / math.log(2.0)))
+    r = (x - k * _LN2_HI) - k * _LN2_LO
+    p = mx.array(_INV_FACT[13], dtype=mx.float64)
+    for c in reversed(_INV_FACT[:13]):
+        p = p * r + c
+    ki = k.astype(mx.int64)
+    k1 = ki // 2                                  # 2^k as two factors: each stays a normal float64
+    two = lambda e: ((e + 1023) << 52).view(mx.float64)   # noqa: E731
+    y = p * two(k1) * two(ki - k1)
+    return mx.where(xin < -746.0, 0.0, mx.where(xin > 709.79, mx.inf, y))
+
+
+def expf(x) -> mx.array:
+    """float32 exp as libm's expf gives it (the exact value rounded once, up to float64 ties)."""
+    x = _f32(x)
+    return exp64(x.astype(mx.float64)).astype(mx.float32)

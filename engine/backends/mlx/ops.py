@@ -30,8 +30,10 @@ from ...model import numerics as N
 from ...model.kv_state import KVState
 from ...model.numerics import DS4, NUMERICS
 from ..protocol import BindReport
+from . import ds4_dot as DD
 from . import numerics as MN
 from . import quant, xp as XP
+from .ds4_ref import Ds4RefOps
 from .bind import bind_mlx, take_rows
 
 # Routed-expert activations: ggml's K-quant and IQ dot products take Q8_K (256-value) activations;
@@ -52,7 +54,7 @@ def _metal():
     return metal if metal.available() else None
 
 
-class MlxOps:
+class MlxOps(Ds4RefOps):
     name = "mlx"
     xp = XP
     # a thread that ran MLX work should live as long as the process: MLX 0.32 can abort the process
@@ -69,9 +71,14 @@ class MlxOps:
         self._repacked: dict = {}            # id(QTensor) -> (QTensor, MxWeight): host weights met in a call
         self._rot: dict = {}                 # id(thetas) -> (thetas, cos, sin): this pass's rotations
         self.metal = _metal()
+        # ds4 numerics on the CPU device (no Metal): the reference's steps, float64 ones included
+        # (ds4_ref.py); on a GPU the float32 forms below and the Metal kernels
+        self._f64 = self._ds4 and self.metal is None and DD.cpu_float64()
         threads_kept()            # the console command ends through os._exit (engine/console.py)
         if self._ds4:   # as the reference: ds4's rmsnorm in ds4 numerics, the class's static form else
-            self.rmsnorm = self.rmsnorm_ds4
+            self.rmsnorm = self.rmsnorm_f64 if self._f64 else self.rmsnorm_ds4
+        if self._f64:
+            self.use_reference_steps()
 
     # -- set-up and hand-offs --------------------------------------------------------------------
     def bind_weights(self, model_file):
@@ -125,6 +132,8 @@ class MlxOps:
 
     def linear(self, w, x, rows=None):
         w, x = self._w(w), _a(x)
+        if self._f64:
+            return self.linear_ref(w, x, rows)
         if self._ds4 and w.type_id == Q.Q8_0:
             x = MN.q8_0_round(x)
         return quant.matmul(w, x, rows)
@@ -282,6 +291,8 @@ class MlxOps:
         """The routed experts (tokens grouped by expert, one gathered matmul per matrix) plus the
         shared one."""
         u, sel, wsel, limit = _a(u), _a(sel), _a(wsel), float(limit)
+        if self._f64:
+            return self.moe_ref(lw, u, sel, wsel, limit)
         gate, up, down = self._w(lw.gate_exps), self._w(lw.up_exps), self._w(lw.down_exps)
         T, k = sel.shape
         # each token's experts in ascending order: its outputs are summed in that order below, as
