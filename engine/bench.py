@@ -55,6 +55,7 @@ import numpy as np
 
 from .console import console_main
 from .errors import ModelFileError
+from .gguf import expert_cache as X
 from .gguf.gguf_file import check_model_path
 from .options import EngineOptions, add_engine_flags
 from .gguf.layout import EMBED, HASH, ROUTED
@@ -161,8 +162,10 @@ def greedy_no_eos(session, n: int, eos: int | None) -> list[int]:
 
 
 def run_bench(session, tokens: list[int], fronts: list[int], gen_tokens: int, eos: int | None,
-              on_row=None) -> tuple[list[dict], list[list[int]]]:
-    """The sweep. Returns the CSV rows and the greedy tokens decoded at each frontier."""
+              on_row=None, stats=None) -> tuple[list[dict], list[list[int]]]:
+    """The sweep. Returns the CSV rows and the greedy tokens decoded at each frontier. `stats`:
+    a callable whose value is taken around each decode (the expert cache's counters), kept in
+    the row as (before, after) under "stats" (not a CSV column)."""
     rows, probes, prev = [], [], 0
     for f in fronts:
         try:
@@ -170,15 +173,19 @@ def run_bench(session, tokens: list[int], fronts: list[int], gen_tokens: int, eo
             session.sync(tokens[:f])
             pre_s = time.perf_counter() - t0
             blob = session.snapshot()
+            st = stats() if stats else None
             t0 = time.perf_counter()
             gen = greedy_no_eos(session, gen_tokens, eos)
             gen_s = time.perf_counter() - t0
+            st = (st, stats()) if stats else None
             session.restore(blob)
         except KeyboardInterrupt:       # the rows measured so far are still the run's result
             raise BenchInterrupted(rows, probes) from None
         row = {"ctx_tokens": f, "prefill_tokens": f - prev,
                "prefill_tps": (f - prev) / max(pre_s, 1e-9), "gen_tokens": gen_tokens,
                "gen_tps": gen_tokens / max(gen_s, 1e-9), "kvcache_bytes": len(blob)}
+        if st is not None:
+            row["stats"] = st
         rows.append(row)
         probes.append(gen)
         prev = f
@@ -413,6 +420,12 @@ def _floors(eng) -> dict:
     print(f"floors: read {c['bw'] / 1e9:.2f} GB/s, gemm {c['gemm'] / 1e9:.2f} GFLOP/s; "
           f"weights read per token {c['bpt']['short']} B (short) / {c['bpt']['long']} B (long, from "
           f"{c['long_from']}); prefill FLOPs per token {c['flops']}", file=sys.stderr)
+    if eng.model.experts is not None:       # the disk floor's speed: O_DIRECT reads of the file
+        c["disk"] = X.direct_read_speed(eng.file.path)
+        d = eng.model.experts
+        print(f"expert cache: {d.n_slots} slots of {d.slot_bytes:,} B ({d.nbytes / 2**30:.2f} GiB), "
+              f"{'O_DIRECT' if d.reader.direct else 'buffered'} reads; disk direct-read "
+              + (f"{c['disk'] / 1e9:.2f} GB/s" if c["disk"] else "speed unknown (O_DIRECT refused)"), file=sys.stderr)
     return c
 
 
@@ -448,9 +461,13 @@ def _sweep(eng, open_s: float, tokens, fronts, a, ctx: int, c: dict):
         print(f"ctx {r['ctx_tokens']}: {eng.backend} decode {r['gen_tps']:.2f} t/s = {dec:.1%} of read floor; "
               f"prefill {r['prefill_tps']:.2f} t/s = {pre:.1%} of GEMM floor"
               f"{bench_plan.left_text(fronts, fronts.index(r['ctx_tokens']) + 1, a.gen_tokens, r)}", file=sys.stderr)
+        if "stats" in r:        # --expert-cache: hit rate, reads, stall, the disk floor
+            print(f"ctx {r['ctx_tokens']}: " + X.floor_line(X.stats_delta(*r["stats"]), a.gen_tokens,
+                  a.gen_tokens / r["gen_tps"], c.get("disk")), file=sys.stderr)
 
     session = Session(eng, ctx, chunk=chunk)
-    out = run_bench(session, tokens, fronts, a.gen_tokens, eos, on_row)
+    cache = eng.model.experts
+    out = run_bench(session, tokens, fronts, a.gen_tokens, eos, on_row, cache.stats if cache else None)
     rss, what = rss_bytes()
     print(f"memory: {eng.backend} {what} {rss / 2**20:,.0f} MiB after the sweep", file=sys.stderr)
     return out
