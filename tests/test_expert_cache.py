@@ -208,3 +208,34 @@ def test_a_file_truncated_under_the_engine_is_one_error(small_model, tmp_path):
         os.truncate(p, first + 10)
         with pytest.raises(ModelFileError, match="truncated"):
             s.eval(1)
+
+
+# -- what the bench and the status bar print ---------------------------------------------------------
+def test_floor_line_divides_missed_bytes_by_the_disk_speed():
+    d = X.stats_delta({"hits": 0, "misses": 0, "bytes_read": 0, "stall_s": 0.0},
+                      {"hits": 3, "misses": 1, "bytes_read": 4_000_000, "stall_s": 0.5})
+    assert d["hit_rate"] == 0.75
+    # 2 tokens in 2 s: 2 MB/token at 1 GB/s is 2 ms, compute (2 - 0.5 s) / 2 = 750 ms: floor 752 ms
+    line = X.floor_line(d, 2, 2.0, 1e9)
+    assert "hit 75.0%" in line and "read 2.00 MB/token" in line and "stall 250.0 ms/token" in line
+    assert "decode = 75% of disk floor (1.00 GB/s" in line
+    assert "disk floor" not in X.floor_line(d, 2, 2.0, None)
+
+
+@pytest.mark.slow      # (two bench runs with their probes: ~15 s on 2 loaded cores)
+def test_bench_rows_print_the_cache_and_the_disk_floor(small_model, tmp_path, capsys, monkeypatch):
+    from engine import bench
+    monkeypatch.setattr(bench, "measure_floors", lambda: {"read_bytes_per_s": 1e10, "gemm_flops_per_s": 1e10})
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{i % 50}" for i in range(400)))
+    argv = ["-m", str(small_model), "--prompt-file", str(text), "--ctx-start", "16", "--ctx-max", "16",
+            "--gen-tokens", "3", "--numerics", "exact"]
+    dumps = []
+    for extra in ([], ["--expert-cache", "0"]):
+        dumps.append(tmp_path / f"d{len(dumps)}.json")
+        assert bench.main(argv + extra + ["--dump-tokens", str(dumps[-1])]) == 0
+    err = capsys.readouterr().err
+    assert "expert cache: " in err and "slots of" in err
+    assert "ctx 16: experts: hit " in err and "MB/token" in err and "ms/token" in err
+    assert ("of disk floor" in err) == ("O_DIRECT refused" not in err)
+    assert dumps[0].read_text() == dumps[1].read_text()        # the same greedy tokens

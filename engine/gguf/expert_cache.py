@@ -456,3 +456,39 @@ def attach(model, model_file, size, **kw) -> ExpertCache:
             setattr(lw, k, SlotExperts(t, cache, lw.il, m))
     model.experts = cache
     return cache
+
+
+# -- what ds4-bench and the status bar print --------------------------------------------------------
+def stats_delta(before: dict, after: dict) -> dict:
+    """The counters' change between two stats() (hits, misses, bytes_read, stall_s)."""
+    d = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_read", "stall_s")}
+    n = d["hits"] + d["misses"]
+    d["hit_rate"] = d["hits"] / n if n else 0.0
+    return d
+
+
+def floor_line(d: dict, tokens: int, seconds: float, disk_bps: float | None) -> str:
+    """One bench row's expert line: hit rate, bytes read and read stall per token, and decode
+    against the disk floor: the missed experts' bytes at the disk's direct-read speed plus the
+    resident compute (the step's time less its read stalls: what it takes with every expert
+    in memory)."""
+    t = max(tokens, 1)
+    per = d["bytes_read"] / t
+    text = (f"experts: hit {d['hit_rate']:.1%}, read {per / 1e6:.2f} MB/token, "
+            f"stall {1e3 * d['stall_s'] / t:.1f} ms/token")
+    if disk_bps:
+        floor = per / disk_bps + max(0.0, seconds - d["stall_s"]) / t
+        text += f"; decode = {floor / (seconds / t):.0%} of disk floor ({disk_bps / 1e9:.2f} GB/s direct reads)"
+    return text
+
+
+def status_text(cache: "ExpertCache") -> str:
+    """The status bar's words for the cache: its hit rate, bytes read, stall so far."""
+    s = cache.stats()
+    return f"experts {s['hit_rate']:.0%} hit, {s['bytes_read'] / 1e9:.2f} GB read, {s['stall_s']:.1f} s stall"
+
+
+def direct_read_speed(path: str) -> float | None:
+    """expert_reader.direct_read_speed, here for the bench's one import."""
+    from .expert_reader import direct_read_speed as speed
+    return speed(path)
