@@ -135,6 +135,16 @@ class Engine:
         """The resident copy's time once it is complete; None before, and without one."""
         return self.file.gguf.resident_seconds
 
+    @property
+    def expert_status(self) -> str:
+        """The expert cache's hit rate, bytes read and read stall, for the agent's status bar
+        ("" without --expert-cache)."""
+        cache = getattr(self.model, "experts", None)
+        if cache is None:
+            return ""
+        from ..gguf.expert_cache import status_text
+        return status_text(cache)
+
     def wait_resident(self, timeout: float | None = None) -> bool:
         """Wait for the background resident copy (paging "resident"); True when every weight
         now reads from it, False without a copy or when it stopped short (the rest reads the map)."""
