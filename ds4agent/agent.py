@@ -579,7 +579,8 @@ class Agent:
         used, ctx = self.session.pos, self.cfg.ctx
         warn = f"context {100 * used // ctx}% full: compaction at {int(COMPACT_AT * 100)}%" if used >= WARN_AT * ctx else ""
         self.emit(E.Status(self.model_name, self.engine.backend, used, ctx,
-                           self.prefill_tps, self.gen_tps, self.session_name, self.cfg.think_mode, busy, warn))
+                           self.prefill_tps, self.gen_tps, self.session_name, self.cfg.think_mode, busy, warn,
+                           getattr(self.engine, "expert_status", "")))
 
 
 # -- helpers ---------------------------------------------------------------------------------------

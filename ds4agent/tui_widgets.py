@@ -113,6 +113,8 @@ def status_fields(st: E.Status, state: str) -> list[Field]:
     pct = 100 * st.ctx_used / st.ctx_total if st.ctx_total else 0
     gen = f"{st.gen_tps:.1f} t/s" if st.gen_tps else "–"
     pre = f"{st.prefill_tps:,.0f} t/s" if st.prefill_tps else "–"
+    # --expert-cache: its hit rate, reads and stall, beside the speeds; left out where narrow
+    experts = [Field([st.experts, st.experts.split(",")[0]], [0, 1], 2)] if st.experts else []
     return [
         Field(["● " + state, "● " + STATE_SHORT.get(state, state)], [0, 9],
               style="bold magenta" if state != "idle" else "green", sep=""),
@@ -120,6 +122,7 @@ def status_fields(st: E.Status, state: str) -> list[Field]:
               style="bold yellow" if st.warning else ""),
         Field([f"gen {gen}", gen], [0, 7], 12),
         Field([f"prefill {pre}", f"pp {pre}"], [0, 1], 2),
+        *experts,
         Field([f"think {st.think_mode}", st.think_mode], [0, 10], 13),
         Field([f"session {st.session}", f"session {st.session[:8]}"], [0, 3], 4),
         Field([short_model(st.model, 32), short_model(st.model, 16)], [0, 5], 11, style="bold"),

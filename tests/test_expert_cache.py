@@ -239,3 +239,17 @@ def test_bench_rows_print_the_cache_and_the_disk_floor(small_model, tmp_path, ca
     assert "ctx 16: experts: hit " in err and "MB/token" in err and "ms/token" in err
     assert ("of disk floor" in err) == ("O_DIRECT refused" not in err)
     assert dumps[0].read_text() == dumps[1].read_text()        # the same greedy tokens
+
+
+def test_the_status_bar_shows_the_cache(small_model):
+    from ds4agent import events as E
+    from ds4agent.tui_widgets import fit_status, status_fields
+    with Engine.open(small_model, paging="none") as e:
+        assert e.expert_status == ""
+    with _open(small_model, "numpy", 0) as e:
+        _greedy(e, 1, PROMPT[:2])
+        text = e.expert_status
+    assert text.startswith("experts ") and "% hit" in text and "GB read" in text and "s stall" in text
+    st = E.Status("m", "numpy", 10, 100, 5.0, 2.0, "s1", "off", experts=text)
+    assert text in fit_status(status_fields(st, "idle"), 300).plain
+    assert "experts" not in fit_status(status_fields(E.Status("m", "numpy", 10, 100, 5.0, 2.0, "s1", "off"), "idle"), 300).plain
