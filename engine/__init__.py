@@ -18,7 +18,9 @@ from .options import EngineOptions
 from .runtime.batcher import Batcher
 from .runtime.sampling import Rng, SamplingParams
 from .runtime.session import ContextFull, Engine, Session
+from .runtime.mtp_drafter import MTPDrafter
+from .runtime.speculative import Speculator
 from .runtime.tokenizer import Tokenizer
 
 __all__ = ["BackendError", "Batcher", "ContextFull", "Engine", "EngineOptions", "ModelConfig", "ModelFile", "ModelFileError",
-           "QTensor", "Rng", "SamplingParams", "Session", "SnapshotError", "Tokenizer"]
+           "MTPDrafter", "QTensor", "Rng", "SamplingParams", "Session", "SnapshotError", "Speculator", "Tokenizer"]

@@ -301,3 +301,11 @@ def test_sampling_end_to_end_follows_the_model(mtp_models):
 def _row_after(base, t):
     s = base.fork()
     return s.eval(t).copy()
+
+
+def test_engine_open_takes_the_mtp_file_and_refuses_a_wrong_one(mtp_models):
+    main, mtp, _ = mtp_models
+    with Engine.open(main, mtp=mtp) as eng:
+        assert eng.mtp is not None and eng.model.keep_hc >= 1
+    with pytest.raises(ModelFileError, match="not an MTP file"):
+        Engine.open(main, mtp=main)

@@ -63,8 +63,11 @@ class Engine:
 
     @classmethod
     def open(cls, path, options: EngineOptions | None = None, *, backend: str | None = None,
-             numerics: str | None = None, threads: int | None = None, paging: str | None = None) -> "Engine":
+             numerics: str | None = None, threads: int | None = None, paging: str | None = None,
+             mtp=None) -> "Engine":
         """`options` (engine.options.EngineOptions), or the same fields as keywords; not both.
+        mtp: ds4's MTP file for speculative decoding (engine.runtime.speculative), checked
+        against this model (one ModelFileError line when it does not fit).
 
         paging: "auto" (when the file fits in 80 % of the available memory: resident with the
         cpu backend where the kernel offers transparent huge pages, else prefault; else lowmem),
@@ -74,6 +77,9 @@ class Engine:
         background threads while the weights are read from the map (`wait_resident` waits for the
         copy; `resident_seconds` is its time once complete)."""
         o = _options(options, backend=backend, numerics=numerics, threads=threads, paging=paging)
+        if o.layers is not None:        # split by layers across mlx.launch's ranks (issue 38)
+            from .split_engine import open_split
+            return open_split(cls, path, o)
         backend, numerics, threads, paging = o.backend, o.numerics, o.threads, o.paging
         # "auto": DS4_BACKEND for every caller (benchmarks, the agent, the shim), else the best
         # available; an unknown or unavailable name, or ops that lack an operation, are one-line
@@ -102,6 +108,9 @@ class Engine:
             eng.paging = "resident" if paging == "resident" else _advise(m, paging)
             if eng.paging == "lowmem" and eng.model.xp is np:     # (hints for host backends that read the map)
                 eng.model.pager = StepHints(m.gguf)
+            if mtp is not None:
+                from .mtp_drafter import attach_mtp
+                attach_mtp(eng, mtp)
             return eng
         except BaseException:
             m.close()
@@ -153,10 +162,14 @@ class Engine:
     def close(self):
         # a device backend's copy of the weights is freed here, at a known moment, not whenever
         # the last reference goes (a host backend's weights are views of the map, closed below)
+        if getattr(getattr(self, "model", None), "split", None) is not None:
+            self.model.split.close()        # (the workers free their layers and wait for the next open)
         if getattr(self, "model", None) is not None and self.model.xp is not np:
             self.model.w = None
         if getattr(getattr(self, "model", None), "experts", None) is not None:
             self.model.experts.close()      # (its read threads and file descriptor)
+        if getattr(self, "mtp_file", None) is not None:
+            self.mtp_file.close()
         self.file.close()
 
     def __enter__(self):
@@ -402,6 +415,10 @@ class Session:
 
     # -- snapshots -----------------------------------------------------------------------------
     def snapshot(self) -> bytes:
+        split = getattr(self.engine.model, "split", None)
+        if split is not None:        # the model split across ranks: the same payload, gathered
+            with self.engine.lock:
+                return split.snapshot(self)
         logits = self._logits if self._logits is not None else np.zeros(self.engine.config.n_vocab, np.float32)
         with self.engine.lock:       # (a device backend evaluates this state at others' token boundaries)
             host = self.engine.model.ops.state_to_host(self.state)
@@ -410,6 +427,12 @@ class Session:
     def restore(self, data: bytes):
         # load into a fresh host state so a bad payload leaves the current timeline untouched;
         # the backend then takes it over (an upload where its state lives on a device)
+        split = getattr(self.engine.model, "split", None)
+        if split is not None:        # the model split across ranks: each loads its own layers
+            with self.engine.lock:
+                self.state, self._tokens, logits = split.restore(self, data)
+            self._logits = logits if self._tokens else None
+            return
         host = KVState(self.engine.config, self.ctx, self.rewind_cap)
         tokens, logits = snap.load(self.engine.config, host, data)
         with self.engine.lock:
@@ -425,11 +448,17 @@ class Session:
         out = Session.__new__(Session)
         out.engine, out.ctx, out.chunk, out.rewind_cap = self.engine, self.ctx, self.chunk, self.rewind_cap
         ops = self.engine.model.ops
+        split = getattr(self.engine.model, "split", None)
         with self.engine.lock:
-            host = ops.state_to_host(self.state)
+            if split is not None:    # the model split across ranks: each copies its own layers
+                out.state = split.fork_state(self.state)
+                host = None
+            else:
+                host = ops.state_to_host(self.state)
             # a host backend hands back its own state: copy it; a device backend's host copy is new
-            host = host.copy_to(np, np.array) if host is self.state else host
-            out.state = ops.state_from_host(host)
+            if host is not None:
+                host = host.copy_to(np, np.array) if host is self.state else host
+                out.state = ops.state_from_host(host)
         out._tokens = list(self._tokens)
         out._logits = None if self._logits is None else self._logits.copy()
         out.stats = {k: 0 if isinstance(v, int) else 0.0 for k, v in self.stats.items()}
