@@ -38,10 +38,15 @@ class EngineOptions:
     numerics: str = DS4
     paging: str = "auto"
     threads: int | None = None
+    # a split across ranks under mlx.launch (engine/runtime/split_engine.py): None, "auto" or "a:b,c:d,..."
+    layers: str | None = None
     # the routed experts' bounded cache (engine/gguf/expert_cache.py): None off, "auto", or bytes
     expert_cache: int | str | None = None
 
     def __post_init__(self):
+        if self.layers is not None:
+            from .model.layer_split import check_spec
+            check_spec(self.layers)
         if not isinstance(self.backend, str) or not self.backend.strip():
             raise ValueError(f"backend must be a backend's name or 'auto', not {self.backend!r}")
         if self.numerics not in NUMERICS:
@@ -58,7 +63,8 @@ class EngineOptions:
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "EngineOptions":
         """The options from a namespace parsed by a parser that add_engine_flags() set up."""
-        return cls(backend=ns.backend, numerics=ns.numerics, paging=ns.paging, threads=ns.threads,
+        return cls(layers=getattr(ns, "layers", None),
+                   backend=ns.backend, numerics=ns.numerics, paging=ns.paging, threads=ns.threads,
                    expert_cache=getattr(ns, "expert_cache", None))
 
     def as_dict(self) -> dict:
@@ -103,4 +109,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="read the routed experts from the file into a cache of SIZE bytes (8G, 512M) "
                         "instead of mapping them: for files larger than the memory; auto: the memory left "
                         "after the other weights and a margin (cpu and numpy backends)")
+    g.add_argument("--layers", default=None, metavar="auto|a:b,c:d,...",
+                   help="split the model by layers across the ranks mlx.launch starts, one range per rank "
+                        "(rank 0 first); auto: by each rank's free memory (docs/distributed.md)")
     return g

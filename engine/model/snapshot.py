@@ -61,23 +61,46 @@ def _load_frontier(ring: PosRing, data: np.ndarray, n_tokens: int, ratio: int):
 def save(c: ModelConfig, state: KVState, tokens: list[int], logits: np.ndarray, chunk: int) -> bytes:
     T, ctx = len(tokens), state.ctx
     R = min(raw_window(c, ctx), T)
+    return pack(c, ctx, chunk, tokens, logits, [ls.n_comp for ls in state.layers],
+                [ls.n_index for ls in state.layers], [layer_block(ls, T, R) for ls in state.layers])
+
+
+def pack(c: ModelConfig, ctx: int, chunk: int, tokens, logits, n_comp, n_index, blocks) -> bytes:
+    """The payload from its parts: every layer's row counts and block (layer_block), in layer
+    order (a split run gathers them from its ranks: engine/runtime/split_engine.py)."""
+    T = len(tokens)
+    R = min(raw_window(c, ctx), T)
     parts = [HEADER.pack(MAGIC, VERSION, ctx, prefill_cap(ctx, chunk), raw_window(c, ctx), raw_window(c, ctx),
                          ctx // 4 + 2, T, c.n_layer, c.head_dim, c.idx_head_dim, c.n_vocab, R),
              np.asarray(tokens, dtype="<u4").tobytes(),
              np.asarray(logits, dtype="<f4").tobytes(),
-             np.array([ls.n_comp for ls in state.layers], "<u4").tobytes(),
-             np.array([ls.n_index for ls in state.layers], "<u4").tobytes()]
-    for ls in state.layers:
-        parts.append(ls.raw.read(T - R, T).astype("<f4").tobytes())
-        if ls.ratio:
-            parts.append(ls.comp[:ls.n_comp].astype("<f4").tobytes())
-            parts.append(_frontier(ls.proj_kv, T, ls.ratio).tobytes())
-            parts.append(_frontier(ls.proj_sc, T, ls.ratio, NEG_INF_SCORE).tobytes())
-        if ls.ratio == CSA_RATIO:
-            parts.append(ls.index[:ls.n_index].astype("<f4").tobytes())
-            parts.append(_frontier(ls.iproj_kv, T, ls.ratio).tobytes())
-            parts.append(_frontier(ls.iproj_sc, T, ls.ratio, NEG_INF_SCORE).tobytes())
+             np.asarray(n_comp, "<u4").tobytes(),
+             np.asarray(n_index, "<u4").tobytes()]
+    return b"".join(parts + list(blocks))
+
+
+def layer_block(ls, T: int, R: int) -> bytes:
+    """One layer's part of the payload: its last R raw rows, compressed rows and frontiers."""
+    parts = [ls.raw.read(T - R, T).astype("<f4").tobytes()]
+    if ls.ratio:
+        parts.append(ls.comp[:ls.n_comp].astype("<f4").tobytes())
+        parts.append(_frontier(ls.proj_kv, T, ls.ratio).tobytes())
+        parts.append(_frontier(ls.proj_sc, T, ls.ratio, NEG_INF_SCORE).tobytes())
+    if ls.ratio == CSA_RATIO:
+        parts.append(ls.index[:ls.n_index].astype("<f4").tobytes())
+        parts.append(_frontier(ls.iproj_kv, T, ls.ratio).tobytes())
+        parts.append(_frontier(ls.iproj_sc, T, ls.ratio, NEG_INF_SCORE).tobytes())
     return b"".join(parts)
+
+
+def _block_bytes(c: ModelConfig, il: int, R: int, n_comp: int, n_index: int) -> int:
+    """The length of layer il's block (layer_block) with these row counts."""
+    r, n = c.ratio(il), R * c.head_dim
+    if r:
+        n += n_comp * c.head_dim + 2 * (2 if r == CSA_RATIO else 1) * r * c.compressor_width(il)
+    if r == CSA_RATIO:
+        n += n_index * c.idx_head_dim + 2 * 2 * r * 2 * c.idx_head_dim
+    return 4 * n
 
 
 def load(c: ModelConfig, state: KVState, data: bytes) -> tuple[list[int], np.ndarray]:
@@ -122,13 +145,17 @@ def load(c: ModelConfig, state: KVState, data: bytes) -> tuple[list[int], np.nda
     n_comp = np.frombuffer(take(4 * n_layer, "row counts"), dtype="<u4")
     n_index = np.frombuffer(take(4 * n_layer, "indexer row counts"), dtype="<u4")
     state.reset()
-    for il, ls in enumerate(state.layers):
-        r = ls.ratio
+    held = getattr(state.layers, "get", None)   # a split rank's state holds some layers (layer_split.py)
+    for il in range(n_layer):
+        ls = state.layers[il] if held is None else held(il)
+        r = c.ratio(il)
         want_comp = T // r if r else 0
-        if (n_comp[il] != want_comp) or (n_index[il] != (want_comp if r == CSA_RATIO else 0)) \
-                or n_comp[il] > comp_cap:
+        if (n_comp[il] != want_comp) or (n_comp[il] > comp_cap) or (n_index[il] != (want_comp if r == CSA_RATIO else 0)):
             raise SnapshotError(f"layer {il}: payload row counts {n_comp[il]}/{n_index[il]} do not match "
                                 f"{T} tokens at ratio {r}")
+        if ls is None:                          # another rank's layer: its bytes are passed over
+            take(_block_bytes(c, il, R, int(n_comp[il]), int(n_index[il])), f"layer {il}")
+            continue
         ls.raw.write(T - R, f32(R, hd, f"layer {il} raw rows"))
         ls.raw.avail_lo = T - R
         if r:

@@ -128,8 +128,14 @@ def bind(m: ModelFile) -> ModelWeights:
         return CompressorWeights(ratio, hd, t(f"{p}{prefix}_kv.weight"), t(f"{p}{prefix}_gate.weight"),
                                  ape.rows(0, ape.n_rows), _vec(t(f"{p}{prefix}_norm.weight")))
 
+    # a split run's rank binds only its part (ModelFile.keep, engine/model/layer_split.py): the
+    # other layers, and the embedding or head it does not hold, stay None (nothing uploaded)
+    keep = getattr(m, "keep", None)
     layers = []
     for il in range(c.n_layer):
+        if keep is not None and not keep.has(il):
+            layers.append(None)
+            continue
         p = f"blk.{il}."
         r = c.ratio(il)
         comp = compressor(p, "attn_compressor", r, c.head_dim) if r else None
@@ -151,10 +157,13 @@ def bind(m: ModelFile) -> ModelWeights:
             up_exps=t(p + "ffn_up_exps.weight"), down_exps=t(p + "ffn_down_exps.weight"),
             sh_gate=t(p + "ffn_gate_shexp.weight"), sh_up=t(p + "ffn_up_shexp.weight"),
             sh_down=t(p + "ffn_down_shexp.weight")))
+    embed, head = keep is None or keep.embed, keep is None or keep.head
     return ModelWeights(
-        embd=t("token_embd.weight"), layers=layers, hc_head_fn=t("output_hc_fn.weight"),
-        hc_head_scale=_vec(t("output_hc_scale.weight")), hc_head_base=_vec(t("output_hc_base.weight")),
-        out_norm=_vec(t("output_norm.weight")), output=t("output.weight"))
+        embd=t("token_embd.weight") if embed else None, layers=layers,
+        hc_head_fn=t("output_hc_fn.weight") if head else None,
+        hc_head_scale=_vec(t("output_hc_scale.weight")) if head else None,
+        hc_head_base=_vec(t("output_hc_base.weight")) if head else None,
+        out_norm=_vec(t("output_norm.weight")) if head else None, output=t("output.weight") if head else None)
 
 
 _EXPERT_FIELDS = frozenset({"gate_exps", "up_exps", "down_exps"})
@@ -164,6 +173,8 @@ def dense_arrays(obj) -> list[np.ndarray]:
     """The map views of every matrix of a layer (or any weights dataclass) except the routed
     experts: what a decode step reads whatever it routes to (paging hints)."""
     out = []
+    if obj is None:             # a layer another rank holds (a split run)
+        return out
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if f.name in _EXPERT_FIELDS:

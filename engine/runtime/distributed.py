@@ -1,0 +1,188 @@
+"""The ring between ranks: `mx.distributed` (MLX's ring backend, TCP) as a message link, with a
+timeout on every wait (issue 38; docs/distributed.md).
+
+Every exchange is one trip round the ring: rank 0 sends a message to rank 1, each worker handles
+it and sends its result on, and the last rank's message comes back to rank 0. A message is a
+header (HEADER int64: op, session id, four arguments, and the kind and length of up to three
+payload arrays) and then its payloads, each its own send. Only neighbours talk, which is all the
+ring backend needs to connect.
+
+Waits: rank 0 waits at most `round_timeout(tokens)` for a round to come back (HOP_TIMEOUT_S, plus
+HOP_TOKEN_S per token the round computes: a 2,048-token prefill chunk on a slow worker is
+minutes); a worker waits for the next command without limit (rank 0 may sit at a prompt for
+hours), and ends when its link to a neighbour closes. MLX's recv cannot be cancelled, so the
+waits run in one link thread and the caller waits on it; a round that timed out leaves the link
+broken, and the process ends through engine.console.exit_now (the stuck thread never returns).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from queue import Queue
+
+import numpy as np
+
+# rank 0's wait for a round's answer: a base, plus this per token computed in the round
+HOP_TIMEOUT_S = float(os.environ.get("DS4_HOP_TIMEOUT", "60"))
+HOP_TOKEN_S = float(os.environ.get("DS4_HOP_TOKEN_TIMEOUT", "1"))
+# the start: every rank opens the file, and the workers bind their layers (a device upload)
+OPEN_TIMEOUT_S = float(os.environ.get("DS4_OPEN_TIMEOUT", "1800"))
+
+HEADER = 12          # op, sid, a, b, c, d, then (kind, n) for up to three payloads
+MAX_PARTS = 3
+KINDS = {1: np.uint8, 2: np.int64, 3: np.float32}
+KIND_OF = {np.dtype(v): k for k, v in KINDS.items()}
+
+# ops (every one travels the whole ring and comes back to rank 0)
+HELLO, PLAN, NEW, FREE, RESET, TRUNC, CANTRUNC, FWD, SAVE, LOAD, COPY, CLOSE, ERR = range(1, 14)
+
+
+class HopError(ConnectionError):
+    """A rank that died, a link that dropped, a hop that timed out, or a worker's failure: one
+    line naming the rank. After one, the split engine refuses every further pass."""
+
+
+def launched() -> bool:
+    """Under mlx.launch (or the same environment): a hostfile naming more than one rank."""
+    f = os.environ.get("MLX_HOSTFILE")
+    return bool(f) and "MLX_RANK" in os.environ and os.path.isfile(f) and os.path.getsize(f) > 2
+
+
+def this_rank() -> int:
+    return int(os.environ.get("MLX_RANK", "0")) if launched() else 0
+
+
+_GROUP: list = []
+
+
+def group():
+    """The process's ring group, made once (None when not launched)."""
+    if not _GROUP:
+        if not launched():
+            return None
+        import mlx.core as mx
+        try:
+            _GROUP.append(mx.distributed.init(strict=True, backend="ring"))
+        except RuntimeError as e:
+            raise HopError(f"rank {this_rank()}: cannot join the ring ({e})") from None
+    return _GROUP[0]
+
+
+def _to_wire(a):
+    import mlx.core as mx
+    if isinstance(a, mx.array):
+        return a
+    a = np.ascontiguousarray(a)
+    return mx.array(a)
+
+
+def from_wire(xp, a):
+    """A received array in the backend's namespace: the mx array itself for MLX, a view of its
+    memory for NumPy (no copy), an upload from that view for other device backends."""
+    if getattr(xp, "__name__", "").startswith("engine.backends.mlx"):
+        return a
+    host = np.array(a, copy=False)
+    return host if xp is np else xp.asarray(host)
+
+
+class Link:
+    """This rank's ends of the ring: send to the next rank, receive from the previous one."""
+
+    def __init__(self, g):
+        import mlx.core as mx
+        self.mx, self.g = mx, g
+        self.rank, self.size = g.rank(), g.size()
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.lock = threading.RLock()        # one round at a time (sessions on several threads)
+        self.broken: HopError | None = None
+        self.stats = {"sent_bytes": 0, "messages": 0}
+        self._jobs: Queue = Queue()
+        threading.Thread(target=self._serve, name="ds4-ring", daemon=True).start()
+        from ..console import threads_kept
+        threads_kept()        # a thread that may sit in MLX: the command ends through os._exit
+
+    def _serve(self):
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box["out"] = fn()
+            except BaseException as e:       # (handed to the waiting caller)
+                box["err"] = e
+            done.set()
+
+    def _call(self, fn, timeout):
+        box, done = {}, threading.Event()
+        self._jobs.put((fn, box, done))
+        if not done.wait(timeout):
+            raise TimeoutError
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    def send(self, op: int, sid: int = 0, args=(), parts=(), timeout: float | None = None):
+        h = np.zeros(HEADER, np.int64)
+        h[0], h[1] = op, sid
+        h[2:2 + len(args)] = [int(x) for x in args]
+        wire = []
+        for i, p in enumerate(parts):
+            k = KIND_OF[np.dtype(p.dtype if isinstance(p, np.ndarray) else _np_dtype(p))]
+            n = int(np.prod(p.shape))
+            h[6 + 2 * i], h[7 + 2 * i] = k, n
+            if n:
+                wire.append(_to_wire(p.reshape(-1)))
+        mx = self.mx
+        if wire:
+            mx.eval(*wire)            # (made on this thread's stream: evaluated before the link thread sends)
+
+        def go():
+            for a in [mx.array(h)] + wire:
+                mx.eval(mx.distributed.send(a, self.next, group=self.g, stream=mx.cpu))
+            return None
+        self._call(go, timeout)
+        self.stats["messages"] += 1
+        self.stats["sent_bytes"] += h.nbytes + sum(a.nbytes for a in wire)
+
+    def recv(self, timeout: float | None = None):
+        """(header int64 [HEADER], [payload mx arrays]) of the next message from the previous rank."""
+        mx = self.mx
+
+        def go():
+            h = mx.distributed.recv((HEADER,), mx.int64, self.prev, group=self.g, stream=mx.cpu)
+            mx.eval(h)
+            h = np.array(h)
+            parts = []
+            for i in range(MAX_PARTS):
+                k, n = int(h[6 + 2 * i]), int(h[7 + 2 * i])
+                if not k:
+                    break
+                if n == 0:
+                    parts.append(mx.array(np.zeros(0, KINDS[k])))
+                    continue
+                a = mx.distributed.recv((n,), _mx_dtype(mx, k), self.prev, group=self.g, stream=mx.cpu)
+                mx.eval(a)
+                parts.append(a)
+            return h, parts
+        return self._call(go, timeout)
+
+
+def _np_dtype(a):
+    import mlx.core as mx
+    return {mx.uint8: np.uint8, mx.int64: np.int64, mx.float32: np.float32}[a.dtype]
+
+
+def _mx_dtype(mx, k):
+    return {1: mx.uint8, 2: mx.int64, 3: mx.float32}[k]
+
+
+def round_timeout(tokens: int = 0) -> float:
+    return HOP_TIMEOUT_S + HOP_TOKEN_S * max(0, tokens)
+
+
+def lost(e: BaseException, rank: int, timeout: float | None = None) -> HopError:
+    """The one line for a failed hop with `rank` (the neighbour the hop talked to)."""
+    if isinstance(e, TimeoutError):
+        return HopError(f"rank {rank} did not answer within {timeout:.0f} s (the hop timeout: DS4_HOP_TIMEOUT="
+                        f"{HOP_TIMEOUT_S:g} s + DS4_HOP_TOKEN_TIMEOUT={HOP_TOKEN_S:g} s a token); "
+                        f"the split run stops")
+    return HopError(f"rank {rank} is gone: its connection was lost ({str(e).strip() or type(e).__name__}); "
+                    f"the split run stops")

@@ -1,0 +1,214 @@
+"""A worker rank of a split run: it prints nothing, holds its layers and their KV state, and
+answers the ring's messages until rank 0's process ends (engine/runtime/distributed.py has the
+protocol, engine/runtime/split_engine.py rank 0's side).
+
+A worker opens the same command line's model file, tells rank 0 a hash of its header and
+tensor directory and its free memory (HELLO), binds only the layers rank 0's plan gives it
+(PLAN), and then, per session id: makes, resets, cuts back, copies, saves and loads its layers'
+state, and runs its layers on the HC state of each pass (FWD). When rank 0 closes its engine
+(CLOSE) the worker frees its own and waits for the next HELLO; when rank 0's process ends, the
+link closes and the worker ends with status 0.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+from ..model import snapshot as snap
+from ..model.layer_split import Keep, LayerRunner, PartialKVState
+from . import distributed as D
+
+PROTOCOL = 1
+
+
+def file_identity(m) -> str:
+    """sha256 of the file's header and tensor directory (every byte before the tensor data)."""
+    with open(m.path, "rb") as f:
+        return hashlib.sha256(f.read(m.gguf.data_offset)).hexdigest()
+
+
+def free_memory() -> int:
+    from .session import mem_available
+    avail = mem_available()
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            avail = 1 << 30
+    return int(avail)
+
+
+def pack_json(x) -> np.ndarray:
+    return np.frombuffer(json.dumps(x).encode(), np.uint8)
+
+
+def unpack_json(a):
+    return json.loads(np.array(a, copy=False).tobytes().decode())
+
+
+def _quiet():
+    """A worker prints nothing: stdout and stderr (the ring's own C++ messages too) go nowhere."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+class Worker:
+    def __init__(self, link: D.Link, path, options):
+        self.link, self.path, self.o = link, path, options
+        self.m = self.eng = self.runner = self.keep = None
+        self.states: dict = {}
+
+    def run(self):
+        link = self.link
+        while True:
+            try:
+                h, parts = link.recv()
+            except Exception:           # rank 0 (or a neighbour) is gone: nothing left to serve
+                self._exit(0)
+            op = int(h[0])
+            try:
+                out = self.handle(op, h, parts)
+            except Exception as e:      # the failure goes to rank 0 as one line naming this rank
+                out = (D.ERR, 0, (), [pack_json(f"rank {link.rank}: {e}")])
+            if out is None:
+                continue
+            try:
+                link.send(*out)
+            except Exception:
+                self._exit(0)
+
+    def _exit(self, rc: int):
+        from ..console import exit_now
+        exit_now(rc)
+
+    @property
+    def last(self) -> bool:
+        return self.link.rank == self.link.size - 1
+
+    def handle(self, op, h, parts):
+        sid, a = int(h[1]), [int(x) for x in h[2:6]]
+        fn = getattr(self, "_" + {D.HELLO: "hello", D.PLAN: "plan", D.NEW: "new", D.FREE: "free", D.RESET: "reset",
+                                  D.TRUNC: "trunc", D.CANTRUNC: "cantrunc", D.FWD: "fwd", D.SAVE: "save",
+                                  D.LOAD: "load", D.COPY: "copy", D.CLOSE: "close", D.ERR: "err"}[op])
+        return fn(op, sid, a, parts)
+
+    # -- start and end ---------------------------------------------------------------------------
+    def _hello(self, op, sid, a, parts):
+        from ..gguf.model_file import ModelFile
+        infos = unpack_json(parts[0])
+        me = {"rank": self.link.rank, "free": free_memory(), "protocol": PROTOCOL}
+        try:
+            if self.m is not None:
+                self.m.close()
+            self.m = ModelFile.open(self.path, check_merges=False)
+            me["hash"] = file_identity(self.m)
+        except Exception as e:
+            me["error"] = f"rank {self.link.rank}: {e}"
+        return op, sid, a, [pack_json(infos + [me])]
+
+    def _plan(self, op, sid, a, parts):
+        from ..backends import registry
+        from .session import Engine
+        info = unpack_json(parts[0])
+        r = self.link.rank
+        lo, hi = info["ranges"][r]
+        self.keep = Keep((lo, hi), embed=False, head=self.last)
+        o = self.o
+        entry = registry.pick(o.backend)
+        ops = registry.make_ops(entry, o.numerics)
+        entry.setup(o.threads)
+        self.m.keep = self.keep
+        self.eng = Engine(self.m, entry.name, o.numerics, o.threads, ops)
+        self.runner = LayerRunner(self.eng.model, self.keep)
+        info["status"].append({"rank": r, "backend": entry.name})
+        return op, sid, a, [pack_json(info)]
+
+    def _close(self, op, sid, a, parts):
+        self.states.clear()
+        if self.eng is not None:
+            self.eng.close()
+        self.m = self.eng = self.runner = None
+        return op, sid, a, []
+
+    def _err(self, op, sid, a, parts):
+        return op, sid, a, parts          # (passed on to rank 0 as it came)
+
+    # -- a session's state -------------------------------------------------------------------------
+    def _fresh(self, ctx, rewind_cap):
+        host = PartialKVState(self.eng.config, ctx, rewind_cap, self.keep.layers)
+        return self.eng.model.ops.state_from_host(host)
+
+    def _new(self, op, sid, a, parts):
+        self.states[sid] = self._fresh(a[0], a[1])
+        return op, sid, a, []
+
+    def _free(self, op, sid, a, parts):
+        for s in np.array(parts[0], copy=False).tolist() if parts else [sid]:
+            self.states.pop(int(s), None)
+        return op, sid, a, []
+
+    def _reset(self, op, sid, a, parts):
+        self.states[sid].reset()
+        return op, sid, a, []
+
+    def _trunc(self, op, sid, a, parts):
+        self.states[sid].truncate(a[0], a[1])
+        return op, sid, a, []
+
+    def _cantrunc(self, op, sid, a, parts):
+        ok = a[2] and self.states[sid].can_truncate(a[0], a[1])
+        return op, sid, (a[0], a[1], int(ok)), []
+
+    def _copy(self, op, sid, a, parts):
+        ops, src = self.eng.model.ops, self.states[a[0]]
+        host = ops.state_to_host(src)
+        host = host.copy_to(np, np.array) if host is src else host
+        self.states[sid] = ops.state_from_host(host)
+        return op, sid, a, []
+
+    def _save(self, op, sid, a, parts):
+        """Append this rank's layers' blocks (in layer order) and their (layer, n_comp, n_index,
+        bytes) rows to what the ranks before it sent."""
+        T = a[0]
+        st = self.states[sid]
+        host = self.eng.model.ops.state_to_host(st)
+        R = min(snap.raw_window(self.eng.config, st.ctx), T)
+        blocks, rows = [np.array(parts[0], copy=False)], [np.array(parts[1], copy=False)]
+        for il in range(*self.keep.layers):
+            ls = host.layers[il]
+            b = snap.layer_block(ls, T, R)
+            blocks.append(np.frombuffer(b, np.uint8))
+            rows.append(np.array([il, ls.n_comp, ls.n_index, len(b)], np.int64))
+        return op, sid, a, [np.concatenate(blocks), np.concatenate(rows)]
+
+    def _load(self, op, sid, a, parts):
+        host = PartialKVState(self.eng.config, a[0], a[1], self.keep.layers)
+        snap.load(self.eng.config, host, memoryview(np.array(parts[0], copy=False)))
+        self.states[sid] = self.eng.model.ops.state_from_host(host)
+        return op, sid, a, [] if self.last else parts
+
+    # -- a pass ----------------------------------------------------------------------------------
+    def _fwd(self, op, sid, a, parts):
+        pos0, T, all_logits = a[0], a[1], bool(a[2])
+        c, model = self.eng.config, self.eng.model
+        tokens = np.array(parts[0], copy=False)
+        X = D.from_wire(model.xp, parts[1]).reshape(T, c.n_hc, c.n_embd)
+        X = self.runner.layers(X, tokens, pos0, self.states[sid])
+        if self.last:
+            return op, sid, a, [model.ops.logits_to_host(self.runner.head(X, all_logits))]
+        # (logits_to_host: the backend's token boundary -- MLX evaluates the pass and every state)
+        return op, sid, a, [tokens, model.ops.logits_to_host(X)]
+
+
+def worker_main(path, options, link: D.Link):
+    """Serve the ring until rank 0's process ends; never returns."""
+    _quiet()
+    Worker(link, path, options).run()
