@@ -177,14 +177,13 @@ def test_cpu_ops_take_the_references_indexer_scores():
 
 def test_a_cpu_pass_is_the_references(tmp_path):
     """Every op of a cpu pass in ds4 numerics is the reference's to the bit (integer kernels with
-    float64 block sums, float kernels and attention in float64, the reference's indexer sums): the
+    ds4's float32 block sums, float kernels and attention in float64, the reference's indexer sums): the
     logits of a 3-layer tiny model (a hash layer with the indexer, top-k routing, ratio-4 and
     ratio-128 compression) over 192 positions in chunks of 64 are identical, and so is every
     decision. (A build without the attention kernel runs the reference's own attention.)
     tests/test_cpu_fidelity.py does the same over 704 positions on three fresh models.
-    The reference runs with q8_dot="exact" (its Q8 matmuls round the exact sum once, the function
-    the integer kernels compute); its default since issue 33 is ds4's float32 block order, which
-    the kernels do not follow yet (docs/numerics.md)."""
+    The reference runs with its default q8_dot="ds4" (ds4's float32 block order, issue 33), which
+    the integer kernels follow on every build."""
     from engine import Engine, Session
     from engine.gguf.synth import config_for, write_synthetic
 
@@ -193,8 +192,6 @@ def test_a_cpu_pass_is_the_references(tmp_path):
     logits = {}
     for backend in ("numpy", "cpu"):
         with Engine.open(path, backend=backend, numerics="ds4", paging="none") as eng:
-            if backend == "numpy":
-                eng.model.ops._dot = False           # q8_dot="exact"
             toks = np.random.default_rng(7).integers(0, eng.config.n_vocab, 192).tolist()
             logits[backend] = Session(eng, 200, chunk=64).sync(toks, keep_logits=True)
     assert np.array_equal(logits["cpu"], logits["numpy"])

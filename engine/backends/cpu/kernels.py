@@ -36,14 +36,15 @@ Paths (``method``):
 * "regs" / "panel" force one fused sub-path (tests, benchmarks).
 
 matmul_q8 / matmul_q8_batch (ds4 numerics) quantize x to Q8_0 / Q8_K blocks and take exact
-integer dot products, summed per block in float64 and rounded to float32 once (the NumPy
-reference's function, bit for bit but for ~2^-29 of values): row kernels for a few tokens (a weight block decoded in registers, up to 8
+integer dot products per block, each times the float32 product of the two scales and added in
+float32 in block order, as ds4's CPU path (engine/model/ds4_matmul.py, the NumPy reference's
+default, bit for bit on every build and form): row kernels for a few tokens (a weight block decoded in registers, up to 8
 tokens per pass), and on the AVX-512 VNNI and AVX2 builds a GEMM form from q8_gemm_min_t(type)
 tokens (16-row panels decoded once, repacked with rows in the lanes: one vpdpbusd per 64 products,
 or maddubs + madd per 32 on AVX2).
 
 Without the extension (no C compiler at install time) available() is False and both functions
-still work, through quants.dequantize + np.matmul.
+still work: matmul through quants.dequantize + np.matmul, matmul_q8 through ds4_matmul.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from ...gguf import quants as Q
+from ...model import ds4_matmul as _D
 
 try:  # built by setup.py (optional extension)
     from . import _kernels as _K
@@ -375,25 +377,22 @@ def store_kv(rows: np.ndarray, n_nope: int):
     return out.reshape(rows.shape)
 
 
-def _round_act(type_id: int, x: np.ndarray) -> np.ndarray:
-    return round_q8(x, Q8_ACT_BLOCK[type_id])
-
-
 def matmul_q8(type_id: int, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """y = q8(x) @ W.T, ds4's quantized dot product: each token of x is quantized to Q8_0 blocks
     (Q8_0 weights) or Q8_K blocks (Q2_K, IQ2_XXS weights) exactly as numerics.q8_0_quantize /
     q8_k_quantize do, and the integer codes are multiplied with the weight codes (exact int32
-    sums, one float64 multiply-add per block, rounded to float32 once).  Equal to
-    quants.matvec(type_id, w, numerics.q8_*_exact(x).T, accumulate=np.float64).T, the exact sum
-    rounded (but for ~2^-29 of values).  Without a kernel for the type (or the extension),
-    matmul(type_id, w, numerics.q8_*_round(x)) runs: the same up to float32 rounding."""
+    sums per block, times the float32 product of the scales, added in float32 in block order:
+    ds4's dot_q8_0_row / ds4_vec_dot_{iq2_xxs,q2_K}_q8_K).  Equal to ds4_matmul.q8_0_matmul /
+    q8_k_matmul bit for bit, which also run without a kernel for the type (or the extension)."""
     f = _format(type_id)
     if f.type_id not in Q8_ACT_BLOCK:
         raise ValueError(f"{f.name} weights have no quantized-activation product (Q8_0, Q2_K, IQ2_XXS do)")
     w, n_in = _check_w(f, w)
     x = _check_x(x, n_in)
     if not has_q8(f.type_id):
-        return matmul(f.type_id, w, _round_act(f.type_id, x))
+        if f.type_id == Q.Q8_0:
+            return _D.q8_0_matmul(w, _D.q8_0_act(x))
+        return _D.q8_k_matmul(f.type_id, w, _D.q8_k_act(x))
     y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
     _K.matmul_q8_batch(f.type_id, [w], [x], [y])
     return y

@@ -99,6 +99,15 @@ static inline float kern_e8m0_half(uint8_t e) {
     return kern_bits_f32(bits);
 }
 
+/* a Q2_K block's term of ds4_vec_dot_q2_K_q8_K (integer sums isum, summs; activation scale dx;
+ * the block's d, dmin): fma((float)isum, dx * d, -(((float)summs * dx) * dmin)), the FMA as the
+ * reference (engine/model/ds4_matmul.py) takes it: an exact float64 product minus the float32
+ * minimum term, rounded to float32.  |isum|, |summs| < 2^24: their float conversions are exact. */
+static inline float kern_q2k_block(int32_t isum, int32_t summs, float dx, float d, float dmin) {
+    const float dall = dx * d, mins = ((float)summs * dx) * dmin;
+    return (float)((double)isum * (double)dall - (double)mins);
+}
+
 /* ---- kernel tables per instruction set ---- */
 
 /* decode one row of n_elems values (whole blocks) from src into dst (float32) */

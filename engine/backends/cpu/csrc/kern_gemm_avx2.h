@@ -18,20 +18,21 @@
  *    kern_q8_body.h: <= 2 * 128 * 127 = 32512);
  *  - Q2_K codes times their 4-bit sub-block scale (0..45) are unsigned against the signed codes
  *    (<= 2 * 45 * 127), and the minimums term sum_s m_s * bsum_s takes one madd per two sub-blocks.
- * Integer sums are exact; per 32-group one float64 multiply-add applies row scale times activation
- * scale and each result is rounded to float32 once, as the AVX-512 form (the exact sum rounded, as
- * the row kernels compute it).  A token's sums do not depend on T or on its place in a tile. */
+ * Integer sums are exact; per block the lane vector of the 8 rows' integers goes into float32 as
+ * ds4's CPU path takes it, as the AVX-512 form (times the float32 product of the scales, added in
+ * block order: the reference's steps, bit for bit).  A token's sums do not depend on T or on its
+ * place in a tile. */
 
 #define G2_TT 2 /* tokens per tile, with 2 x 8 rows: 4 int32 + 4 float accumulators of 16 ymm */
 
 /* a half panel of 8 rows; kp = n rounded up to 32 */
 typedef struct {
     uint8_t *wq;  /* [kp/4][8][4] */
-    double *sc;   /* per group (32 codes; Q2_K, IQ2_XXS: 256) and row: [groups][8] (float64: exact) */
+    float *sc;    /* per block (Q8_0: 32 codes; Q2_K, IQ2_XXS: 256) and row: [blocks][8], the block's d */
     int32_t *nc;  /* IQ2_XXS: -128 * sum of the group's codes, [n/32][8] */
     int32_t *gs;  /* IQ2_XXS: the integer group scales 2 s + 1, [n/32][8] */
     int32_t *mz;  /* Q2_K: minimums of sub-blocks 2j, 2j+1 as int16 pairs, [n/256][8][8] */
-    double *dm;   /* Q2_K: dmin, [n/256][8] */
+    float *dm;    /* Q2_K: dmin, [n/256][8] */
 } g2panel;
 
 static inline int64_t g2_kp(int64_t n) { return (n + 31) & ~(int64_t)31; }
@@ -50,7 +51,7 @@ static void KSUF(gemm_panels)(uint8_t *scratch, int64_t n, g2panel *pa, uint8_t 
     for (int h = 0; h < 2; h++) {
         pa[h].wq = p;
         p = g2_align(p + 8 * kp);
-        pa[h].sc = (double *)p;
+        pa[h].sc = (float *)p;
         p = g2_align(p + 64 * (kp / 32));
         pa[h].nc = (int32_t *)p;
         p = g2_align(p + 32 * (kp / 32));
@@ -58,7 +59,7 @@ static void KSUF(gemm_panels)(uint8_t *scratch, int64_t n, g2panel *pa, uint8_t 
         p = g2_align(p + 32 * (kp / 32));
         pa[h].mz = (int32_t *)p;
         p = g2_align(p + 32 * 8 * (kp / 256 + 1));
-        pa[h].dm = (double *)p;
+        pa[h].dm = (float *)p;
         p = g2_align(p + 64 * (kp / 256 + 1));
     }
     *rm = p;
@@ -85,7 +86,7 @@ static void KSUF(g2_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, g2p
             _mm256_storeu_si256((__m256i *)(rm + 256 * b + 32 * g), _mm256_sign_epi8(gv, sv));
             P->gs[8 * (8 * b + g) + r] = (int32_t)(2 * (aux >> 28) + 1); /* d (0.5 + s) / 4 = (d / 8)(2 s + 1) */
         }
-        P->sc[8 * b + r] = 0.125 * (double)d; /* (integer group scales, one float64 block scale: as AVX-512) */
+        P->sc[8 * b + r] = d; /* (integer group scales, the block's d, the 1/8 at the end: as AVX-512) */
     }
 }
 
@@ -179,17 +180,27 @@ KI __m256i g2_bcast(const void *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* f[0..1] (rows 0-3, 4-7 of a half panel, float64) += the 8 int32 lanes of a times the rows'
- * scales sc times the token's scale dx (sc * dx: exact) */
-KI void g2_fma8(__m256d *f, __m256i a, const double *sc, __m256d dx) {
-    f[0] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(a)), _mm256_mul_pd(_mm256_load_pd(sc), dx), f[0]);
-    f[1] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(a, 1)), _mm256_mul_pd(_mm256_load_pd(sc + 4), dx), f[1]);
+/* f (8 rows of a half panel) + (sc * dx) * (float)a, each step rounded to float32 (ds4's order) */
+KI __m256 g2_acc8(__m256 f, __m256i a, const float *sc, __m256 dx) {
+    return _mm256_add_ps(f, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(sc), dx), _mm256_cvtepi32_ps(a)));
 }
 
-/* the 8 results of a half panel for one token, rounded to float32 once: rows past `rows` are not
- * stored */
-KI void g2_store(float *y, const __m256d *fd, int rows) {
-    const __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(fd[1]), _mm256_cvtpd_ps(fd[0]));
+/* a Q2_K block's 8 lanes (kern_q2k_block, lane by lane) */
+KI __m256 g2_q2k8(__m256i isum, __m256i summs, const float *d, const float *dmin, __m256 dx) {
+    const __m256 dall = _mm256_mul_ps(dx, _mm256_load_ps(d));
+    const __m256 mins = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(summs), dx), _mm256_load_ps(dmin));
+    __m128 h[2];
+    for (int k = 0; k < 2; k++) {
+        const __m256d i = _mm256_cvtepi32_pd(k ? _mm256_extracti128_si256(isum, 1) : _mm256_castsi256_si128(isum));
+        const __m256d da = _mm256_cvtps_pd(k ? _mm256_extractf128_ps(dall, 1) : _mm256_castps256_ps128(dall));
+        const __m256d mi = _mm256_cvtps_pd(k ? _mm256_extractf128_ps(mins, 1) : _mm256_castps256_ps128(mins));
+        h[k] = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_mul_pd(i, da), mi));
+    }
+    return _mm256_set_m128(h[1], h[0]);
+}
+
+/* the 8 results of a half panel for one token: rows past `rows` are not stored */
+KI void g2_store(float *y, __m256 f, int rows) {
     if (rows >= 8) {
         _mm256_storeu_ps(y, f);
     } else {
@@ -208,10 +219,10 @@ KI void g2_store(float *y, const __m256d *fd, int rows) {
 KI void g2_tile_signed(const g2panel *P, const int nh, const int nt, const int offset, int64_t n, const uint8_t *x,
                        const float *xd, int64_t ldd, int dsh, float *y, int64_t ldy, const int *rows) {
     const __m256i ones16 = _mm256_set1_epi16(1);
-    __m256d f[2][G2_TT][2];
+    __m256 f[2][G2_TT];
     __m256i acc[2][G2_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm256_setzero_pd();
+        for (int t = 0; t < nt; t++) f[h][t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < n / 32; g++) {
         for (int h = 0; h < nh; h++) {
             const __m256i nc = offset ? _mm256_load_si256((const __m256i *)(P[h].nc + 8 * g)) : _mm256_setzero_si256();
@@ -230,8 +241,8 @@ KI void g2_tile_signed(const g2panel *P, const int nh, const int nt, const int o
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m256d dx = _mm256_set1_pd(xd[t * ldd + (g >> dsh)]);
-            for (int h = 0; h < nh; h++) g2_fma8(f[h][t], acc[h][t], P[h].sc + 8 * g, dx);
+            const __m256 dx = _mm256_set1_ps(xd[t * ldd + (g >> dsh)]);
+            for (int h = 0; h < nh; h++) f[h][t] = g2_acc8(f[h][t], acc[h][t], P[h].sc + 8 * g, dx);
         }
     }
     for (int h = 0; h < nh; h++)
@@ -244,10 +255,10 @@ KI void g2_tile_signed(const g2panel *P, const int nh, const int nt, const int o
 KI void g2_tile_iq2(const g2panel *P, const int nh, const int nt, int64_t n, const uint8_t *x, const float *xd,
                     float *y, int64_t ldy, const int *rows) {
     const __m256i ones16 = _mm256_set1_epi16(1);
-    __m256d f[2][G2_TT][2];
+    __m256 f[2][G2_TT];
     __m256i acc[2][G2_TT], bs[2][G2_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm256_setzero_pd();
+        for (int t = 0; t < nt; t++) f[h][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / 256; b++) {
         for (int h = 0; h < nh; h++)
             for (int t = 0; t < nt; t++) bs[h][t] = _mm256_setzero_si256();
@@ -270,12 +281,12 @@ KI void g2_tile_iq2(const g2panel *P, const int nh, const int nt, int64_t n, con
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m256d dx = _mm256_set1_pd(xd[t * (n / 256) + b]);
-            for (int h = 0; h < nh; h++) g2_fma8(f[h][t], bs[h][t], P[h].sc + 8 * b, dx);
+            const __m256 dx = _mm256_set1_ps(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++) f[h][t] = g2_acc8(f[h][t], bs[h][t], P[h].sc + 8 * b, dx);
         }
     }
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) g2_store(y + t * ldy + 8 * h, f[h][t], rows[h]);
+        for (int t = 0; t < nt; t++) g2_store(y + t * ldy + 8 * h, _mm256_mul_ps(_mm256_set1_ps(0.125f), f[h][t]), rows[h]);
 }
 
 /* Q2_K: codes times sub-block scale (unsigned) x signed activation codes xq; minimums from the
@@ -283,10 +294,10 @@ KI void g2_tile_iq2(const g2panel *P, const int nh, const int nt, int64_t n, con
 KI void g2_tile_q2_k(const g2panel *P, const int nh, const int nt, int64_t n, const int8_t *xq, const float *xd,
                      const int16_t *xs, float *y, int64_t ldy, const int *rows) {
     const __m256i ones16 = _mm256_set1_epi16(1);
-    __m256d f[2][G2_TT][2];
-    __m256i acc[2][G2_TT];
+    __m256 f[2][G2_TT];
+    __m256i acc[2][G2_TT], is[2][G2_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm256_setzero_pd();
+        for (int t = 0; t < nt; t++) f[h][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / 256; b++) {
         for (int h = 0; h < nh; h++)
             for (int t = 0; t < nt; t++) acc[h][t] = _mm256_setzero_si256();
@@ -298,13 +309,11 @@ KI void g2_tile_q2_k(const g2panel *P, const int nh, const int nt, int64_t n, co
                 for (int h = 0; h < nh; h++) acc[h][t] = G2_DOT(acc[h][t], w[h], xb);
             }
         }
-        for (int t = 0; t < nt; t++) {
-            const __m256d dx = _mm256_set1_pd(xd[t * (n / 256) + b]);
-            for (int h = 0; h < nh; h++) {
-                g2_fma8(f[h][t], acc[h][t], P[h].sc + 8 * b, dx);
+        for (int h = 0; h < nh; h++)
+            for (int t = 0; t < nt; t++) {
+                is[h][t] = acc[h][t];
                 acc[h][t] = _mm256_setzero_si256();
             }
-        }
         for (int j = 0; j < 8; j++) {
             __m256i m[2];
             for (int h = 0; h < nh; h++) m[h] = _mm256_load_si256((const __m256i *)(P[h].mz + 8 * (8 * b + j)));
@@ -314,8 +323,9 @@ KI void g2_tile_q2_k(const g2panel *P, const int nh, const int nt, int64_t n, co
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m256d ndx = _mm256_set1_pd(-(double)xd[t * (n / 256) + b]); /* the minimums subtract */
-            for (int h = 0; h < nh; h++) g2_fma8(f[h][t], acc[h][t], P[h].dm + 8 * b, ndx);
+            const __m256 dx = _mm256_set1_ps(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++)
+                f[h][t] = _mm256_add_ps(f[h][t], g2_q2k8(is[h][t], acc[h][t], P[h].sc + 8 * b, P[h].dm + 8 * b, dx));
         }
     }
     for (int h = 0; h < nh; h++)

@@ -14,23 +14,22 @@
  *    is subtracted (precomputed per row at packing, the accumulator's start value);
  *  - Q2_K codes times their 4-bit sub-block scale (0..45) are unsigned: the activation codes stay
  *    signed, and the minimums term sum_s m_s * bsum_s takes one vpdpwssd per two sub-blocks.
- * Integer sums are exact; per 32-group one float64 multiply-add applies row scale times activation
- * scale (their product is exact in float64), the groups are summed in float64 and each result is
- * rounded to float32 once: the exact sum rounded, as the row kernels and the NumPy reference
- * compute it, whatever the association (they differ only where the float64 rounding inside the sums
- * crosses a float32 rounding boundary, ~2^-29 of values).  Float64 lanes are half as many: a
- * 16-row accumulator is two zmm.  A token's sums do not depend on T or on its place in a tile. */
+ * Integer sums are exact; per block (Q8_0: 32 codes; IQ2_XXS, Q2_K: 256) the lane vector of the
+ * 16 rows' integers goes into float32 as ds4's CPU path takes it (kern_q8.c): times the float32
+ * product of the row scale and the activation scale, added to a float32 accumulator, the blocks in
+ * order -- the reference's steps, bit for bit, lane by lane (engine/model/ds4_matmul.py).  A
+ * token's sums do not depend on T or on its place in a tile. */
 
 #define G_TT 4 /* tokens per tile (and 2 x 16 rows): 8 int32 + 8 float accumulators */
 
 /* panel of 16 rows; kp = n rounded up to 64 */
 typedef struct {
     uint8_t *wq;   /* [kp/4][16][4] */
-    double *sc;    /* per group (32 codes; Q2_K, IQ2_XXS: 256) and row: [groups][16] (float64: exact) */
+    float *sc;     /* per block (Q8_0: 32 codes; Q2_K, IQ2_XXS: 256) and row: [blocks][16], the block's d */
     int32_t *nc;   /* signed codes: -128 * sum of the group's codes, [n/32][16] */
     int32_t *gs;   /* IQ2_XXS: the integer group scales 2 s + 1, [n/32][16] */
     int32_t *mz;   /* Q2_K: minimums of sub-blocks 2j, 2j+1 as int16 pairs, [n/256][8][16] */
-    double *dm;    /* Q2_K: dmin, [n/256][16] */
+    float *dm;     /* Q2_K: dmin, [n/256][16] */
 } gpanel;
 
 static inline int64_t g_kp(int64_t n) { return (n + 63) & ~(int64_t)63; }
@@ -50,7 +49,7 @@ static void KSUF(gemm_panels)(uint8_t *scratch, int64_t n, gpanel *pa, uint8_t *
     for (int h = 0; h < 2; h++) {
         pa[h].wq = p;
         p = g_align(p + 16 * kp);
-        pa[h].sc = (double *)p;
+        pa[h].sc = (float *)p;
         p = g_align(p + 128 * (kp / 32));
         pa[h].nc = (int32_t *)p;
         p = g_align(p + 64 * (kp / 32));
@@ -58,7 +57,7 @@ static void KSUF(gemm_panels)(uint8_t *scratch, int64_t n, gpanel *pa, uint8_t *
         p = g_align(p + 64 * (kp / 32));
         pa[h].mz = (int32_t *)p;
         p = g_align(p + 64 * 8 * (kp / 256 + 1));
-        pa[h].dm = (double *)p;
+        pa[h].dm = (float *)p;
         p = g_align(p + 128 * (kp / 256 + 1));
     }
     *rm = p;
@@ -75,12 +74,12 @@ static void KSUF(g_row_q8_0)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel 
 }
 
 /* an IQ2_XXS block's scales into column r: the dequantizer's d * (0.5 + s) * 0.25 of group g is
- * (d / 8) * (2 s + 1), so the 8 group scales go in as integers (2 s + 1, applied to the group's
- * exact sum in int32) and the block's d / 8 as one float64 multiply-add per block, as the row
- * kernels do: a third of the float64 work of a scale per group */
+ * (d / 8) * (2 s + 1), as ds4's dot product takes it: the 8 group scales go in as integers (2 s + 1,
+ * applied to the group's exact sum in int32), the block's d with the activation scale per block,
+ * and the 1/8 once at the end (g_tile_iq2) */
 KI void KSUF(g_iq2_scales)(const uint8_t *blk, float d, gpanel *P, int64_t b, int r) {
     for (int g = 0; g < 8; g++) P->gs[16 * (8 * b + g) + r] = (int32_t)(2 * (kern_rd32(blk + 2 + 8 * g + 4) >> 28) + 1);
-    P->sc[16 * b + r] = 0.125 * (double)d;
+    P->sc[16 * b + r] = d;
 }
 
 static void KSUF(g_row_iq2_xxs)(const uint8_t *row, int64_t n, uint8_t *rm, gpanel *P, int r) {
@@ -159,10 +158,10 @@ static void KSUF(g_pack_tail)(int64_t n, int rows, int is_signed, gpanel *P) {
     const int64_t ng = n / 32;
     if (rows < 16) {
         for (int64_t g = 0; g < ng; g++)
-            for (int r = rows; r < 16; r++) P->sc[16 * g + r] = 0.0, P->gs[16 * g + r] = 0;
+            for (int r = rows; r < 16; r++) P->sc[16 * g + r] = 0.0f, P->gs[16 * g + r] = 0;
         for (int64_t b = 0; b < n / 256; b++)
             for (int r = rows; r < 16; r++) {
-                P->dm[16 * b + r] = 0.0;
+                P->dm[16 * b + r] = 0.0f;
                 for (int j = 0; j < 8; j++) P->mz[16 * (8 * b + j) + r] = 0;
             }
     }
@@ -200,18 +199,31 @@ static void KSUF(g_pack)(g_row_fn dec, int is_signed, const uint8_t *W, ptrdiff_
     KSUF(g_pack_tail)(n, rows, is_signed, P);
 }
 
-/* f[0..1] (rows 0-7, 8-15 of a panel, float64) += the 16 int32 lanes of a times the rows' scales
- * sc times the token's scale dx (sc * dx: exact) */
-KI void g_fma16(__m512d *f, __m512i a, const double *sc, __m512d dx) {
-    f[0] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(a)), _mm512_mul_pd(_mm512_load_pd(sc), dx), f[0]);
-    f[1] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(a, 1)), _mm512_mul_pd(_mm512_load_pd(sc + 8), dx), f[1]);
+/* f (16 rows of a panel) + (sc * dx) * (float)a: a block's 16 integers (int32 lanes) times the
+ * rows' scales sc times the token's scale dx, each step rounded to float32 (ds4's order) */
+KI __m512 g_acc16(__m512 f, __m512i a, const float *sc, __m512 dx) {
+    return _mm512_add_ps(f, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(sc), dx), _mm512_cvtepi32_ps(a)));
 }
 
-/* the 16 rows' results rounded to float32 once, rows outside mask m not stored */
-KI void g_store16(float *y, const __m512d *f, __mmask16 m) {
-    _mm256_mask_storeu_ps(y, (__mmask8)m, _mm512_cvtpd_ps(f[0]));
-    _mm256_mask_storeu_ps(y + 8, (__mmask8)(m >> 8), _mm512_cvtpd_ps(f[1]));
+/* a Q2_K block's 16 lanes (kern_q2k_block, lane by lane): (float)((double)isum * (double)(dx * d)
+ * - (double)(((float)summs * dx) * dmin)) */
+KI __m512 g_q2k16(__m512i isum, __m512i summs, const float *d, const float *dmin, __m512 dx) {
+    const __m512 dall = _mm512_mul_ps(dx, _mm512_load_ps(d));
+    const __m512 mins = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(summs), dx), _mm512_load_ps(dmin));
+    __m256 h[2];
+    for (int k = 0; k < 2; k++) {
+        const __m512d i = _mm512_cvtepi32_pd(k ? _mm512_extracti64x4_epi64(isum, 1) : _mm512_castsi512_si256(isum));
+        const __m512d da = _mm512_cvtps_pd(k ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dall), 1))
+                                             : _mm512_castps512_ps256(dall));
+        const __m512d mi = _mm512_cvtps_pd(k ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mins), 1))
+                                             : _mm512_castps512_ps256(mins));
+        h[k] = _mm512_cvtpd_ps(_mm512_sub_pd(_mm512_mul_pd(i, da), mi));
+    }
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(h[0])), _mm256_castps_pd(h[1]), 1));
 }
+
+/* the 16 rows' results, rows outside mask m not stored */
+KI void g_store16(float *y, __m512 f, __mmask16 m) { _mm512_mask_storeu_ps(y, m, f); }
 
 KI __m512i g_bcast(const void *p) {
     int32_t v;
@@ -241,15 +253,15 @@ KI void g_group_dots(const gpanel *P, const int nh, const int nt, int64_t n, con
  * apart), xd their scales (token t, group g: xd[t * ldd + (g >> dsh)]) */
 KI void g_tile_signed(const gpanel *P, const int nh, const int nt, int64_t n, const uint8_t *xu, const float *xd,
                       int64_t ldd, int dsh, float *y, int64_t ldy, const __mmask16 *mk) {
-    __m512d f[2][G_TT][2];
+    __m512 f[2][G_TT];
     __m512i acc[2][G_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm512_setzero_pd();
+        for (int t = 0; t < nt; t++) f[h][t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < n / 32; g++) {
         g_group_dots(P, nh, nt, n, xu, g, acc);
         for (int t = 0; t < nt; t++) {
-            const __m512d dx = _mm512_set1_pd(xd[t * ldd + (g >> dsh)]);
-            for (int h = 0; h < nh; h++) g_fma16(f[h][t], acc[h][t], P[h].sc + 16 * g, dx);
+            const __m512 dx = _mm512_set1_ps(xd[t * ldd + (g >> dsh)]);
+            for (int h = 0; h < nh; h++) f[h][t] = g_acc16(f[h][t], acc[h][t], P[h].sc + 16 * g, dx);
         }
     }
     for (int h = 0; h < nh; h++)
@@ -262,10 +274,10 @@ KI void g_tile_signed(const gpanel *P, const int nh, const int nt, int64_t n, co
  * t, block b: xd[t * (n / 256) + b]) */
 KI void g_tile_iq2(const gpanel *P, const int nh, const int nt, int64_t n, const uint8_t *xu, const float *xd,
                    float *y, int64_t ldy, const __mmask16 *mk) {
-    __m512d f[2][G_TT][2];
+    __m512 f[2][G_TT];
     __m512i acc[2][G_TT], bs[2][G_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm512_setzero_pd();
+        for (int t = 0; t < nt; t++) f[h][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < n / 256; b++) {
         for (int h = 0; h < nh; h++)
             for (int t = 0; t < nt; t++) bs[h][t] = _mm512_setzero_si512();
@@ -277,22 +289,22 @@ KI void g_tile_iq2(const gpanel *P, const int nh, const int nt, int64_t n, const
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m512d dx = _mm512_set1_pd(xd[t * (n / 256) + b]);
-            for (int h = 0; h < nh; h++) g_fma16(f[h][t], bs[h][t], P[h].sc + 16 * b, dx);
+            const __m512 dx = _mm512_set1_ps(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++) f[h][t] = g_acc16(f[h][t], bs[h][t], P[h].sc + 16 * b, dx);
         }
     }
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) g_store16(y + t * ldy + 16 * h, f[h][t], mk[h]);
+        for (int t = 0; t < nt; t++) g_store16(y + t * ldy + 16 * h, _mm512_mul_ps(_mm512_set1_ps(0.125f), f[h][t]), mk[h]);
 }
 
 /* Q2_K: codes times sub-block scale (unsigned) x signed activation codes xq; minimums from the
  * int16 sums of 16 codes xs (token t: xs + t * (n / 16)) */
 KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, const int8_t *xq, const float *xd,
                     const int16_t *xs, float *y, int64_t ldy, const __mmask16 *mk) {
-    __m512d f[2][G_TT][2];
-    __m512i acc[2][G_TT];
+    __m512 f[2][G_TT];
+    __m512i acc[2][G_TT], is[2][G_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm512_setzero_pd();
+        for (int t = 0; t < nt; t++) f[h][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < n / 256; b++) {
         for (int h = 0; h < nh; h++)
             for (int t = 0; t < nt; t++) acc[h][t] = _mm512_setzero_si512();
@@ -304,13 +316,11 @@ KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, cons
                 for (int h = 0; h < nh; h++) acc[h][t] = _mm512_dpbusd_epi32(acc[h][t], w[h], xb);
             }
         }
-        for (int t = 0; t < nt; t++) {
-            const __m512d dx = _mm512_set1_pd(xd[t * (n / 256) + b]);
-            for (int h = 0; h < nh; h++) {
-                g_fma16(f[h][t], acc[h][t], P[h].sc + 16 * b, dx);
+        for (int h = 0; h < nh; h++)
+            for (int t = 0; t < nt; t++) {
+                is[h][t] = acc[h][t];
                 acc[h][t] = _mm512_setzero_si512();
             }
-        }
         for (int j = 0; j < 8; j++) {
             __m512i m[2];
             for (int h = 0; h < nh; h++) m[h] = _mm512_load_si512((const void *)(P[h].mz + 16 * (8 * b + j)));
@@ -320,8 +330,9 @@ KI void g_tile_q2_k(const gpanel *P, const int nh, const int nt, int64_t n, cons
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m512d ndx = _mm512_set1_pd(-(double)xd[t * (n / 256) + b]); /* the minimums subtract */
-            for (int h = 0; h < nh; h++) g_fma16(f[h][t], acc[h][t], P[h].dm + 16 * b, ndx);
+            const __m512 dx = _mm512_set1_ps(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++)
+                f[h][t] = _mm512_add_ps(f[h][t], g_q2k16(is[h][t], acc[h][t], P[h].sc + 16 * b, P[h].dm + 16 * b, dx));
         }
     }
     for (int h = 0; h < nh; h++)

@@ -16,8 +16,8 @@
  * block, and the activations arranged to match once a job (iq2v_reorder, as kern_isa.q8_arrange);
  * at one token two rows are packed per block (iq2v_rows2).  Both the packed rows and the
  * code-byte order raised the decode read rate from DRAM (scripts/bench_kernels.py measures it).
- * Sums are exact integers up to the per-block float64 multiply-add, as in the plain kernel (q8a_fma:
- * the blocks are summed in float64 and the result rounded to float32 once). */
+ * Sums are exact integers per block; each block's goes into float32 as in the plain kernel (times
+ * the float32 product of the scales, added in block order: ds4's order, kern_q8.c). */
 
 #define IQ2V_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c")))
 #define IQ2V_I IQ2V_T static inline __attribute__((always_inline))
@@ -128,8 +128,8 @@ IQ2V_I __m256i iq2v_half8(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_
 /* out[t] = row . x_t for nt tokens; xr = the arranged activation codes (iq2v_reorder), n apart */
 IQ2V_I void iq2v_rows(const uint8_t *W, int64_t nb, int64_t n, const int8_t *xr, const float *xd, float *out,
                       const int nt) {
-    q8acc acc[Q8_NT];
-    for (int t = 0; t < nt; t++) acc[t] = q8a_zero();
+    float acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     const __m512i zero = _mm512_setzero_si512();
     const __m512i *L = (const __m512i *)iq2v_lo, *H = (const __m512i *)iq2v_hi;
     const __m512i S0 = _mm512_loadu_si512((const void *)kern_ksigns), S1 = _mm512_loadu_si512((const void *)(kern_ksigns + 64));
@@ -138,7 +138,7 @@ IQ2V_I void iq2v_rows(const uint8_t *W, int64_t nb, int64_t n, const int8_t *xr,
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = W + 66 * b;
         PF2(blk);
-        const double d = KERN_F16(kern_rd16(blk));
+        const float d = KERN_F16(kern_rd16(blk));
         const __m512i q = _mm512_loadu_si512((const void *)(blk + 2));
         const __mmask64 top = _mm512_movepi8_mask(q);
         const __m512i lc = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(L[0], q, L[1]), _mm512_permutex2var_epi8(L[2], q, L[3]));
@@ -162,9 +162,9 @@ IQ2V_I void iq2v_rows(const uint8_t *W, int64_t nb, int64_t n, const int8_t *xr,
         /* |lane| <= 16 * 43 * 127 before the scale (<= 31), so the two lanes of a group (m, m + 8)
          * add exactly in int32 (iq2v_half8) */
         for (int t = 0; t < nt; t++)
-            acc[t] = q8a_fma(iq2v_half8(_mm512_mullo_epi32(is[t], ls)), d * xd[t * (n / 256) + b], acc[t]);
+            acc[t] += (d * xd[t * (n / 256) + b]) * (float)q8_hsum(iq2v_half8(_mm512_mullo_epi32(is[t], ls)));
     }
-    for (int t = 0; t < nt; t++) out[t] = (float)(0.125 * q8a_sum(acc[t]));
+    for (int t = 0; t < nt; t++) out[t] = 0.125f * acc[t];
 }
 
 /* Decode (one token), two rows A and B (A + stride): row . x for both, bit for bit as iq2v_rows.
@@ -188,12 +188,12 @@ IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int
     /* dword m (group m % 8) <- packed dword m % 8 (row A) or 8 + m % 8 (row B) */
     const __m512i la = _mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i lb = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 15, 14, 13, 12, 11, 10, 9, 8);
-    q8acc acc0 = q8a_zero(), acc1 = q8a_zero();
+    float acc0 = 0.0f, acc1 = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *ba = W + 66 * b, *bb = W + stride + 66 * b;
         PF2(ba);
         PF2(bb);
-        const double da = (double)KERN_F16(kern_rd16(ba)) * xd[b], db = (double)KERN_F16(kern_rd16(bb)) * xd[b];
+        const float da = KERN_F16(kern_rd16(ba)) * xd[b], db = KERN_F16(kern_rd16(bb)) * xd[b];
         const __m512i qa = _mm512_loadu_si512((const void *)(ba + 2)), qb = _mm512_loadu_si512((const void *)(bb + 2));
         const __m512i idx = _mm512_permutex2var_epi8(qa, ci, qb);
         const __m512i aux = _mm512_permutex2var_epi8(qa, ca, qb);
@@ -212,11 +212,11 @@ IQ2V_I void iq2v_rows2(const uint8_t *W, ptrdiff_t stride, int64_t nb, const int
             ia = _mm512_dpbusd_epi32(ia, ga, _mm512_mask_sub_epi8(xv, _cvtu64_mask64(neg[j]), zero, xv));
             ib = _mm512_dpbusd_epi32(ib, gb, _mm512_mask_sub_epi8(xv, _cvtu64_mask64(neg[4 + j]), zero, xv));
         }
-        acc0 = q8a_fma(iq2v_half8(_mm512_mullo_epi32(ia, _mm512_permutexvar_epi32(la, ls))), da, acc0);
-        acc1 = q8a_fma(iq2v_half8(_mm512_mullo_epi32(ib, _mm512_permutexvar_epi32(lb, ls))), db, acc1);
+        acc0 += da * (float)q8_hsum(iq2v_half8(_mm512_mullo_epi32(ia, _mm512_permutexvar_epi32(la, ls))));
+        acc1 += db * (float)q8_hsum(iq2v_half8(_mm512_mullo_epi32(ib, _mm512_permutexvar_epi32(lb, ls))));
     }
-    out[0] = (float)(0.125 * q8a_sum(acc0));
-    out[1] = (float)(0.125 * q8a_sum(acc1));
+    out[0] = 0.125f * acc0;
+    out[1] = 0.125f * acc1;
 }
 
 /* activation codes in the row kernels' order: block b's vector j, byte p <- value 32 g + 8 l + c of
@@ -309,7 +309,7 @@ IQ2V_T static void g_pack_iq2v(const uint8_t *W, ptrdiff_t stride, int64_t n, in
         for (int r = 0; r < 16; r++) {
             if (r >= rows) {
                 lh[r] = sb[r] = zero;
-                P->sc[16 * b + r] = 0.0; /* (missing rows' outputs are not stored) */
+                P->sc[16 * b + r] = 0.0f; /* (missing rows' outputs are not stored) */
                 continue;
             }
             const uint8_t *blk = W + (r0 + r) * stride + 66 * b;
@@ -321,7 +321,7 @@ IQ2V_T static void g_pack_iq2v(const uint8_t *W, ptrdiff_t stride, int64_t n, in
             iq2v_block(q, &lc, &hc, &ks);
             lh[r] = _mm512_permutex2var_epi8(lc, l1, hc);
             sb[r] = _mm512_permutex2var_epi8(ks, sbc, q);
-            P->sc[16 * b + r] = 0.125 * (double)KERN_F16(kern_rd16(blk)); /* d / 8: see g_iq2_scales */
+            P->sc[16 * b + r] = KERN_F16(kern_rd16(blk)); /* d (the 1/8 at the end: see g_tile_iq2) */
         }
         g_transpose16(lh);
         g_transpose16(sb);
@@ -342,10 +342,10 @@ IQ2V_T static void g_pack_iq2v(const uint8_t *W, ptrdiff_t stride, int64_t n, in
  * and -64 * sum(x) of each group from the block sums xs (token t: xs + t * (n / 16)) */
 KI void g_tile_iq2u(const gpanel *P, const int nh, const int nt, int64_t n, const uint8_t *xa, const float *xd,
                     const int16_t *xs, float *y, int64_t ldy, const __mmask16 *mk) {
-    __m512d f[2][G_TT][2];
+    __m512 f[2][G_TT];
     __m512i acc[2][G_TT], bs[2][G_TT];
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) f[h][t][0] = f[h][t][1] = _mm512_setzero_pd();
+        for (int t = 0; t < nt; t++) f[h][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < n / 256; b++) {
         for (int h = 0; h < nh; h++)
             for (int t = 0; t < nt; t++) bs[h][t] = _mm512_setzero_si512();
@@ -369,12 +369,12 @@ KI void g_tile_iq2u(const gpanel *P, const int nh, const int nt, int64_t n, cons
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m512d dx = _mm512_set1_pd(xd[t * (n / 256) + b]);
-            for (int h = 0; h < nh; h++) g_fma16(f[h][t], bs[h][t], P[h].sc + 16 * b, dx);
+            const __m512 dx = _mm512_set1_ps(xd[t * (n / 256) + b]);
+            for (int h = 0; h < nh; h++) f[h][t] = g_acc16(f[h][t], bs[h][t], P[h].sc + 16 * b, dx);
         }
     }
     for (int h = 0; h < nh; h++)
-        for (int t = 0; t < nt; t++) g_store16(y + t * ldy + 16 * h, f[h][t], mk[h]);
+        for (int t = 0; t < nt; t++) g_store16(y + t * ldy + 16 * h, _mm512_mul_ps(_mm512_set1_ps(0.125f), f[h][t]), mk[h]);
 }
 
 #define G_TILE_IQ2U(nh, nt) g_tile_iq2u(P, nh, nt, n, xu + t0 * n, xd + t0 * (n / 256), xs + t0 * (n / 16), yt, ldy, mk)
@@ -400,7 +400,7 @@ IQ2V_T static void g_pack_q2kv(const uint8_t *W, ptrdiff_t stride, int64_t n, in
         for (int r = 0; r < 16; r++) {
             if (r >= rows) {
                 qs[r] = tb[r] = mn[r] = zero;
-                P->sc[16 * b + r] = P->dm[16 * b + r] = 0.0; /* (missing rows' outputs are not stored) */
+                P->sc[16 * b + r] = P->dm[16 * b + r] = 0.0f; /* (missing rows' outputs are not stored) */
                 continue;
             }
             const uint8_t *blk = W + (r0 + r) * stride + 84 * b;

@@ -3,13 +3,16 @@
  * In ds4 mode the input of a Q8_0-weight matmul is rounded to Q8_0 blocks (32 int8 + a float
  * scale) and the routed experts' input to Q8_K blocks (256 int8 + a float scale), as ds4's quantized
  * dot products do.  Instead of forming those rounded floats and running a float kernel, these
- * kernels keep the activations as integers: per weight block the dot product of the weight codes
- * with the activation codes is exact in int32, and one float64 multiply-add applies the two scales
- * (their product is exact in float64: 11 + 24 bits).  Every build sums the blocks in float64 and
- * rounds to float32 once, so each result is the exact sum rounded, whatever the order: the NumPy
- * reference (float64 over the exact values code * scale) computes the same function, and the two
- * differ only where the float64 rounding inside the sums lands on the other side of a float32
- * rounding boundary (~2^-29 of values).
+ * kernels keep the activations as integers, and compute what ds4's CPU path computes
+ * (engine/model/ds4_matmul.py, the reference, cites ds4.c): per weight block the integer dot of the
+ * weight codes with the activation codes (exact in int32), turned into float32 and multiplied by
+ * the float32 product of the two scales, the blocks added in float32 in block order:
+ *   Q8_0     acc += (d_w * d_x) * (float)dot                      (dot_q8_0_row)
+ *   IQ2_XXS  acc += (d_w * d_x) * (float)bsum; y = 0.125f * acc   (ds4_vec_dot_iq2_xxs_q8_K)
+ *   Q2_K     acc += (float)((double)isum * (double)(d_x * d) - (double)(((float)summs * d_x) * dmin))
+ *            (ds4_vec_dot_q2_K_q8_K as GCC compiles it: one FMA, emulated as the reference does)
+ * Every build (this file, kern_q8_body.h, kern_gemm_*.h, kern_iq2_vbmi.h) keeps that order per
+ * (row, token), whatever order it takes the integer products in: bit for bit with the reference.
  * The quantizers reproduce engine/model/numerics.py's q8_0_quantize / q8_k_quantize bit for bit (this
  * file is compiled with -ffp-contract=off; rounding is half to even, as np.rint). */
 #include <math.h>
@@ -128,14 +131,14 @@ static void q8_q8_0_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = W + r * stride;
         for (int64_t t = 0; t < T; t++) {
-            double acc = 0.0;
+            float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const int8_t *w = (const int8_t *)(row + 34 * b + 2), *xb = xq + t * n + 32 * b;
                 int32_t s = 0;
                 for (int i = 0; i < 32; i++) s += (int32_t)w[i] * xb[i];
-                acc += (double)s * ((double)kern_f16_soft(kern_rd16(row + 34 * b)) * (double)xd[t * nb + b]);
+                acc += (kern_f16_soft(kern_rd16(row + 34 * b)) * xd[t * nb + b]) * (float)s;
             }
-            y[t * ldy + r] = (float)acc;
+            y[t * ldy + r] = acc;
         }
     }
 }
@@ -148,7 +151,7 @@ static void q8_iq2_xxs_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, in
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = W + r * stride;
         for (int64_t t = 0; t < T; t++) {
-            double acc = 0.0;
+            float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = row + 66 * b;
                 const int8_t *xb = xq + t * n + 256 * b;
@@ -166,9 +169,9 @@ static void q8_iq2_xxs_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, in
                     }
                     isum += (int32_t)(2 * (a1 >> 28) + 1) * s;
                 }
-                acc += (double)isum * ((double)kern_f16_soft(kern_rd16(blk)) * (double)xd[t * nb + b]);
+                acc += (kern_f16_soft(kern_rd16(blk)) * xd[t * nb + b]) * (float)isum;
             }
-            y[t * ldy + r] = (float)(0.125 * acc);
+            y[t * ldy + r] = 0.125f * acc;
         }
     }
 }
@@ -179,7 +182,7 @@ static void q8_q2_k_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = W + r * stride;
         for (int64_t t = 0; t < T; t++) {
-            double acc = 0.0;
+            float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = row + 84 * b, *qs = blk + 16;
                 const int8_t *xb = xq + t * n + 256 * b;
@@ -191,11 +194,10 @@ static void q8_q2_k_generic(const uint8_t *W, ptrdiff_t stride, int64_t n, int64
                     const int q = (qs[32 * h + l] >> (2 * j)) & 3;
                     isum += (int32_t)(blk[e >> 4] & 15) * q * xb[e];
                 }
-                const double dx = xd[t * nb + b];
-                acc += (double)isum * ((double)kern_f16_soft(kern_rd16(blk + 80)) * dx);
-                acc -= (double)msum * ((double)kern_f16_soft(kern_rd16(blk + 82)) * dx);
+                acc += kern_q2k_block(isum, msum, xd[t * nb + b], kern_f16_soft(kern_rd16(blk + 80)),
+                                      kern_f16_soft(kern_rd16(blk + 82)));
             }
-            y[t * ldy + r] = (float)acc;
+            y[t * ldy + r] = acc;
         }
     }
 }

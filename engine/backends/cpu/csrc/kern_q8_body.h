@@ -4,11 +4,11 @@
  * bytes u with signed bytes s (AVX-512 VNNI: one vpdpbusd; AVX2: maddubs + madd).
  *
  * A weight block is decoded to bytes in registers once and multiplied into up to Q8_NT tokens'
- * int8 codes; the integer sums are exact, and one float64 multiply-add per block applies the weight
- * scale times the activation scale (q8a_fma: the product of the two scales is exact in float64, the
- * blocks are summed in float64 and the result is rounded to float32 once, so it is the exact sum
- * rounded whatever the order of the lanes and blocks -- as the NumPy reference computes it; see
- * kern_q8.c).  Signed weights (Q8_0) use |w| as the unsigned operand and
+ * int8 codes; the integer sums are exact, and each block's integer goes into float32 as ds4's CPU
+ * path takes it (kern_q8.c): times the float32 product of the weight and activation scales, added
+ * to a float32 accumulator in block order -- whatever order the lanes took the integer products in,
+ * the float32 steps are those of the reference (engine/model/ds4_matmul.py), bit for bit.  Signed
+ * weights (Q8_0) use |w| as the unsigned operand and
  * move the sign onto the activation (sign_epi8); activation codes are never -128 (the quantizers
  * scale the block maximum to 127 and clamp to [-127, 127]: a block whose largest magnitude is below
  * about 3.7e-37, where 127 / max overflows to inf, gives +-127 and 0 for its zeros and NaNs, as
@@ -19,49 +19,32 @@
 #define Q8_NT 4 /* tokens per pass: 16 ymm registers (AVX2); the AVX-512 build takes 8 */
 #endif
 
-/* float64 accumulators of the integer kernels: q8a_fma(p, s, acc) adds the 8 int32 lanes of p
- * (exact integer sums) times s; q8a_sum the total.  The lanes are paired in int32 first (exact:
- * |lane| < 2^30 in every kernel) into a ymm of 4 doubles, in the AVX-512 build too: converting and
- * accumulating all 8 lanes as one zmm of doubles (define Q8_ACC_ZMM) measured slower on Sapphire
- * Rapids (Q8_0 rows at 8-16 tokens 1.73-1.79x the float32 kernels' CPU time, against 1.31-1.36x
- * with the ymm form; scripts/bench_q8_builds.py --clock cpu). */
-#ifdef Q8_ACC_ZMM
-typedef __m512d q8acc;
-KI q8acc q8a_zero(void) { return _mm512_setzero_pd(); }
-KI q8acc q8a_fma(__m256i p, double s, q8acc acc) { return _mm512_fmadd_pd(_mm512_cvtepi32_pd(p), _mm512_set1_pd(s), acc); }
-KI double q8a_sum(q8acc a) { return _mm512_reduce_add_pd(a); }
-#else
-typedef __m256d q8acc;
-KI q8acc q8a_zero(void) { return _mm256_setzero_pd(); }
-KI q8acc q8a_fma(__m256i p, double s, q8acc acc) {
-    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-    return _mm256_fmadd_pd(_mm256_cvtepi32_pd(h), _mm256_set1_pd(s), acc);
+/* the sum of the 8 int32 lanes of a block's integer dot (exact: every block sum is below 2^31) */
+KI int32_t q8_hsum(__m256i p) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
+    return _mm_cvtsi128_si32(h);
 }
-KI double q8a_sum(q8acc a) {
-    __m128d q = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
-    q = _mm_add_sd(q, _mm_unpackhi_pd(q, q));
-    return _mm_cvtsd_f64(q);
-}
-#endif
 
 /* maddubs + madd with per-lane int16 multipliers (the sub-block scales) */
 KI __m256i q8_dot_scaled(__m256i acc, __m256i u, __m256i s, __m256i sc16) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc16));
 }
 
-/* ---- Q8_0 weights x Q8_0 activations: y = sum_b (dw_b * dx_b) * (qw_b . qx_b) ---- */
+/* ---- Q8_0 weights x Q8_0 activations: y = sum_b (dw_b * dx_b) * (qw_b . qx_b), in block order ---- */
 /* blocks [b, nb) of a row one at a time into acc: the tail that both forms below leave */
 KI void q8_0_blocks(const uint8_t *row, int64_t b, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
-                    q8acc *acc, const int nt) {
+                    float *acc, const int nt) {
     for (; b < nb; b++) {
         const uint8_t *q = row + 34 * b;
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 2));
         const __m256i u0 = _mm256_sign_epi8(w0, w0);
-        const double d0 = KERN_F16(kern_rd16(q));
+        const float d0 = KERN_F16(kern_rd16(q));
         for (int t = 0; t < nt; t++) {
             const __m256i s0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + t * n + 32 * b)), w0);
             const __m256i p0 = Q8_DOT_U8S8(_mm256_setzero_si256(), u0, s0);
-            acc[t] = q8a_fma(p0, d0 * xd[t * (n / 32) + b], acc[t]);
+            acc[t] += (d0 * xd[t * (n / 32) + b]) * (float)q8_hsum(p0);
         }
     }
 }
@@ -91,17 +74,13 @@ KI __m256i q8_0_sum8(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
 
 KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd, float *out,
                        const int nt) {
-    __m512d acc8[Q8_NT];
-    q8acc acc[Q8_NT];
-    for (int t = 0; t < nt; t++) {
-        acc8[t] = _mm512_setzero_pd();
-        acc[t] = q8a_zero();
-    }
+    float acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     const __m512i zero = _mm512_setzero_si512();
-    /* the blocks' scales (the first 4 bytes of blocks 0 2 4 6 1 3 5 7 of a group: one gather) and
-     * the activation scales in the same order */
-    const __m256i soff = _mm256_setr_epi32(0, 68, 136, 204, 34, 102, 170, 238);
-    const __m256i dord = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    /* the blocks' scales (the first 4 bytes of blocks 0..7 of a group: one gather), and the
+     * permutation that takes q8_0_sum8's order (0 2 4 6 1 3 5 7) to block order */
+    const __m256i soff = _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238);
+    const __m256i nat = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
         const uint8_t *q = row + 34 * b;
@@ -117,7 +96,7 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
             neg[k] = _mm512_movepi8_mask(w);
         }
         const __m128i dh = _mm256_cvtepi32_epi16(_mm256_i32gather_epi32((const int *)q, soff, 1));
-        const __m512d dw = _mm512_cvtps_pd(_mm256_cvtph_ps(dh));
+        const __m256 dw = _mm256_cvtph_ps(dh);
         for (int t = 0; t < nt; t++) {
             const int8_t *xb = xq + t * n + 32 * b;
             __m512i p[4];
@@ -125,19 +104,24 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
                 const __m512i xv = _mm512_loadu_si512((const void *)(xb + 64 * k));
                 p[k] = _mm512_dpbusd_epi32(zero, u[k], _mm512_mask_sub_epi8(xv, neg[k], zero, xv));
             }
-            const __m256 dx = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xd + t * (n / 32) + b), dord);
-            const __m512d sc = _mm512_mul_pd(dw, _mm512_cvtps_pd(dx));
-            acc8[t] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(q8_0_sum8(p[0], p[1], p[2], p[3])), sc, acc8[t]);
+            /* the 8 blocks' (dw * dx) * (float)dot, then added in block order */
+            const __m256 sc = _mm256_mul_ps(dw, _mm256_loadu_ps(xd + t * (n / 32) + b));
+            const __m256i s8 = _mm256_permutevar8x32_epi32(q8_0_sum8(p[0], p[1], p[2], p[3]), nat);
+            float pv[8];
+            _mm256_storeu_ps(pv, _mm256_mul_ps(sc, _mm256_cvtepi32_ps(s8)));
+            float a = acc[t];
+            for (int k = 0; k < 8; k++) a += pv[k];
+            acc[t] = a;
         }
     }
     q8_0_blocks(row, b, nb, n, xq, xd, acc, nt); /* the last blocks of a row of n % 256 values */
-    for (int t = 0; t < nt; t++) out[t] = (float)(_mm512_reduce_add_pd(acc8[t]) + q8a_sum(acc[t]));
+    for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 #else
 KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd, float *out,
                        const int nt) {
-    q8acc acc[Q8_NT], acc2[Q8_NT];
-    for (int t = 0; t < nt; t++) acc[t] = acc2[t] = q8a_zero();
+    float acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *q = row + 34 * b;
@@ -150,7 +134,7 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 2));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + 36));
         const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
-        const double d0 = KERN_F16(kern_rd16(q)), d1 = KERN_F16(kern_rd16(q + 34));
+        const float d0 = KERN_F16(kern_rd16(q)), d1 = KERN_F16(kern_rd16(q + 34));
         for (int t = 0; t < nt; t++) {
             const int8_t *xb = xq + t * n + 32 * b;
             const float *dt = xd + t * (n / 32) + b;
@@ -158,12 +142,12 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
             const __m256i s1 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 32)), w1);
             const __m256i p0 = Q8_DOT_U8S8(_mm256_setzero_si256(), u0, s0);
             const __m256i p1 = Q8_DOT_U8S8(_mm256_setzero_si256(), u1, s1);
-            acc[t] = q8a_fma(p0, d0 * dt[0], acc[t]);
-            acc2[t] = q8a_fma(p1, d1 * dt[1], acc2[t]);
+            acc[t] += (d0 * dt[0]) * (float)q8_hsum(p0);
+            acc[t] += (d1 * dt[1]) * (float)q8_hsum(p1);
         }
     }
     q8_0_blocks(row, b, nb, n, xq, xd, acc, nt);
-    for (int t = 0; t < nt; t++) out[t] = (float)(q8a_sum(acc[t]) + q8a_sum(acc2[t]));
+    for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 #endif
 
@@ -196,8 +180,8 @@ KI __m512i KSUF(iq2_pair)(const uint8_t *qs, const long long *sgq, int p, __mmas
  * (2 s + 1) lane-wise and summed into one int32 accumulator per token */
 KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                              float *out, const int nt) {
-    q8acc acc[Q8_NT];
-    for (int t = 0; t < nt; t++) acc[t] = q8a_zero();
+    float acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     const __m512i zero = _mm512_setzero_si512();
     /* int32 lanes 0-7 <- scale of group 2p, lanes 8-15 <- group 2p + 1 */
     const __m512i sidx[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
@@ -207,7 +191,7 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + 66 * b;
         PF2(blk);
-        const double d = KERN_F16(kern_rd16(blk));
+        const float d = KERN_F16(kern_rd16(blk));
         __m256i a0, a1;
         const __m256i sg = KSUF(iq2xxs_signs)(blk + 2, &a0, &a1);
         long long sgq[4];
@@ -229,10 +213,10 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
         for (int t = 0; t < nt; t++) {
             const __m512i s = is[t];
             const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-            acc[t] = q8a_fma(s8, d * xd[t * (n / 256) + b], acc[t]);
+            acc[t] += (d * xd[t * (n / 256) + b]) * (float)q8_hsum(s8);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = (float)(0.125 * q8a_sum(acc[t]));
+    for (int t = 0; t < nt; t++) out[t] = 0.125f * acc[t];
 }
 #else
 /* AVX2 form: a group's 4 grid rows are loads composed into a ymm, and so are its 4 sign fields, as
@@ -260,12 +244,12 @@ KI __m256i KSUF(iq2_group)(const uint8_t *q, uint32_t aux, __m256i *sv) {
 
 KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                              float *out, const int nt) {
-    q8acc acc[Q8_NT];
-    for (int t = 0; t < nt; t++) acc[t] = q8a_zero();
+    float acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + 66 * b;
         PF2(blk);
-        const double d = KERN_F16(kern_rd16(blk));
+        const float d = KERN_F16(kern_rd16(blk));
         __m256i is[Q8_NT];
         for (int t = 0; t < nt; t++) is[t] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -280,9 +264,9 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
                 is[t] = q8_dot_scaled(is[t], gv, _mm256_sign_epi8(xv, sv), ls);
             }
         }
-        for (int t = 0; t < nt; t++) acc[t] = q8a_fma(is[t], d * xd[t * (n / 256) + b], acc[t]);
+        for (int t = 0; t < nt; t++) acc[t] += (d * xd[t * (n / 256) + b]) * (float)q8_hsum(is[t]);
     }
-    for (int t = 0; t < nt; t++) out[t] = (float)(0.125 * q8a_sum(acc[t]));
+    for (int t = 0; t < nt; t++) out[t] = 0.125f * acc[t];
 }
 
 #endif
@@ -298,8 +282,8 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
  * insert */
 KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                           const int16_t *xs, float *out, const int nt) {
-    q8acc acc[Q8_NT];
-    for (int t = 0; t < nt; t++) acc[t] = q8a_zero();
+    float acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     const __m512i m3 = _mm512_set1_epi8(3);
     /* int16 lane -> sub-block index: 128-bit quarter k of shift j holds sub-block
      * {2j, 2j+1, 8+2j, 9+2j}[k] */
@@ -313,7 +297,7 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + 84 * b;
         PF2(blk);
-        const double d = KERN_F16(kern_rd16(blk + 80)), dmin = KERN_F16(kern_rd16(blk + 82));
+        const float d = KERN_F16(kern_rd16(blk + 80)), dmin = KERN_F16(kern_rd16(blk + 82));
         const __m128i sc = _mm_loadu_si128((const __m128i *)blk);
         const __m512i lo16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc, _mm_set1_epi8(15))));
         const __m256i hi16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
@@ -331,12 +315,11 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
                 is = _mm512_dpwssd_epi32(is, _mm512_maddubs_epi16(v[j], xv), scv[j]);
             }
             const __m256i ms = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xs + t * (n / 16) + 16 * b)));
-            const double dx = xd[t * (n / 256) + b];
-            acc[t] = q8a_fma(_mm256_add_epi32(_mm512_castsi512_si256(is), _mm512_extracti64x4_epi64(is, 1)), d * dx, acc[t]);
-            acc[t] = q8a_fma(ms, -(dmin * dx), acc[t]);
+            acc[t] += kern_q2k_block(q8_hsum(_mm256_add_epi32(_mm512_castsi512_si256(is), _mm512_extracti64x4_epi64(is, 1))),
+                                     q8_hsum(ms), xd[t * (n / 256) + b], d, dmin);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = (float)q8a_sum(acc[t]);
+    for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 #else
 /* AVX2 form: the sub-block scales of a shift j go to their int16 lanes with one shuffle of the 16
@@ -345,13 +328,13 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
  * per block, from DRAM and from L2 alike */
 KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                           const int16_t *xs, float *out, const int nt) {
-    q8acc acc[Q8_NT];
-    for (int t = 0; t < nt; t++) acc[t] = q8a_zero();
+    float acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     const __m256i m3 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + 84 * b;
         PF2(blk);
-        const double d = KERN_F16(kern_rd16(blk + 80)), dmin = KERN_F16(kern_rd16(blk + 82));
+        const float d = KERN_F16(kern_rd16(blk + 80)), dmin = KERN_F16(kern_rd16(blk + 82));
         const __m128i sc = _mm_loadu_si128((const __m128i *)blk);
         const __m256i lo2 = _mm256_broadcastsi128_si256(_mm_and_si128(sc, _mm_set1_epi8(15)));
         const __m256i hi16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
@@ -380,12 +363,10 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
         }
         for (int t = 0; t < nt; t++) {
             const __m256i ms = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xs + t * (n / 16) + 16 * b)));
-            const double dx = xd[t * (n / 256) + b];
-            acc[t] = q8a_fma(is[t], d * dx, acc[t]);
-            acc[t] = q8a_fma(ms, -(dmin * dx), acc[t]);
+            acc[t] += kern_q2k_block(q8_hsum(is[t]), q8_hsum(ms), xd[t * (n / 256) + b], d, dmin);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = (float)q8a_sum(acc[t]);
+    for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 
 #endif
