@@ -1,9 +1,9 @@
 """Issue 23: the Q8_0 row kernels at T = 1..8 tokens (a batched decode step's rows) and the F16
 in-register path at 4 tokens.
 
-The AVX-512 Q8_0 row kernel sums 8 blocks' integer dots across registers before one float64
-multiply-add with their 8 scale products; every build's row kernel must still be the reference's
-function (NumpyOps in ds4 numerics: exact activations, float64 sums, one rounding) bit for bit at
+The AVX-512 Q8_0 row kernel sums 8 blocks' integer dots across registers, then adds their 8
+products with the scales in block order; every build's row kernel must still be the reference's
+function (NumpyOps in ds4 numerics: ds4's float32 block sums, model/ds4_matmul.py) bit for bit at
 every T, on row lengths that are and are not multiples of 8 blocks, with the codes' edge values
 (-128 weights, zero blocks, tiny and huge activation scales); and a token's result must not depend
 on how many tokens share the call (each token's sums run in the same order at every T).
@@ -47,7 +47,7 @@ def _x(rng, T, n_in):
 @needs_ext
 def test_q8_0_rows_equal_the_reference_at_every_t_on_every_build(isa_guard):
     C = isa_guard
-    ref = NumpyOps("ds4", q8_dot="exact")     # the function the integer kernels compute (docs/numerics.md)
+    ref = NumpyOps("ds4")                     # ds4's block order, which the integer kernels compute (issue 33)
     rng = np.random.default_rng(2301)
     cases = []
     for n_rows, n_in in SHAPES:
