@@ -1,8 +1,7 @@
 """Fidelity of the cpu backend to the NumPy reference on models it has never seen (issue 22, part 1).
 
-The reference here is NumpyOps with q8_dot="exact" (_exact_q8): the function the cpu backend's
-integer kernels compute. ds4 itself sums a Q8 matmul's blocks in float32 (the reference's default
-since issue 33); the kernels do not, see docs/numerics.md.
+The reference here is NumpyOps' default (q8_dot="ds4"): a Q8 matmul's blocks summed in float32 in
+ds4's order (issue 33), which the cpu backend's integer kernels compute bit for bit.
 
 Three freshly synthesized tiny models (their own seeds; 3 layers: a hash-routed layer with the
 ratio-4 indexer, a top-k routed ratio-128 layer, a top-k routed ratio-4 layer), 704 positions each,
@@ -15,12 +14,12 @@ the routed experts of the top-k layers and the compressed rows the indexer picks
   kernels, float32 indexer scores), and it must never turn a decision.
 * The Q8 matmuls: a reference pass whose Q8_0 linears and routed-expert products run on the cpu
   backend's integer kernels is bit-identical to the reference pass (logits and every decision).
-  Both compute the exact sum of exact products rounded once to float32 (the reference in float64
-  over the exact activations code * scale, the kernels as float64 sums of exact integer dots).
+  Both compute ds4's function (exact integer dots per block, times the float32 scale product,
+  added in float32 in block order: model/ds4_matmul.py).
 * End to end, the issue's bar: the cpu pass's own decisions equal the reference's at >= 99.5 % of
   the pairs and its logits' p90 max-abs is <= 0.25. Every op before a quantizer now computes the
-  reference's function (each reduction as if exact, rounded to float32 once: the integer kernels'
-  float64 block sums, the float kernels' and attention's float64 sums, the reference's own
+  reference's function (the integer kernels' block sums in ds4's float32 order; each other
+  reduction as if exact, rounded to float32 once: the float kernels' and attention's float64 sums, the reference's own
   indexer einsums), so the two passes are bit-identical in practice: on AVX-512 all three seeds give
   100 % of the decisions and logits equal to the last bit (the test asks for the bar). A single ulp anywhere would flip a Q8 code now
   and then and the passes would drift apart (~1e-2 within a layer or two, turning near-ties in
@@ -121,7 +120,7 @@ def runs(tmp_path_factory):
     cfg, vocab = config_for("tiny", **CONFIG)
     for seed in SEEDS:
         path = write_synthetic(folder / f"tiny-{seed}.gguf", cfg, recipe="q2", vocab=vocab, seed=seed).path
-        out[seed] = (_record(path, "numpy", twin=CpuOps("ds4"), patch=_exact_q8), path)
+        out[seed] = (_record(path, "numpy", twin=CpuOps("ds4")), path)
     return out
 
 
@@ -164,21 +163,14 @@ def _cpu_q8_matmuls(ops):
     ops.linear, ops.expert_act, ops.expert_linear = linear_q8, expert_act_q8, expert_linear_q8
 
 
-def _exact_q8(ops):
-    """The reference with q8_dot="exact": its Q8 matmuls round the exact sum once, the function
-    the cpu backend's integer kernels compute. (The reference's default since issue 33 is ds4's
-    own block order, float32 block sums, which the kernels do not follow yet: docs/numerics.md.)"""
-    ops._dot = False
-
-
 def test_cpu_q8_matmuls_leave_a_reference_pass_bit_identical(runs):
-    """The integer kernels compute the reference's function (float64 sums of exact products,
-    rounded once; tests/test_kernels_q8_exact.py): a reference pass whose every Q8 matmul runs on
+    """The integer kernels compute the reference's function (ds4's float32 block order;
+    tests/test_kernels_q8_exact.py): a reference pass whose every Q8 matmul runs on
     them is the reference pass, logits bit for bit and every decision, over 704 positions. (Before,
     these matmuls alone moved the indexer's decisions to ~71 %: docs/cpu-kernels.md, "Fidelity".)"""
     seed = SEEDS[0]
     ref, path = runs[seed]
-    got = _record(path, "numpy", patch=lambda ops: (_exact_q8(ops), _cpu_q8_matmuls(ops)))
+    got = _record(path, "numpy", patch=_cpu_q8_matmuls)
     r, _ = _agreement(ref["routes"], got["routes"])
     p, _ = _agreement(ref["picks"], got["picks"])
     same = np.mean(np.all(got["logits"] == ref["logits"], axis=1))
