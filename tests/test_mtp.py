@@ -309,3 +309,17 @@ def test_engine_open_takes_the_mtp_file_and_refuses_a_wrong_one(mtp_models):
         assert eng.mtp is not None and eng.model.keep_hc >= 1
     with pytest.raises(ModelFileError, match="not an MTP file"):
         Engine.open(main, mtp=main)
+
+
+def test_gguf_cli_writes_and_recognises_an_mtp_file(tmp_path, capsys):
+    from engine.gguf.gguf_cli import main
+    m, x = tmp_path / "m.gguf", tmp_path / "x.gguf"
+    assert main(["synth", str(m), "--layers", "1", "--vocab", "300", "--mtp", str(x)]) == 0
+    assert main(["inspect", str(x), "--model", str(m)]) == 0
+    assert "an MTP file" in capsys.readouterr().out
+    other = tmp_path / "o.gguf"
+    assert main(["synth", str(other), "--layers", "1", "--vocab", "300", "--embd", "512"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(x), "--model", str(other)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "mtp.0." in err

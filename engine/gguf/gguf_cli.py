@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -63,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--fill", choices=["random", "zero"], default="random",
                    help="zero: no data written (sparse file), for layout/size checks of big shapes")
     s.add_argument("--name", default="ds4-agent-synthetic", help="general.name in the file's metadata")
+    s.add_argument("--mtp", metavar="OUT", help="also write an MTP file (ds4's mtp.0.* layout) that fits this model")
     for flag, field in _SHAPE_FLAGS:
         s.add_argument(flag, type=int, metavar="N", help=f"{_SHAPE_HELP[field]} ({field}; "
                                                          f"default: tiny {TINY[field]}, flash {FLASH[field]})")
@@ -70,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("file", help="the GGUF file")
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--model", metavar="MAIN", help="for an MTP file: check it against this main model")
     return p
 
 
@@ -85,13 +88,20 @@ def _synth(a) -> int:
     r = write_synthetic(a.out, cfg, recipe=a.recipe, vocab=vocab, seed=a.seed, fill=a.fill, name=a.name)
     print(f"wrote {r.path}: {r.n_tensors} tensors, {r.nbytes:,} bytes, {cfg.n_layer} layers, "
           f"recipe {r.recipe}, vocab {cfg.n_vocab} ({time.perf_counter() - t0:.1f} s)")
+    if a.mtp:
+        from .mtp_file import write_synthetic_mtp
+        path = write_synthetic_mtp(a.mtp, cfg, recipe="q4" if a.recipe == "q2" else a.recipe, seed=a.seed + 1)
+        print(f"wrote {path}: the MTP file for it, {os.path.getsize(path):,} bytes")
     return 0
 
 
 def _inspect(a) -> int:
     from .inspect import format_report, report
     from .model_file import ModelFile
+    from .mtp_inspect import inspect_mtp, is_mtp_path
     from ..model.weights import check_hash_tables
+    if is_mtp_path(a.file):
+        return inspect_mtp(a.file, a.model, as_json=a.json, show_tensors=a.tensors)
     with ModelFile.open(a.file) as m:
         check_hash_tables(m)    # the one tensor whose values the loaders check (the weights are numbers)
         r = report(m)
