@@ -49,18 +49,19 @@ def test_q8_0_linear_is_the_reference_bit_for_bit(ops_pair, T):
     assert cu.k.launches == ({"ds4_gemm_q8_0": 1} if T >= 16 else {"ds4_matvec_q8_0": 1})
 
 
-@pytest.mark.parametrize("T", [2, 24])
-def test_routed_experts_are_the_reference_bit_for_bit(ops_pair, T):
+@pytest.mark.parametrize("P", [6, 24])     # a decode step's pairs (ds4_matvec), a prefill's (ds4_gemm)
+@pytest.mark.parametrize("which", ["gate_exps", "down_exps"])      # IQ2_XXS (Q8_K codes), Q2_K
+def test_expert_products_are_the_reference_bit_for_bit(ops_pair, P, which):
     cu, ref, lw = ops_pair
-    rng = np.random.default_rng(100 + T)
-    n_exp, k = lw.gate_exps.dims[2], 2
-    u = rng.standard_normal((T, lw.gate_exps.dims[0]), dtype=np.float32)
-    sel = np.stack([rng.choice(min(n_exp, 3), k, replace=False) for _ in range(T)]).astype(np.int64)
-    wsel = rng.random((T, k)).astype(np.float32)
+    w = getattr(lw, which)
+    rng = np.random.default_rng(100 + P)
+    x = rng.standard_normal((P, w.dims[0]), dtype=np.float32)
+    experts = rng.integers(0, min(w.dims[2], 3), P).astype(np.int32)       # pairs share experts
+    toks = rng.permutation(P).astype(np.int32)
     cu.k.launches.clear()
-    got = xp.asnumpy(cu._routed_kernels(cu._w(lw.gate_exps), cu._w(lw.up_exps), cu._w(lw.down_exps),
-                                        xp.asarray(u), xp.asarray(sel), xp.asarray(wsel), np.float32(7.0)))
-    want = ref.routed(lw, u, sel, wsel, np.float32(7.0))
+    got = xp.asnumpy(cu._kexperts(cu._w(w), xp.asarray(x), xp.asarray(experts), xp.asarray(toks)))
+    want = np.stack([ref.expert_linear(w.expert(int(e)), ref.expert_act(w, x[t:t + 1]))[0]
+                     for e, t in zip(experts, toks)])
     assert got.tobytes() == want.tobytes()
-    names = set(cu.k.launches)
-    assert names and all(n.startswith("ds4_gemm_" if T >= 16 else "ds4_matvec_") for n in names), names
+    kind = {16: "iq2_xxs", 10: "q2_k"}[w.type_id]
+    assert cu.k.launches == {(f"ds4_gemm_{kind}" if P >= 16 else f"ds4_matvec_{kind}"): 1}

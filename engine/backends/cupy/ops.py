@@ -31,6 +31,9 @@ from . import ds4_dot
 from . import numerics as DN
 from . import quant
 from .bind import bind_device
+from .graphs import DecodeGraphs
+from .graphs import enabled as graphs_enabled
+from .kernels import GEMM_TILE_PAIRS
 from .quant import DevTensor
 
 _EXPERT_ACT_Q8_0 = frozenset({Q.MXFP4, Q.Q8_0})
@@ -56,6 +59,7 @@ class CupyOps:
         self._rot: dict = {}          # id(thetas) -> (thetas, cos, sin): this pass's rotations
         # the attention kernel reads the indexer's picks in place (segments (keys, mask, idx))
         self.attention_index = kernels is not None and kernels.has("attn_segment")
+        self.graphs = DecodeGraphs(xp) if kernels is not None and graphs_enabled() else None
         if self._ds4:   # as the reference: ds4's RMSNorm in ds4 numerics (an instance attribute)
             self.rmsnorm = self.rmsnorm_ds4
 
@@ -331,13 +335,20 @@ class CupyOps:
 
     def moe(self, lw, u, sel, wsel, limit):
         """The routed experts plus the shared one (NumpyOps.moe): with the kernels, the
-        selected experts' gathered products (kernels.experts); else expert by expert."""
-        xp = self.xp
+        selected experts' gathered products (kernels.experts); else expert by expert. A decode
+        step's (fewer than GEMM_TILE_PAIRS pairs: no host-side plan) runs from a CUDA graph
+        captured once per layer and shape (graphs.py)."""
         u, sel, wsel, limit = self._a(u), self._a(sel), self._a(wsel), _F32(limit)
         gate, up, down = self._w(lw.gate_exps), self._w(lw.up_exps), self._w(lw.down_exps)
         kern = self.k is not None and self.k.has_experts(gate) and self.k.has_experts(down)
+        if kern and self.graphs is not None and sel.size < GEMM_TILE_PAIRS:
+            return self.graphs.run(lw, lambda u_, s_, w_: self._moe(lw, gate, up, down, u_, s_, w_, limit, True),
+                                   (u, sel, wsel))
+        return self._moe(lw, gate, up, down, u, sel, wsel, limit, kern)
+
+    def _moe(self, lw, gate, up, down, u, sel, wsel, limit, kern):
         routed = (self._routed_kernels if kern else self._routed_arrays)(gate, up, down, u, sel, wsel, limit)
-        sh = self._swiglu(xp, *self.linears([lw.sh_gate, lw.sh_up], u), limit)
+        sh = self._swiglu(self.xp, *self.linears([lw.sh_gate, lw.sh_up], u), limit)
         return routed + self.linear(lw.sh_down, sh)
 
     def _routed_arrays(self, gate, up, down, u, sel, wsel, limit):
@@ -375,7 +386,7 @@ class CupyOps:
         outputs are summed in the reference's order; one gathered product per matrix."""
         xp = self.xp
         T, k = sel.shape
-        slot = xp.argsort(sel, axis=1)
+        slot = _stable_order(xp, sel)
         sel_s, w_s = xp.take_along_axis(sel, slot, axis=1), xp.take_along_axis(wsel, slot, axis=1)
         experts = sel_s.reshape(-1).astype(xp.int32)
         toks = xp.repeat(xp.arange(T, dtype=xp.int32), k)
@@ -393,3 +404,13 @@ class CupyOps:
         for j in range(1, k):
             routed = routed + d[:, j]
         return routed
+
+
+def _stable_order(xp, sel):
+    """argsort(sel, axis=1, stable) for a few columns, in elementwise ops and a reduction: a
+    capture-safe form (CuPy's argsort runs Thrust, which synchronizes: not allowed in a graph)."""
+    k = sel.shape[1]
+    i = xp.arange(k)
+    before = (sel[:, None, :] < sel[:, :, None]) | ((sel[:, None, :] == sel[:, :, None]) & (i[None, :] < i[:, None])[None])
+    rank = before.sum(axis=2)                                           # [T, j]: j's place
+    return xp.argmax(rank[:, :, None] == i[None, None, :], axis=1)      # [T, r]: the j at place r

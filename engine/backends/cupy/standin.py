@@ -70,6 +70,48 @@ def _key(k):
     return _dev(k)
 
 
+# -- CUDA graph capture (Stream.begin_capture / end_capture, Graph.launch) ------------------------
+# While a stream captures, nothing is "queued": every op still runs at once (so the capture's own
+# results are right), and each is also recorded as a step that recomputes it. Graph.launch replays
+# the steps in order and writes each result into the buffer the capture produced, as a CUDA graph
+# re-runs its kernels on the addresses it captured: inputs are read from their buffers at replay
+# time, Python scalars are baked in. The arrays a capture made hold NaN until a launch (a device
+# computes nothing while it captures); the one liberty: an in-place write to an array made before
+# the capture happens at capture time too. What a graph cannot hold is an error during a capture, as on
+# the device: a device -> host read (.get, asnumpy, bool/int/float of an array) and a host ->
+# device upload (asarray of host data, .set).
+_CAPTURING: list = []         # the capture in progress (at most one)
+
+
+def _capture_guard(what: str) -> None:
+    if _CAPTURING:
+        raise RuntimeError(f"{what} during a CUDA graph capture (cudaErrorStreamCaptureUnsupported: "
+                           f"a graph cannot hold a transfer between host and device)")
+
+
+def _run(thunk):
+    """thunk() -> a NumPy-level result, wrapped; recorded while a stream captures."""
+    r = _wrap(thunk())
+    if _CAPTURING:
+        _CAPTURING[-1].append((thunk, r))
+    return r
+
+
+def _mutate(thunk) -> None:
+    """An in-place op (setitem, +=, out=, a kernel launch), recorded while a stream captures."""
+    thunk()
+    if _CAPTURING:
+        _CAPTURING[-1].append((thunk, None))
+
+
+def _replay(steps) -> None:
+    for thunk, r in steps:
+        new = thunk()
+        for old, val in zip(*((r, new) if isinstance(r, (tuple, list)) else ((r,), (new,)))):
+            if isinstance(old, ndarray) and isinstance(val, (_np.ndarray, _np.generic)):
+                _np.copyto(old._a, val, casting="no")
+
+
 class ndarray:
     """A device array: NumPy storage behind CuPy's rules (see the module docstring)."""
     __slots__ = ("_a", "__weakref__")
@@ -93,10 +135,12 @@ class ndarray:
 
     def get(self, stream=None, order="C", out=None) -> _np.ndarray:
         """A host copy (CuPy's device -> host transfer)."""
+        _capture_guard("a device -> host copy")
         return _np.array(self._a, order=order, copy=True)
 
     def set(self, arr, stream=None):
         """Host -> device copy into this (C-contiguous) array (CuPy's `ndarray.set`)."""
+        _capture_guard("a host -> device copy")
         arr = _np.asarray(arr)
         if arr.shape != self._a.shape or not self._a.flags.c_contiguous:
             raise ValueError(f"set: shape {arr.shape} into {self._a.shape} (or a non-contiguous array)")
@@ -112,33 +156,45 @@ class ndarray:
         return (_wrap(v) for v in self._a)
 
     def __bool__(self):
+        _capture_guard("reading a device value on the host")
         return bool(self._a)
 
     def __int__(self):
+        _capture_guard("reading a device value on the host")
         return int(self._a)
 
     def __float__(self):
+        _capture_guard("reading a device value on the host")
         return float(self._a)
 
     def item(self):
+        _capture_guard("reading a device value on the host")
         return self._a.item()
 
     def tolist(self):
+        _capture_guard("reading a device value on the host")
         return self._a.tolist()
 
     def __getitem__(self, k):
-        return _wrap(self._a[_key(k)])
+        return _run(lambda: self._a[_key(k)])
 
     def __setitem__(self, k, v):
-        self._a[_key(k)] = _dev(v)
+        def put():
+            self._a[_key(k)] = _dev(v)
+        _mutate(put)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kw):
         # np.exp(dev) and the like: CuPy runs its own ufunc; a host operand is an error
         out = kw.pop("out", None)
         if out is not None:
             kw["out"] = tuple(_dev(o) for o in out)
-        r = getattr(ufunc, method)(*(_dev(i) for i in inputs), **{k: _dev(v) for k, v in kw.items()})
-        return out[0] if out is not None and len(out) == 1 else _wrap(r)
+
+        def f():
+            return getattr(ufunc, method)(*(_dev(i) for i in inputs), **{k: _dev(v) for k, v in kw.items()})
+        if out is not None and len(out) == 1:
+            _mutate(f)
+            return out[0]
+        return _run(f)
 
     def __array_function__(self, func, types_, args, kwargs):
         # np.concatenate([dev, ...]) and the like go to this module's function of the same name
@@ -148,7 +204,7 @@ class ndarray:
         return mine(*args, **kwargs)
 
     def argsort(self, axis=-1):
-        return ndarray(_np.argsort(self._a, axis=axis, kind="stable"))
+        return _run(lambda: _np.argsort(self._a, axis=axis, kind="stable"))
 
     def __getattr__(self, name):
         if name not in _METHODS:
@@ -156,7 +212,9 @@ class ndarray:
         meth = getattr(self._a, name)
 
         def call(*args, **kw):
-            return _wrap(meth(*_dev(args), **{k: _dev(v) for k, v in kw.items()}))
+            if name == "fill":
+                return _mutate(lambda: meth(*_dev(args)))
+            return _run(lambda: meth(*_dev(args), **{k: _dev(v) for k, v in kw.items()}))
         return call
 
 
@@ -169,14 +227,14 @@ _METHODS = frozenset({
 
 def _binary(op, reflected=False):
     def f(self, other):
-        o = _dev(other)
-        return _wrap(op(o, self._a) if reflected else op(self._a, o))
+        _dev(other)                     # (a host operand is refused now, not at a replay)
+        return _run(lambda: op(_dev(other), self._a) if reflected else op(self._a, _dev(other)))
     return f
 
 
 def _inplace(op):
     def f(self, other):
-        op(self._a, _dev(other))
+        _mutate(lambda: op(self._a, _dev(other)))
         return self
     return f
 
@@ -190,7 +248,7 @@ for _n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "
 for _n in ("lt", "le", "gt", "ge", "eq", "ne"):
     setattr(ndarray, f"__{_n}__", _binary(getattr(operator, _n)))
 for _n in ("neg", "pos", "abs", "invert"):
-    setattr(ndarray, f"__{_n}__", (lambda op: lambda self: _wrap(op(self._a)))(getattr(operator, _n)))
+    setattr(ndarray, f"__{_n}__", (lambda op: lambda self: _run(lambda: op(self._a)))(getattr(operator, _n)))
 ndarray.__hash__ = None
 
 
@@ -198,19 +256,22 @@ ndarray.__hash__ = None
 def asarray(a, dtype=None, order=None):
     """A device array of `a`: itself (or cast) for a device array, an upload (a copy) for host data."""
     if isinstance(a, ndarray):
-        return a if dtype is None or a.dtype == _np.dtype(dtype) else ndarray(a._a.astype(dtype))
+        return a if dtype is None or a.dtype == _np.dtype(dtype) else _run(lambda: a._a.astype(dtype))
+    _capture_guard("a host -> device copy")
     return ndarray(_np.array(a, dtype=dtype, order=order or "K", copy=True))
 
 
 def array(a, dtype=None, copy=True, order="K"):
     if isinstance(a, ndarray):
-        return ndarray(_np.array(a._a, dtype=dtype, copy=copy, order=order))
+        return _run(lambda: _np.array(a._a, dtype=dtype, copy=copy, order=order))
+    _capture_guard("a host -> device copy")
     return ndarray(_np.array(a, dtype=dtype, copy=True, order=order))
 
 
 def ascontiguousarray(a, dtype=None):
     if isinstance(a, ndarray):
-        return ndarray(_np.ascontiguousarray(a._a, dtype=dtype))
+        return _run(lambda: _np.ascontiguousarray(a._a, dtype=dtype))
+    _capture_guard("a host -> device copy")
     return ndarray(_np.array(a, dtype=dtype, order="C", copy=True))
 
 
@@ -234,7 +295,8 @@ def is_available() -> bool:
 
 def _device_fn(f):
     def call(*args, **kw):
-        return _wrap(f(*_dev(args), **{k: _dev(v) for k, v in kw.items()}))
+        _dev(args), {k: _dev(v) for k, v in kw.items()}      # (host operands refused now)
+        return _run(lambda: f(*_dev(args), **{k: _dev(v) for k, v in kw.items()}))
     call.__name__ = f.__name__
     return call
 
@@ -259,15 +321,53 @@ globals().update({n: f for n, f in _FUNCS.items() if n not in globals()})
 
 
 # -- cupy.cuda: streams, devices, pinned memory, graphs ---------------------------------------------
+class Graph:
+    """cupy.cuda.Graph: what a capture recorded, replayed by launch() (see _CAPTURING)."""
+
+    def __init__(self, steps: list):
+        self._steps = steps
+
+    def launch(self, stream=None):
+        _capture_guard("launching a graph")
+        _replay(self._steps)
+
+    def upload(self, stream=None):
+        pass
+
+
 class Stream:
-    """Kernels and copies run at once on the host: a stream orders nothing and captures nothing."""
+    """Kernels and copies run at once on the host: a stream orders nothing. begin_capture /
+    end_capture record a CUDA graph as CuPy's do (not on the null stream, one at a time)."""
     null = None
 
-    def __init__(self, non_blocking: bool = False):
-        pass
+    def __init__(self, non_blocking: bool = False, null: bool = False):
+        self._null = null
+        self._steps = None
 
     def synchronize(self):
-        pass
+        _capture_guard("synchronizing a stream")
+
+    def begin_capture(self, mode=None):
+        if self._null:
+            raise RuntimeError("cannot capture the null (legacy) stream: capture on a Stream()")
+        if _CAPTURING:
+            raise RuntimeError("a stream is capturing already")
+        self._steps = []
+        _CAPTURING.append(self._steps)
+
+    def end_capture(self) -> Graph:
+        if self._steps is None or not _CAPTURING or _CAPTURING[-1] is not self._steps:
+            raise RuntimeError("end_capture without begin_capture on this stream")
+        _CAPTURING.pop()
+        steps, self._steps = self._steps, None
+        for _, r in steps:        # a capture computes nothing on a device: what it made holds NaN
+            for a in r if isinstance(r, (tuple, list)) else (r,):       # until the graph is launched
+                if isinstance(a, ndarray) and a._a.flags.owndata and a._a.dtype.kind == "f":
+                    a._a.fill(_np.nan)
+        return Graph(steps)
+
+    def is_capturing(self) -> bool:
+        return self._steps is not None
 
     def __enter__(self):
         return self
@@ -276,7 +376,28 @@ class Stream:
         return False
 
 
-Stream.null = Stream()
+Stream.null = Stream(null=True)
+
+
+class MemoryPool:
+    """cupy.cuda.MemoryPool: a graph's private pool on CuPy; NumPy memory is never reused here."""
+
+    def malloc(self, nbytes):
+        return None
+
+    def free_all_blocks(self):
+        pass
+
+
+class _UsingAllocator:
+    def __init__(self, allocator=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 class Device:
@@ -312,7 +433,9 @@ def _runtime_info():
 
 cuda = types.SimpleNamespace(Stream=Stream, Device=Device, alloc_pinned_memory=alloc_pinned_memory,
                              runtime=_runtime_info(), get_current_stream=lambda: Stream.null,
+                             Graph=Graph, MemoryPool=MemoryPool, using_allocator=_UsingAllocator,
                              emulated=True)
+LAUNCH_LOG: list | None = None    # a list: every kernel launch appends (name, grid, block, scalars)
 
 
 # -- RawModule / RawKernel: the host emulation of the .cu kernels ----------------------------------
@@ -337,7 +460,14 @@ class _Function:
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
         host = [_kernel_arg(a, self.name, i) for i, a in enumerate(args)]
         self.launches += 1
-        self._fn(tuple(grid), tuple(block), host, shared_mem=shared_mem)
+        entry = (self.name, tuple(int(g) for g in grid), tuple(int(b) for b in block),
+                 tuple(a.item() if isinstance(a, _np.generic) else a.shape for a in host))
+
+        def launch():
+            if LAUNCH_LOG is not None and not _CAPTURING:     # (a capture runs nothing on a device)
+                LAUNCH_LOG.append(entry)
+            self._fn(entry[1], entry[2], host, shared_mem=shared_mem)
+        _mutate(launch)
 
 
 class RawModule:
