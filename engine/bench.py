@@ -269,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None, help="write the CSV here instead of stdout")
     p.add_argument("--plot", default=None, help="write an SVG chart here")
     p.add_argument("--dump-tokens", default=None, help="write the greedy tokens of each frontier as JSON")
+    p.add_argument("--isa", default=None, metavar="BUILD",
+                   help="the cpu backend's kernel build: generic, avx2, avx512 or avx512vbmi (one this machine "
+                        "runs; default: the best; env DS4_CPU_ISA does the same)")
     p.add_argument("--peer", default=None, metavar="NAME",
                    help="also measure backend NAME in the same run (same tokens, frontiers, numerics, "
                         "threads); print each row's ratio against it and add a backend column to the CSV")
@@ -315,6 +318,9 @@ def _main(argv) -> int:
         a.step_incr = 2048
     options = EngineOptions.from_args(a)        # a bad value: ValueError, one line (main)
     peer = peer_options(options, a.peer)        # checked before the first sweep spends its time
+    if a.isa is not None:           # an unknown build: ValueError, one line (main)
+        from .backends.cpu import kernels
+        kernels.set_isa(a.isa)
     check_model_path(a.model)       # "is a directory", "no such file": as every command says
     prompt, text = _read_prompt(a.prompt_file)
     if a.ctx_start > a.ctx_max:

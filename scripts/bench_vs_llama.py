@@ -5,6 +5,12 @@ Issue 22's acceptance: decode and prefill stay >= 2x llama.cpp, measured in the 
 file, and decode reaches >= 85 % of the read floor that ds4-bench measures in that run.
 
     python scripts/bench_vs_llama.py -m f.gguf [--rounds 3] [--threads 2] [--work-dir DIR] [--keep-copy]
+                                     [--isa avx2]
+
+--isa avx2 compares the AVX2 builds on a machine with AVX-512 (issue 36): llama.cpp is built with
+AVX-512 off (-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+-DGGML_AVX512=OFF, into its own cache folder, ...-avx2) and ds4-bench runs with --isa avx2 (the cpu
+kernels' AVX2 build, kernels.set_isa).
 
 What it does:
 
@@ -71,7 +77,15 @@ def llama_bench_path(cache: Path) -> Path:
     return cache / "build" / "bin" / "llama-bench"
 
 
-def build_llama_bench(cache: Path, jobs: int) -> Path:
+#: CMake flags of llama.cpp's CPU build per --isa
+ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"],
+             "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                      "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
+                      "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF",
+                      "-DGGML_AMX_INT8=OFF"]}
+
+
+def build_llama_bench(cache: Path, jobs: int, isa: str = "native") -> Path:
     """Download the sdist, unpack vendor/llama.cpp, build only llama-bench. Reuses a finished build."""
     exe = llama_bench_path(cache)
     if exe.exists():
@@ -93,7 +107,7 @@ def build_llama_bench(cache: Path, jobs: int) -> Path:
             tar.extractall(src, members=members, filter="data")
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     _run(["cmake", "-S", str(src), "-B", str(cache / "build"), *gen, "-DCMAKE_BUILD_TYPE=Release",
-          "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+          *ISA_FLAGS[isa], "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
           "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"])
     t0 = time.time()
     _run(["cmake", "--build", str(cache / "build"), "--target", "llama-bench", f"-j{jobs}"])
@@ -384,6 +398,8 @@ def main(argv=None) -> int:
     p.add_argument("--repack", type=int, default=0, help="llama-bench --repack (default 0)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "ds4-peers" / f"llama.cpp-{LLAMA_VER}")
     p.add_argument("--jobs", type=int, default=2, help="build jobs")
+    p.add_argument("--isa", choices=sorted(ISA_FLAGS), default="native",
+                   help="avx2: both tools' AVX2 builds (llama.cpp with AVX-512 off, ds4-bench --isa avx2)")
     p.add_argument("--work-dir", type=Path, default=None, help="where the edited copy goes (default $TMPDIR or /tmp)")
     p.add_argument("--keep-copy", action="store_true", help="keep the edited copy for later runs")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark run")
@@ -395,8 +411,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write every round's figures here")
     a = p.parse_args(argv)
     a.ctx_depth = a.ctx if a.ctx_depth is None else a.ctx_depth
+    if a.isa != "native":
+        a.cache = a.cache.with_name(f"{a.cache.name}-{a.isa}")
+        a.ds4_arg += ["--isa", a.isa]
 
-    exe = build_llama_bench(a.cache, a.jobs)
+    exe = build_llama_bench(a.cache, a.jobs, a.isa)
     work = a.work_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     dst = work / f"{Path(a.model).stem}.llama.gguf"
     fresh = dst.exists() and a.keep_copy and dst.stat().st_mtime >= Path(a.model).stat().st_mtime

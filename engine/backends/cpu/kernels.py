@@ -110,6 +110,16 @@ def isa() -> str | None:
     return _K.isa() if _K is not None else None
 
 
+def set_isa(name: str) -> None:
+    """Use the kernel build `name` ("generic", "avx2", "avx512", "avx512vbmi": one this machine runs,
+    e.g. the AVX2 build on an AVX-512 machine, to measure what an AVX2-only machine gets). The
+    environment variable DS4_CPU_ISA does the same when this module loads (ds4-bench --isa)."""
+    have = list(_K.isas()) if _K is not None else []
+    if name not in have:
+        raise ValueError(f"kernel build {name!r} is not available here (this machine runs: {', '.join(have) or 'none'})")
+    _K.set_isa(name)
+
+
 def set_threads(n: int) -> None:
     """Threads used by the C kernels (matmul's fused path, dequantize_rows)."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= int(n) <= 1024:
@@ -154,6 +164,11 @@ def _default_threads() -> int:
 
 if _K is not None:
     _K.set_threads(_default_threads())
+    if os.environ.get("DS4_CPU_ISA"):
+        try:
+            set_isa(os.environ["DS4_CPU_ISA"])
+        except ValueError as e:
+            warnings.warn(f"DS4_CPU_ISA: {e}; keeping {_K.isa()}", RuntimeWarning)
     if build_is_current() is False:
         warnings.warn("engine.backends.cpu._kernels was built from older C sources (a failed rebuild keeps the old "
                       "binary): run `pip install -e .` and read the compiler's errors", RuntimeWarning)
