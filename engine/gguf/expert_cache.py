@@ -397,25 +397,38 @@ def parse_size(text: str) -> int | str:
 
 
 def memory_budget() -> int | None:
-    """The bytes this process may still use: MemAvailable, and within a memory cgroup
-    (v2 memory.max) what its limit leaves; None where neither can be read."""
+    """The bytes this process may still use: MemAvailable, and within a memory cgroup what its
+    limit leaves (v2 memory.max, v1 memory.limit_in_bytes); None where none can be read."""
     got = []
     try:
         with open("/proc/meminfo") as f:
             got += [int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        with open("/proc/self/cgroup") as f:
-            rel = f.read().strip().split("::")[-1]
-        base = f"/sys/fs/cgroup{rel}"
-        lim = open(f"{base}/memory.max").read().strip()
-        if lim != "max":
-            got.append(int(lim) - int(open(f"{base}/memory.current").read()))
-    except (OSError, ValueError, IndexError):
-        pass
-    got = [g for g in got if g is not None]
+    got += _cgroup_room()
     return min(got) if got else None
+
+
+def _cgroup_room() -> list[int]:
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return []
+    for ln in lines:
+        hid, ctrl, rel = (ln.split(":", 2) + ["", ""])[:3]
+        if ctrl == "" and hid == "0":
+            base, files = f"/sys/fs/cgroup{rel}", ("memory.max", "memory.current")
+        elif "memory" in ctrl.split(","):
+            base, files = f"/sys/fs/cgroup/memory{rel}", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            lim = open(f"{base}/{files[0]}").read().strip()
+            if lim != "max" and int(lim) < 1 << 60:        # (v1's "no limit" is a huge number)
+                return [int(lim) - int(open(f"{base}/{files[1]}").read())]
+        except (OSError, ValueError):
+            continue
+    return []
 
 
 def expert_bytes(model_file) -> int:
