@@ -19,6 +19,7 @@ import time
 from engine import ModelFileError
 from engine.cli_help import ArgumentParser, DefaultsHelpFormatter, add_version_flag
 from engine.console import console_main
+from engine.mtp_options import add_mtp_flags
 from engine.options import EngineOptions, add_engine_flags
 from prompts.messages import Message
 from prompts.render import render_messages, think_mode_for_context
@@ -56,6 +57,7 @@ def _parser():
                    help="the longest reasoning (ds4's Think Max; needs --ctx 393216 or more, else --think)")
     p.set_defaults(think="high")
     add_engine_flags(p)
+    add_mtp_flags(p)
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk size in tokens")
     p.add_argument("--dump-tokens", action="store_true", help="print prompt and generated token ids and pieces")
     p.add_argument("--dump-logprobs", metavar="FILE", help="write the top-k log-probabilities of every step as JSON")
@@ -114,6 +116,8 @@ def main(argv=None, stdin=None) -> int:
         options = EngineOptions.from_args(a)
     except ValueError as e:
         return _fail(str(e))
+    if a.mtp and (a.dump_logits or a.dump_logprobs):
+        return _fail("--mtp verifies several tokens a step: it does not combine with --dump-logits or --dump-logprobs")
     think = think_mode_for_context(a.think, a.ctx)
     if think != a.think:
         print("note: --think-max needs --ctx >= 393216 (ds4's gate); using --think", file=sys.stderr)
@@ -134,7 +138,7 @@ def _run(a, options: EngineOptions, prompt: str, think: str) -> int:
     from engine import Engine, Rng, SamplingParams, Session
     from engine.runtime.session import LogitsDump
 
-    eng = Engine.open(a.model, options)
+    eng = Engine.open(a.model, options, mtp=a.mtp)
     tok = eng.tokenizer
     ids = tok.encode(render_user_turn(prompt, think))
     if len(ids) + a.n_predict >= a.ctx:
@@ -152,7 +156,8 @@ def _run(a, options: EngineOptions, prompt: str, think: str) -> int:
     steps, logits_dump, generated = [], LogitsDump(), []
     text_out = tok.stream_decoder()
     t1 = time.perf_counter()
-    for step in range(a.n_predict):
+    spec = _speculator(a, eng, sess)
+    for step in range(a.n_predict if spec is None else 0):
         if a.dump_logits:
             logits_dump.add(sess)
         t = sess.sample(params, rng)
@@ -170,6 +175,8 @@ def _run(a, options: EngineOptions, prompt: str, think: str) -> int:
             out.flush()
         if step + 1 < a.n_predict:
             sess.eval(t)
+    if spec is not None:
+        generated = _generate_mtp(a, spec, params, rng, tok, out, text_out)
     t_gen = time.perf_counter() - t1
     if not a.dump_tokens:
         out.write(text_out.flush())
@@ -190,6 +197,30 @@ def _run(a, options: EngineOptions, prompt: str, think: str) -> int:
           + ("; the model ended its turn" if ended else ""), file=sys.stderr)
     eng.close()
     return 0
+
+
+def _speculator(a, eng, sess):
+    if not a.mtp:
+        return None
+    from engine import MTPDrafter, Speculator
+    return Speculator(sess, MTPDrafter(eng), a.mtp_draft)
+
+
+def _generate_mtp(a, spec, params, rng, tok, out, text_out) -> list[int]:
+    """The generation loop with MTP: each step adds the tokens the verify kept (greedy: the same
+    tokens as the plain loop above; sampling: the same law)."""
+    generated: list[int] = []
+    while len(generated) < a.n_predict and (not generated or generated[-1] != tok.eos_id):
+        for t in spec.step(params, rng, limit=a.n_predict - len(generated), stop=(tok.eos_id,)):
+            generated.append(t)
+            if t != tok.eos_id and not a.dump_tokens:
+                out.write(text_out.feed(t))
+        out.flush()
+    acc = spec.acceptance
+    print(f"mtp: {spec.stats['accepted']} of {spec.stats['drafted']} drafts accepted"
+          + (f" ({100 * acc:.0f} %)" if acc is not None else "") + f", {spec.stats['steps']} verify steps",
+          file=sys.stderr)
+    return generated
 
 
 MIN_TIMED_S = 0.01      # below this a rate says more about the clock than the model

@@ -323,3 +323,17 @@ def test_gguf_cli_writes_and_recognises_an_mtp_file(tmp_path, capsys):
     assert main(["inspect", str(x), "--model", str(other)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "mtp.0." in err
+
+
+def test_ds4_cli_with_mtp_prints_plain_greedy_tokens(mtp_models, capsys):
+    from ds4agent.ds4_cli import main
+    main_path, mtp, _ = mtp_models
+    args = ["-m", str(main_path), "-p", "Once upon", "-n", "6", "--temp", "0", "--nothink", "--dump-tokens"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--mtp", str(mtp), "--mtp-draft", "3"]) == 0
+    got = capsys.readouterr()
+    assert got.out == plain and "drafts accepted" in got.err
+    assert main(args + ["--mtp", str(main_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "not an MTP file" in err and "\n" not in err
