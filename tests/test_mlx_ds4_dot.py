@@ -59,3 +59,20 @@ def test_mlx_dots_match_the_reference_on_random_data(name):
     else:
         want, got = D.q8_k_matmul(tid, data, D.q8_k_act(x)), _q8_k(name, data, x)
     assert _same(got, want), (name, np.abs(got - want).max())
+
+
+@pytest.mark.parametrize("name", ["iq2_xxs", "q2_k"])
+def test_mlx_pair_dots_are_each_experts_dot(name):
+    """The batched form (one expert's rows per pair, as the routed experts use it) gives each
+    pair's dot bit for bit."""
+    from engine.backends.mlx import numerics as MN
+    rng = np.random.default_rng(3)
+    tid = getattr(Q, name.upper())
+    E, n_in, n_out, P = 4, 512, 16, 5
+    data = Q.random_blocks(tid, rng, E * n_out * n_in // 256, 0.05).reshape(E, n_out, -1)
+    x = rng.standard_normal((P, n_in)).astype(np.float32)
+    experts = np.array([2, 0, 3, 2, 1])
+    q, d = MN.q8_k_codes(mx.array(x))
+    got = np.array(DD.q8_k_matmul(tid, mx.array(data)[mx.array(experts)], q, d, f64=True))
+    for p, e in enumerate(experts):
+        assert _same(got[p], D.q8_k_matmul(tid, data[e], D.q8_k_act(x[p:p + 1]))[0]), (name, p)

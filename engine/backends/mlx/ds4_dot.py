@@ -92,24 +92,40 @@ def _q2_k_int(blocks: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]
     return lo, hi, _f16_field(blocks, 80)[:, 0], _f16_field(blocks, 82)[:, 0]
 
 
+def _dots_w(q: mx.array, w: mx.array) -> mx.array:
+    """Per-block dots with shared rows (w [R, nb, k], q [T, nb, k]) or one weight per row of q
+    (w [P, R, nb, k], q [P, nb, k]) -> [nb, T or P, R]."""
+    if w.ndim == 3:
+        return _dots(q, w)
+    return (mx.swapaxes(q, 0, 1)[:, :, None, :] @ mx.transpose(w, (2, 0, 3, 1)))[:, :, 0, :]
+
+
+def _per_block(a: mx.array, lead: tuple) -> mx.array:
+    """A weight's per-block value [(P,) R * nb] -> [nb, 1 or P, R], to broadcast against [nb, T, R]."""
+    a = a.reshape(*lead, -1)                                     # [(P,) R, nb]
+    return mx.moveaxis(a, -1, 0) if len(lead) == 2 else a.T[:, None, :]
+
+
 def q8_k_matmul(type_id: int, raw: mx.array, q: mx.array, dx: mx.array, f64: bool) -> mx.array:
-    """ds4's IQ2_XXS / Q2_K dot of one expert's raw rows uint8 [R, row_bytes] with Q8_K codes
-    q float32 [T, nb, 256] and scales dx [T, nb] (MN.q8_k_codes) -> float32 [T, R]."""
-    R, (T, nb) = raw.shape[0], dx.shape
-    blocks = raw.reshape(R * nb, -1)
+    """ds4's IQ2_XXS / Q2_K dot of an expert's raw rows uint8 [R, row_bytes] with Q8_K codes
+    q float32 [T, nb, 256] and scales dx [T, nb] (MN.q8_k_codes) -> float32 [T, R]; or, with raw
+    [P, R, row_bytes] (one expert per pair), of pair p's rows with q[p] -> [P, R]."""
+    lead, (T, nb) = raw.shape[:-1], dx.shape
+    R = lead[-1]
+    blocks = raw.reshape(-1, raw.shape[-1] // nb)
+    dxt = dx.T[:, :, None]                                                          # [nb, T, 1]
     if type_id == Q.IQ2_XXS:
         wi, dw = _iq2_xxs_int(blocks)
-        quarters = _dots(q.reshape(T, nb * 4, 64), wi.reshape(R, nb * 4, 64))       # [4 nb, T, R]
+        quarters = _dots_w(q.reshape(T, nb * 4, 64), wi.reshape(*lead, nb * 4, 64))  # [4 nb, T, R]
         dots = quarters.astype(mx.int32).reshape(nb, 4, T, R).sum(axis=1).astype(mx.float32)
-        return mx.array(0.125, mx.float32) * _ordered_sum(_scaled(dw.reshape(R, nb), dx, dots))
+        return mx.array(0.125, mx.float32) * _ordered_sum((_per_block(dw, lead) * dxt) * dots)
     if type_id != Q.Q2_K:
         raise ValueError(f"no ds4 Q8_K dot product for {Q.type_name(type_id)}")
     lo, hi, d, dmin = _q2_k_int(blocks)
-    isum = _dots(q, lo.reshape(R, nb, 256))                                         # [nb, T, R]
-    summs = _dots(q, hi.reshape(R, nb, 256))
-    dxt = dx.T[:, :, None]
-    dall = dxt * d.reshape(R, nb).T[:, None, :]
-    mins = (summs * dxt) * dmin.reshape(R, nb).T[:, None, :]
+    isum = _dots_w(q, lo.reshape(*lead, nb, 256))                                   # [nb, T, R]
+    summs = _dots_w(q, hi.reshape(*lead, nb, 256))
+    dall = dxt * _per_block(d, lead)
+    mins = (summs * dxt) * _per_block(dmin, lead)
     if f64:   # GCC's fma(isum, dall, -mins): exact product, one rounding (as the reference)
         terms = (isum.astype(mx.float64) * dall.astype(mx.float64) - mins.astype(mx.float64)).astype(mx.float32)
     else:

@@ -20,11 +20,14 @@ On Metal (no float64) none of this applies: the backend keeps its float32 forms 
 """
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
 from ...gguf import quants as Q
 from . import ds4_dot as DD
+from . import ds4_float as DF
 from . import numerics as MN
 from . import quant
 
@@ -51,16 +54,21 @@ class Ds4RefOps:
     """Mixed into MlxOps: the reference's forms, on the CPU device in ds4 numerics."""
 
     def use_reference_steps(self):
-        for name in ("sigmoid", "softplus", "softmax", "attention", "hc_split", "hc_pre_mix",
-                     "hc_post", "indexer_scores"):
-            setattr(self, name, getattr(self, name + "_ref"))
+        """The reference's ds4-numerics forms as instance attributes (NumpyOps.__init__ does the
+        same): ds4's compiled float32 loops (ds4_float.py) and the reference's float64 steps."""
+        self.sigmoid, self.softplus, self.softmax = DF.sigmoid_stable, DF.softplus, self.softmax_ref
+        self.hc_pre_mix, self.hc_post, self.hc_head = DF.hc_weighted_sum, DF.hc_post, DF.hc_head
+        self.hc_split, self.attention = self.hc_split_ref, self.attention_ds4
+        self.indexer_scores = self.indexer_scores_ref
 
     # -- matmuls -----------------------------------------------------------------------------
     def linear_ref(self, w, x, rows=None):
         """NumpyOps.linear: ds4's Q8_0 dot; other weights: a float64 matmul rounded once."""
+        cut = (lambda a: a) if rows is None else (lambda a: a[rows])    # noqa: E731
         if w.type_id == Q.Q8_0:
-            cut = (lambda a: a) if rows is None else (lambda a: a[rows])
             return DD.q8_0_matmul(cut(w.w), cut(w.scales), x)
+        if w.type_id == Q.F16:            # ds4.c matvec_f16: float32 sums in index order
+            return DF.f16_matvec(cut(w.w), x)
         return _f64_matmul(w, x.astype(_F64), rows)
 
     @staticmethod
@@ -73,16 +81,6 @@ class Ds4RefOps:
 
     # -- elementwise, with libm's expf -------------------------------------------------------
     @staticmethod
-    def sigmoid_ref(x):
-        return mx.array(1.0, _F32) / (mx.array(1.0, _F32) + MN.expf(-MN._f32(x)))
-
-    @staticmethod
-    def softplus_ref(x):
-        x = MN._f32(x)
-        e = MN.expf(mx.minimum(x, 20.0))
-        return mx.where(x > 20.0, x, mx.log1p(e.astype(_F64)).astype(_F32))
-
-    @staticmethod
     def softmax_ref(x, axis=-1):
         x = MN._f32(x)
         m = mx.max(x, axis=axis, keepdims=True)
@@ -90,12 +88,14 @@ class Ds4RefOps:
         e = MN.expf(x - m)
         return e / mx.sum(e, axis=axis, keepdims=True)
 
-    def swiglu_ref(self, g, v, limit):
-        g = mx.minimum(g, limit)
-        v = mx.clip(v, -limit, limit)
-        return (g * self.sigmoid_ref(g)) * v
+    # -- attention and the HC split ------------------------------------------------------------
+    def attention_ds4(self, q, segments, sinks, scale):
+        """NumpyOps.attention_ds4: ds4's float32 loops at head dim 128 (its scale 1 / sqrtf(128)),
+        the reference's float64 form at other widths."""
+        if q.shape[-1] != 128:
+            return self.attention_ref(q, segments, sinks, scale)
+        return DF.attention(q, segments, sinks, np.float32(1.0) / np.sqrt(np.float32(q.shape[-1])))
 
-    # -- float64 steps -----------------------------------------------------------------------
     @staticmethod
     def attention_ref(q, segments, sinks, scale):
         """NumpyOps.attention: float64 inside, one rounding at the end."""
@@ -120,30 +120,8 @@ class Ds4RefOps:
         return (o / den[..., None]).astype(_F32)
 
     def hc_split_ref(self, mix, n, scale, base, eps, iters):
-        """NumpyOps.hc_split (float32 steps), with libm's expf."""
-        mix, sc, base = MN._f32(mix), MN._f32(scale), MN._f32(base)
-        eps = mx.array(np.float32(eps), _F32)
-        T = mix.shape[0]
-        pre = self.sigmoid_ref(mix[:, :n] * sc[0] + base[:n]) + eps
-        post = mx.array(2.0, _F32) * self.sigmoid_ref(mix[:, n:2 * n] * sc[1] + base[n:2 * n])
-        logits = (mix[:, 2 * n:] * sc[2] + base[2 * n:]).reshape(T, n, n)
-        C = self.softmax_ref(logits, axis=-1) + eps
-        C = C / (C.sum(axis=1, keepdims=True) + eps)
-        for _ in range(iters - 1):
-            C = C / (C.sum(axis=2, keepdims=True) + eps)
-            C = C / (C.sum(axis=1, keepdims=True) + eps)
-        return pre, post, C
-
-    @staticmethod
-    def hc_pre_mix_ref(pre, X):
-        pre, X = MN._f32(pre), MN._f32(X)
-        return (pre.astype(_F64)[:, None, :] @ X.astype(_F64))[:, 0, :].astype(_F32)
-
-    @staticmethod
-    def hc_post_ref(y, X, post, C):
-        y, X, post, C = (MN._f32(a) for a in (y, X, post, C))
-        mixed = mx.swapaxes(C.astype(_F64), 1, 2) @ X.astype(_F64)
-        return ((post[:, :, None] * y[:, None, :]).astype(_F64) + mixed).astype(_F32)
+        """NumpyOps.hc_split in ds4 numerics (ds4_float.hc_split), compiled per (n, eps, iters)."""
+        return _hc_split_compiled(n, float(np.float32(eps)), int(iters))(MN._f32(mix), MN._f32(scale), MN._f32(base))
 
     @staticmethod
     def indexer_scores_ref(qi, keys, wts):
@@ -173,19 +151,48 @@ class Ds4RefOps:
             return DD.q8_0_matmul(w.w[e], w.scales[e], a[1][rows])
         return _f64_matmul(w, a[1][rows].astype(_F64), expert=e)
 
-    def moe_ref(self, lw, u, sel, wsel, limit):
-        """NumpyOps.moe: routed experts one at a time in ascending order (each token's outputs
-        added in that order), then the shared expert."""
-        gate, up, down = self._w(lw.gate_exps), self._w(lw.up_exps), self._w(lw.down_exps)
-        lim = mx.array(limit, _F32)
-        out = mx.zeros(u.shape, _F32)
+    def _routed_pairs(self, gate, up, down, u, sel, wsel, limit):
+        """IQ2_XXS / Q2_K experts, every (token, slot) pair at once: [T, k, E] in slot order.
+        Each pair gathers its expert's raw rows (no host sync, no per-expert loop)."""
+        T, k = sel.shape
+        experts = sel.reshape(-1).astype(mx.int32)
+        toks = mx.repeat(mx.arange(T, dtype=mx.int32), k)
+        q, d = MN.q8_k_codes(u)
+        qp, dp = q[toks], d[toks]
+        g = DD.q8_k_matmul(gate.type_id, gate.w[experts], qp, dp, True)
+        v = DD.q8_k_matmul(up.type_id, up.w[experts], qp, dp, True)
+        mid = DF.routed_mid(g, v, wsel.reshape(-1, 1), limit)
+        q2, d2 = MN.q8_k_codes(mid)
+        return DD.q8_k_matmul(down.type_id, down.w[experts], q2, d2, True).reshape(T, k, -1)
+
+    def _routed_loop(self, gate, up, down, u, sel, wsel, limit):
+        """Other expert formats: one expert at a time over the tokens that picked it (as
+        NumpyOps.routed), into [T, k, E] in slot order."""
+        T, k = sel.shape
+        ys = mx.zeros((T * k, u.shape[1]), _F32)
         ua = self._expert_act_ref(gate, u)
         for e, rows, slot in DD.unique_experts(np.array(sel)):
             ri = mx.array(rows.astype(np.int32))
-            m = self.swiglu_ref(self._expert_linear_ref(gate, e, ua, ri),
-                                self._expert_linear_ref(up, e, ua, ri), lim)
-            mid = m * wsel[ri, mx.array(slot.astype(np.int32))][:, None]
-            d = self._expert_linear_ref(down, e, self._expert_act_ref(down, mid), slice(None))
-            out = out.at[ri].add(d)
-        sh = self.swiglu_ref(*self.linears([lw.sh_gate, lw.sh_up], u), lim)
-        return out + self.linear(lw.sh_down, sh)
+            we = wsel[ri, mx.array(slot.astype(np.int32))][:, None]
+            mid = DF.routed_mid(self._expert_linear_ref(gate, e, ua, ri),
+                                self._expert_linear_ref(up, e, ua, ri), we, limit)
+            y = self._expert_linear_ref(down, e, self._expert_act_ref(down, mid), slice(None))
+            ys = ys.at[mx.array((rows * k + slot).astype(np.int32))].add(y)
+        return ys.reshape(T, k, -1)
+
+    def moe_ref(self, lw, u, sel, wsel, limit):
+        """NumpyOps.moe in ds4 numerics: each token's routed outputs added in slot order from
+        slot 0 (ds4.c matvec_q2_k_accum_worker), plus the shared expert."""
+        gate, up, down = self._w(lw.gate_exps), self._w(lw.up_exps), self._w(lw.down_exps)
+        pairs = all(w.type_id in _K_DOT for w in (gate, up, down))
+        ys = (self._routed_pairs if pairs else self._routed_loop)(gate, up, down, u, sel, wsel, limit)
+        routed = mx.cumsum(ys, axis=1)[:, -1]
+        sh = DF.swiglu(*self.linears([lw.sh_gate, lw.sh_up], u), limit)
+        return routed + self.linear(lw.sh_down, sh)
+
+
+@functools.lru_cache(maxsize=8)
+def _hc_split_compiled(n: int, eps: float, iters: int):
+    """ds4_float.hc_split for one (n, eps, iters); compiled, its ~300 small steps fuse (the same
+    bits: tests/test_mlx_ds4_float.py compares them with the spec's)."""
+    return mx.compile(lambda mix, sc, base: DF.hc_split(mix, n, sc, base, eps, iters))

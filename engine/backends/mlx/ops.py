@@ -205,8 +205,13 @@ class MlxOps(Ds4RefOps):
         return out
 
     def _keep_rot(self, key, th_host):
-        t64 = np.asarray(th_host, np.float64)
-        self._rot[id(key)] = (key, mx.array(np.cos(t64).astype(np.float32)), mx.array(np.sin(t64).astype(np.float32)))
+        libm = getattr(N, "libm_cos_sin", None) if self._ds4 else None
+        if libm is not None:      # ds4 numerics: the C library's cosf / sinf, as the reference (rope_ds4)
+            c, s = libm(th_host)
+        else:
+            t64 = np.asarray(th_host, np.float64)
+            c, s = np.cos(t64).astype(np.float32), np.sin(t64).astype(np.float32)
+        self._rot[id(key)] = (key, mx.array(c), mx.array(s))
 
     def rope(self, x, thetas, inverse=False, inplace=False):
         """Rotate the last 2 * thetas.shape[-1] dims of x in interleaved pairs (numerics.apply_rope)."""
