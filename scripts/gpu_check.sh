@@ -3,12 +3,19 @@
 # H100 (80 GB) or H200, 16 cores and the package registries only (no other downloads):
 #
 #   1. installs the package with its CUDA extra (cupy-cuda12x) into a fresh virtual environment;
-#   2. runs the backend conformance suite and the cupy tests on the device;
+#   2. runs the backend conformance suite, the cupy tests and every CUDA kernel test on the device
+#      (tests/test_cuda_kernels.py and test_cuda_mma.py compare each kernel with the NumPy
+#      reference there too: the int8 mma's fragment layout meets the hardware's here first);
 #   3. synthesizes a real-width file of 6 layers with the real mix of compression ratios
 #      (ds4-gguf synth --preset flash --layers 6), and the layout of the 43-layer model;
 #   4. measures the HBM read floor (a read kernel over 4 GiB, best of 10) and runs
 #      ds4-bench --backend cupy --peer cpu (a 2048-token prefill, then 32 decoded tokens);
-#   5. prints decode and prefill beside the floor, extrapolated to 43 layers.
+#   5. times the expert kernels at Flash's widths (scripts/cuda_kernel_bench.py: decode GB/s
+#      against the floor, prefill TOP/s of ds4's int8 tensor-core GEMM beside the FMA tiles, and
+#      ds4_gemm == ds4_matvec bit for bit at full size), and the 6-layer decode with the MoE CUDA
+#      graphs and without (logits bit for bit, both rates);
+#   6. prints decode and prefill beside the floor, extrapolated to 43 layers.
+# Every check prints "ok" or MISMATCH/FAILED/SHORT; the summary at the end lists the failures.
 #
 # Usage: scripts/gpu_check.sh [WORKDIR]   (default /tmp/ds4-gpu-check; the output also goes to
 # WORKDIR/gpu_check.log, and into $OUT when that is set). Environment: PYTHON (default python3),
@@ -25,6 +32,8 @@ LOG="$WORK/gpu_check.log"
 exec > >(tee "$LOG") 2>&1
 T0=$(date +%s)
 step() { echo; echo "== [$(( $(date +%s) - T0 )) s] $*"; }
+FAILED=()
+check() { local what=$1; shift; if "$@"; then echo "$what: ok"; else echo "$what: FAILED (rc $?)"; FAILED+=("$what"); fi; }
 
 step "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi not found"
@@ -48,9 +57,10 @@ EOF
 python -c "from engine.backends import registry as R; print(R.describe('cupy')); assert R.pick('auto').name == 'cupy'"
 
 if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
-    step "conformance suite and cupy tests on the device"
-    timeout 240 python -m pytest -q -x -p no:cacheprovider -k cupy \
-        tests/test_backend_conformance.py tests/test_cupy_backend.py || echo "TESTS FAILED (rc $?)"
+    step "conformance suite, cupy tests and the CUDA kernels' tests on the device"
+    check "tests on the device" timeout 240 python -m pytest -q -p no:cacheprovider -k cupy \
+        tests/test_backend_conformance.py tests/test_cupy_backend.py tests/test_cupy_ds4.py \
+        tests/test_cupy_graphs.py tests/test_cuda_kernels.py tests/test_cuda_mma.py
 fi
 
 step "synthesize: $LAYERS real-width layers ($RECIPE), and the 43-layer layout (sparse, no data)"
@@ -85,13 +95,19 @@ EOF
 )
 echo "HBM read floor: $(python -c "print(f'{$FLOOR / 1e9:.0f}')") GB/s"
 
+step "expert kernels at Flash's widths (decode GB/s, prefill TOP/s, ds4_gemm == ds4_matvec)"
+check "kernel bench" timeout 120 python scripts/cuda_kernel_bench.py --tokens 2048 --floor "$FLOOR"
+
+step "decode of the $LAYERS-layer file with the MoE CUDA graphs and without"
+check "graphs" timeout 180 python scripts/cuda_kernel_bench.py --graphs "$SMALL" --graph-tokens 32
+
 step "ds4-bench --backend cupy --peer cpu: 2048-token prefill, 32 decoded tokens"
-timeout 300 ds4-bench -m "$SMALL" --backend cupy --peer cpu --ctx-start 2048 --ctx-max 2048 \
+check "ds4-bench" timeout 300 ds4-bench -m "$SMALL" --backend cupy --peer cpu --ctx-start 2048 --ctx-max 2048 \
     --gen-tokens 32 --csv "$WORK/bench.csv"
-cat "$WORK/bench.csv"
+[[ -f "$WORK/bench.csv" ]] && cat "$WORK/bench.csv"
 
 step "against the floor, extrapolated to 43 layers"
-python - "$SMALL" "$FULL" "$WORK/bench.csv" "$FLOOR" <<'EOF'
+[[ -f "$WORK/bench.csv" ]] && python - "$SMALL" "$FULL" "$WORK/bench.csv" "$FLOOR" <<'EOF'
 import csv
 import sys
 
@@ -123,4 +139,6 @@ if r is not None:
           f"(target >= 5000): {'ok' if pre43 >= 5000 else 'SHORT'}")
 EOF
 step "done"
+if (( ${#FAILED[@]} )); then echo "FAILED: ${FAILED[*]}"; else echo "all checks ok"; fi
 if [[ -n "${OUT:-}" ]]; then cp "$LOG" "$WORK/bench.csv" "$OUT/" 2>/dev/null || true; fi
+(( ${#FAILED[@]} == 0 ))    # exit status: 1 when a check failed

@@ -63,3 +63,31 @@ def test_ds4_gemm_bit_for_bit_with_the_reference(K, fmt):
 def test_a_broken_mma_kernel_fails_the_comparison(fmt, old, new):
     with pytest.raises(AssertionError):
         test_ds4_gemm_bit_for_bit_with_the_reference(Kernels(patch={"ds4_mma.cu": (old, new)}), fmt)
+
+
+# -- scripts/cuda_kernel_bench.py (what gpu_check.sh runs on a device), on the host emulation ----------
+def _bench():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import cuda_kernel_bench
+    return cuda_kernel_bench
+
+
+def test_the_kernel_bench_runs_and_checks_itself_on_the_emulation(monkeypatch, capsys):
+    monkeypatch.setenv("DS4_CUDA_EMULATE", "1")
+    monkeypatch.setenv("DS4_CUDA_EMU_ORDERS", "1")
+    monkeypatch.setenv("DS4_CUDA_EMU_ISOLATE", "0")
+    assert _bench().main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bit for bit") == 2 and "MISMATCH" not in out and "ds4_gemm_q2_k" in out
+
+
+@pytest.mark.slow        # two engine opens and a few decode steps on the emulation: ~20 s
+def test_the_graphs_check_runs_on_the_emulation(monkeypatch, capsys, tmp_path):
+    from engine.gguf.synth import config_for, write_synthetic
+    monkeypatch.setenv("DS4_CUDA_EMULATE", "1")
+    monkeypatch.setenv("DS4_CUDA_EMU_ORDERS", "1")
+    monkeypatch.setenv("DS4_CUDA_EMU_ISOLATE", "0")
+    cfg, vocab = config_for("tiny", n_layer=2, ratios=[4, 128], vocab=300)
+    path = write_synthetic(tmp_path / "g.gguf", cfg, recipe="q2", vocab=vocab, seed=5).path
+    assert _bench().main(["--graphs", str(path), "--graph-tokens", "3"]) == 0
+    assert "logits bit for bit: ok" in capsys.readouterr().out
