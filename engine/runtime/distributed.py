@@ -17,6 +17,7 @@ broken, and the process ends through engine.console.exit_now (the stuck thread n
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from queue import Queue
 
@@ -68,21 +69,49 @@ def group():
     return _GROUP[0]
 
 
-def _to_wire(a):
-    import mlx.core as mx
-    if isinstance(a, mx.array):
-        return a
-    a = np.ascontiguousarray(a)
-    return mx.array(a)
+def filter_ring_noise():
+    """Rank 0's stderr without the ring backend's own lines: a lost peer makes its C++ print
+    "[ring] Socket N was closed by the peer" a dozen times, where the user needs the one line
+    that names the rank. fd 2 goes through a pipe and a thread that drops lines starting with
+    "[ring]"; at exit the pipe is drained and fd 2 restored."""
+    import atexit
+    real = os.dup(2)
+    r, w = os.pipe()
+    os.dup2(w, 2)
+    os.close(w)
+
+    def pump():
+        buf = b""
+        with os.fdopen(r, "rb", buffering=0) as f:
+            while True:
+                chunk = f.read(65536)
+                if not chunk:
+                    break
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                keep = b"".join(ln + b"\n" for ln in lines if not ln.startswith(b"[ring]"))
+                if keep:
+                    os.write(real, keep)
+        if buf and not buf.startswith(b"[ring]"):
+            os.write(real, buf)
+
+    t = threading.Thread(target=pump, name="ds4-stderr", daemon=True)
+    t.start()
+
+    @atexit.register
+    def restore():
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+        os.dup2(real, 2)        # the pipe's last writer closes: the pump drains it and ends
+        t.join(timeout=5)
 
 
 def from_wire(xp, a):
-    """A received array in the backend's namespace: the mx array itself for MLX, a view of its
-    memory for NumPy (no copy), an upload from that view for other device backends."""
-    if getattr(xp, "__name__", "").startswith("engine.backends.mlx"):
-        return a
-    host = np.array(a, copy=False)
-    return host if xp is np else xp.asarray(host)
+    """A received payload (a host view of MLX's receive buffer) in the backend's namespace: the
+    view itself for the host backends (no copy), an upload for a device backend."""
+    return a if xp is np else xp.asarray(a)
 
 
 class Link:
@@ -119,59 +148,72 @@ class Link:
             raise box["err"]
         return box["out"]
 
-    def send(self, op: int, sid: int = 0, args=(), parts=(), timeout: float | None = None):
+    def send(self, op: int, sid: int = 0, args=(), parts=()):
+        """Send one message to the next rank, in this thread (a worker's; rank 0 uses exchange)."""
+        h, body = self._pack(op, sid, args, parts)
+        mx = self.mx
+        for a in (h, body) if body is not None else (h,):
+            mx.eval(mx.distributed.send(mx.array(a), self.next, group=self.g, stream=mx.cpu))
+        self.stats["messages"] += 1
+        self.stats["sent_bytes"] += h.nbytes + (0 if body is None else body.nbytes)
+
+    def recv(self):
+        """(header int64 [HEADER], [payload arrays, host views]) of the next message from the
+        previous rank, in this thread."""
+        mx = self.mx
+        h = mx.distributed.recv((HEADER,), mx.int64, self.prev, group=self.g, stream=mx.cpu)
+        mx.eval(h)
+        h = np.array(h)
+        sizes = [(int(h[6 + 2 * i]), int(h[7 + 2 * i])) for i in range(MAX_PARTS) if h[6 + 2 * i]]
+        total = sum(_padded(n * np.dtype(KINDS[k]).itemsize) for k, n in sizes)
+        body = None
+        if total:
+            body = mx.distributed.recv((total,), mx.uint8, self.prev, group=self.g, stream=mx.cpu)
+            mx.eval(body)
+            body = np.array(body, copy=False)          # a view of MLX's buffer: no copy
+        parts, at = [], 0
+        for k, n in sizes:
+            nb = n * np.dtype(KINDS[k]).itemsize
+            parts.append(body[at:at + nb].view(KINDS[k]) if nb else np.zeros(0, KINDS[k]))
+            at += _padded(nb)
+        return h, parts
+
+    def exchange(self, op: int, sid: int = 0, args=(), parts=(), timeout: float | None = None):
+        """Rank 0's round: send to rank 1 and wait for the last rank's answer, in the link thread,
+        at most `timeout` s. A failure comes back as (which, exception): "send" or "recv"."""
+        def go():
+            try:
+                self.send(op, sid, args, parts)
+            except BaseException as e:
+                return "send", e
+            try:
+                return "ok", self.recv()
+            except BaseException as e:
+                return "recv", e
+        return self._call(go, timeout)
+
+    @staticmethod
+    def _pack(op, sid, args, parts):
+        """The header and one body holding every payload (each padded to 8 bytes): two sends a
+        hop whatever it carries (each send is a wake-up on both sides)."""
         h = np.zeros(HEADER, np.int64)
         h[0], h[1] = op, sid
         h[2:2 + len(args)] = [int(x) for x in args]
-        wire = []
+        chunks = []
         for i, p in enumerate(parts):
-            k = KIND_OF[np.dtype(p.dtype if isinstance(p, np.ndarray) else _np_dtype(p))]
-            n = int(np.prod(p.shape))
-            h[6 + 2 * i], h[7 + 2 * i] = k, n
-            if n:
-                wire.append(_to_wire(p.reshape(-1)))
-        mx = self.mx
-        if wire:
-            mx.eval(*wire)            # (made on this thread's stream: evaluated before the link thread sends)
-
-        def go():
-            for a in [mx.array(h)] + wire:
-                mx.eval(mx.distributed.send(a, self.next, group=self.g, stream=mx.cpu))
-            return None
-        self._call(go, timeout)
-        self.stats["messages"] += 1
-        self.stats["sent_bytes"] += h.nbytes + sum(a.nbytes for a in wire)
-
-    def recv(self, timeout: float | None = None):
-        """(header int64 [HEADER], [payload mx arrays]) of the next message from the previous rank."""
-        mx = self.mx
-
-        def go():
-            h = mx.distributed.recv((HEADER,), mx.int64, self.prev, group=self.g, stream=mx.cpu)
-            mx.eval(h)
-            h = np.array(h)
-            parts = []
-            for i in range(MAX_PARTS):
-                k, n = int(h[6 + 2 * i]), int(h[7 + 2 * i])
-                if not k:
-                    break
-                if n == 0:
-                    parts.append(mx.array(np.zeros(0, KINDS[k])))
-                    continue
-                a = mx.distributed.recv((n,), _mx_dtype(mx, k), self.prev, group=self.g, stream=mx.cpu)
-                mx.eval(a)
-                parts.append(a)
-            return h, parts
-        return self._call(go, timeout)
+            p = np.ascontiguousarray(p).reshape(-1)
+            h[6 + 2 * i], h[7 + 2 * i] = KIND_OF[p.dtype], p.size
+            b = p.view(np.uint8)
+            chunks.append(b)
+            pad = _padded(b.size) - b.size
+            if pad:
+                chunks.append(np.zeros(pad, np.uint8))
+        body = np.concatenate(chunks) if chunks and sum(c.size for c in chunks) else None
+        return h, body
 
 
-def _np_dtype(a):
-    import mlx.core as mx
-    return {mx.uint8: np.uint8, mx.int64: np.int64, mx.float32: np.float32}[a.dtype]
-
-
-def _mx_dtype(mx, k):
-    return {1: mx.uint8, 2: mx.int64, 3: mx.float32}[k]
+def _padded(n: int) -> int:
+    return -(-n // 8) * 8
 
 
 def round_timeout(tokens: int = 0) -> float:

@@ -42,19 +42,27 @@ class Coordinator:
         with link.lock:
             if link.broken is not None:
                 raise link.broken
-            self._flush_frees()
+            with self._free_lock:
+                sids, self._freed = self._freed, []
+            if sids:
+                self._exchange(D.FREE, 0, (), [np.array(sids, np.int64)], D.round_timeout())
             t = timeout if timeout is not None else D.round_timeout(tokens)
-            try:
-                link.send(op, sid, args, parts, timeout=t)
-            except BaseException as e:
-                raise self._fail(D.lost(e, link.next, t)) from None
-            try:
-                h, back = link.recv(timeout=t)
-            except BaseException as e:
-                raise self._fail(D.lost(e, link.prev, t)) from None
-            if int(h[0]) == D.ERR:
-                raise self._fail(D.HopError(unpack_json(back[0])))
+            h, back = self._exchange(op, sid, args, parts, t)
             return [int(x) for x in h[2:6]], back
+
+    def _exchange(self, op, sid, args, parts, t):
+        link = self.link
+        try:
+            how, got = link.exchange(op, sid, args, parts, timeout=t)
+        except TimeoutError as e:
+            who = link.prev if link.size == 2 else f"1..{link.size - 1}"
+            raise self._fail(D.lost(e, who, t)) from None
+        if how != "ok":
+            raise self._fail(D.lost(got, link.next if how == "send" else link.prev, t)) from None
+        h, back = got
+        if int(h[0]) == D.ERR:
+            raise self._fail(D.HopError(unpack_json(back[0])))
+        return h, back
 
     def _fail(self, err: D.HopError) -> D.HopError:
         self.link.broken = err
@@ -65,14 +73,6 @@ class Coordinator:
         on any thread, even inside a round)."""
         with self._free_lock:
             self._freed.append(sid)
-
-    def _flush_frees(self):
-        with self._free_lock:
-            sids, self._freed = self._freed, []
-        if sids:
-            t = D.round_timeout()
-            self.link.send(D.FREE, 0, (), [np.array(sids, np.int64)], timeout=t)
-            self.link.recv(timeout=t)
 
     def close(self):
         if self.link.broken is None:
@@ -263,6 +263,7 @@ def open_split(cls, path, o):
     if link.rank > 0:
         from .split_worker import worker_main
         worker_main(path, o, link)          # never returns
+    D.filter_ring_noise()
     entry = registry.pick(o.backend)
     ops = registry.make_ops(entry, o.numerics)
     entry.setup(o.threads)

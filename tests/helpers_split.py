@@ -1,0 +1,120 @@
+"""Starting the ranks of a split run in tests, and a driver every rank runs (tests/test_distributed.py).
+
+`spawn` starts one process per rank with the environment mlx.launch gives its ranks (MLX_RANK, and
+MLX_HOSTFILE naming a JSON list of one "ip:port" list per rank), on loopback ports free now.
+
+The driver (`python helpers_split.py MODE MODEL ...`) opens the model with --layers on every rank;
+rank 0 does MODE, the others serve inside Engine.open and never return.
+  tokens  PROMPT_IDS N CHUNK: greedy, prints `gen[i] id` lines
+  save    PROMPT_IDS CHUNK OUT: prefill, write the session payload to OUT
+  resume  PAYLOAD N: load a payload, greedy N more, print gen lines
+  hang    PROMPT_IDS SAVED: prefill, save to SAVED, print `ready`, then decode until stopped
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def rank_env(rank: int, hostfile: Path, **extra) -> dict:
+    env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), DS4_PAGING="none")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def spawn(tmp: Path, argvs: list[list[str]], **extra) -> list[subprocess.Popen]:
+    """One process per argv, rank i running argvs[i]."""
+    hostfile = tmp / f"hosts-{os.getpid()}-{len(list(tmp.glob('hosts-*')))}.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(argvs))]))
+    return [subprocess.Popen(argv, env=rank_env(r, hostfile, **extra), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=str(HERE))
+            for r, argv in enumerate(argvs)]
+
+
+def driver(*args) -> list[str]:
+    return [sys.executable, str(HERE / "helpers_split.py"), *map(str, args)]
+
+
+def finish(procs, timeout: float = 120) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, o, e))
+    return out
+
+
+def gen_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("gen[")]
+
+
+def greedy(sess, n: int) -> list[str]:
+    import numpy as np
+    out = []
+    for i in range(n):
+        t = int(np.argmax(sess.logits))
+        out.append(f"gen[{i}] {t}")
+        if i + 1 < n:
+            sess.eval(t)
+    return out
+
+
+def _main(argv) -> int:
+    from engine import Engine, EngineOptions, Session
+    mode, model, layers, backend = argv[:4]
+    rest = argv[4:]
+    eng = Engine.open(model, EngineOptions(backend=backend, layers=layers, paging="none"))
+    ids = lambda s: [int(x) for x in s.split(",")]          # noqa: E731
+    if mode == "tokens":
+        sess = Session(eng, 256, chunk=int(rest[2]))
+        sess.sync(ids(rest[0]))
+        print("\n".join(greedy(sess, int(rest[1]))), flush=True)
+    elif mode == "save":
+        sess = Session(eng, 256, chunk=int(rest[1]))
+        sess.sync(ids(rest[0]))
+        Path(rest[2]).write_bytes(sess.snapshot())
+    elif mode == "resume":
+        sess = Session(eng, 256)
+        sess.restore(Path(rest[0]).read_bytes())
+        print("\n".join(greedy(sess, int(rest[1]))), flush=True)
+    elif mode == "hang":
+        sess = Session(eng, 256, chunk=4)
+        sess.sync(ids(rest[0]))
+        Path(rest[1]).write_bytes(sess.snapshot())
+        print("ready", flush=True)
+        try:
+            while True:
+                sess.eval(int(sess.logits.argmax()))
+                if sess.pos > 200:
+                    sess.rewind(100)
+        except OSError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 1
+    eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    from engine.console import exit_now
+    exit_now(_main(sys.argv[1:]))
