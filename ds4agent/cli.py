@@ -5,7 +5,7 @@
                                saved sessions, no model needed
   ds4-agent -p "task"          headless: run one task, print the answer and a tool summary
   ds4-agent --serve [--port 8000] [--kv-disk-dir DIR] ...   the HTTP shim for other agents
-  ds4-agent download q2|q4|q2-imatrix|q4-imatrix [--dir DIR]   fetch ds4's published GGUF
+  ds4-agent download q2|q4|q2-imatrix|q4-imatrix|mtp [--dir DIR]   fetch ds4's published GGUF
 
 The model is --model, else $DS4_MODEL, else ./ds4flash.gguf, else `model` in
 ~/.ds4-agent/config.toml (or $DS4_AGENT_HOME/config.toml), which `download` writes.
@@ -299,6 +299,9 @@ def _main(a) -> int:
     think = a.think or cfg.get("think", "high")
     project = Path.cwd()
     _check_model(a, model, ctx, think, options, project)
+    if options.layers is not None:       # (mlx.launch's ranks above 0 serve their layers here, before any UI)
+        from engine.runtime.split_engine import serve_if_worker
+        serve_if_worker(model, options)
     if a.serve:
         from .serve.cli import serve_main
         return serve_main(a, model, ctx, options)

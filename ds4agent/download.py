@@ -1,6 +1,7 @@
-"""`ds4-agent download q2|q4|q2-imatrix|q4-imatrix [--dir DIR]`: one of ds4's published GGUF files
-from Hugging Face (antirez/deepseek-v4-gguf), then its path recorded as `model` in the agent's
-config.toml, so `ds4-agent` finds it without --model.
+"""`ds4-agent download q2|q4|q2-imatrix|q4-imatrix|mtp [--dir DIR]`: one of ds4's published GGUF
+files from Hugging Face (antirez/deepseek-v4-gguf), then its path recorded as `model` in the
+agent's config.toml, so `ds4-agent` finds it without --model (`mtp`, the optional MTP file for
+speculative decoding, is recorded as `mtp`: the agent then drafts with it).
 
 huggingface_hub gives the sign-in headers (HF_TOKEN or the saved token), the metadata HEAD (size
 and the LFS sha256, through the Hub's redirects), the HTTP session and the progress bar. The
@@ -55,6 +56,9 @@ RECIPES = {
     "q2": Recipe(f"{_Q2}.gguf", 81, 96, "2-bit experts, the older quantisation"),
     "q4": Recipe(f"{_Q4}.gguf", 153, 170, "4-bit experts, the older quantisation"),
 }
+# optional components beside a model: recipe name -> (file, the config.toml key it is recorded as)
+MTP_FILE = "DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf"      # (engine.gguf.mtp_file.FILE_NAME)
+COMPONENTS = {"mtp": (Recipe(MTP_FILE, 4, 4, "the MTP block for speculative decoding (--mtp), with any recipe"), "mtp")}
 
 
 class DownloadError(Exception):
@@ -254,9 +258,9 @@ def fetch(url: str, f, size: int, *, out, retries: int = RETRIES, name: str = ""
     return digest
 
 
-def record_model(path: Path, config: Path) -> None:
-    """Set `model = "<path>"` among config.toml's top-level keys (the rest of the file as it was),
-    written to a temp name and renamed."""
+def record_model(path: Path, config: Path, key: str = "model") -> None:
+    """Set `model = "<path>"` (or another top-level `key`) among config.toml's top-level keys (the
+    rest of the file as it was), written to a temp name and renamed."""
     from engine.atomic import atomic_write
     from tools.safefs import read_regular
     try:     # a FIFO or /dev/zero there is refused, not waited on or read forever
@@ -264,36 +268,37 @@ def record_model(path: Path, config: Path) -> None:
     except FileNotFoundError:
         text = ""
     except (OSError, UnicodeDecodeError) as e:
-        raise DownloadError(f"cannot read {config} ({getattr(e, 'strerror', None) or e}); set model = "
+        raise DownloadError(f"cannot read {config} ({getattr(e, 'strerror', None) or e}); set {key} = "
                             f"\"{path}\" there by hand") from None
     try:
         tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise DownloadError(f"{config} is not valid TOML ({e}); set model = \"{path}\" there by hand") from None
-    line = f"model = {json.dumps(str(path), ensure_ascii=False)}"
+        raise DownloadError(f"{config} is not valid TOML ({e}); set {key} = \"{path}\" there by hand") from None
+    line = f"{key} = {json.dumps(str(path), ensure_ascii=False)}"
     lines = text.splitlines()
     top = next((i for i, s in enumerate(lines) if s.lstrip().startswith("[")), len(lines))
     for i in range(top):
-        if re.match(r"\s*model\s*=", lines[i]):
+        if re.match(rf"\s*{key}\s*=", lines[i]):
             lines[i] = line
             break
     else:
         lines.insert(0, line)
     new = "\n".join(lines) + "\n"
     try:
-        ok = tomllib.loads(new).get("model") == str(path)
+        ok = tomllib.loads(new).get(key) == str(path)
     except tomllib.TOMLDecodeError:
         ok = False
     if not ok:
-        raise DownloadError(f"could not write the path into {config}; set model = \"{path}\" there by hand")
+        raise DownloadError(f"could not write the path into {config}; set {key} = \"{path}\" there by hand")
     config.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(config, [new.encode("utf-8")])
 
 
 def download(recipe: str, folder: Path, config: Path, *, out=None, retries: int = RETRIES) -> Path:
     out = out or sys.stderr
-    r = RECIPES[recipe]
-    print(recipe_table(machine_memory(), recipe), file=out)
+    r, key = COMPONENTS.get(recipe) or (RECIPES[recipe], "model")
+    if key == "model":
+        print(recipe_table(machine_memory(), recipe), file=out)
     endpoint = _endpoint()
     url, size, sha = remote_file(r.file, endpoint)
     try:
@@ -303,8 +308,9 @@ def download(recipe: str, folder: Path, config: Path, *, out=None, retries: int 
     dest = folder / r.file
     if not _have_already(dest, size, sha, out):
         _download_to(dest, url, size, sha, endpoint, out=out, retries=retries)
-    record_model(dest, config)
-    print(f"saved {dest}\nrecorded in {config}: `ds4-agent` in any project now uses this model", file=out)
+    record_model(dest, config, key)
+    print(f"saved {dest}\nrecorded in {config}: `ds4-agent` in any project now uses this "
+          + ("model" if key == "model" else f"{recipe} file"), file=out)
     return dest
 
 
@@ -364,7 +370,8 @@ def _parser() -> argparse.ArgumentParser:
                                 description=f"download one of ds4's published GGUF files from {REPO} "
                                             "(resumable) and record its path for ds4-agent",
                                 epilog=recipe_table(machine_memory()))
-    p.add_argument("recipe", metavar="RECIPE", help="q2-imatrix, q4-imatrix, q2 or q4 (the imatrix files are ds4's pick)")
+    p.add_argument("recipe", metavar="RECIPE", help="q2-imatrix, q4-imatrix, q2 or q4 (the imatrix files are ds4's pick), "
+                                                    "or mtp (the optional MTP file, ~3.5 GB)")
     p.add_argument("--dir", type=Path, default=agent_home() / "models",
                    help=f"folder for the file (default: {agent_home() / 'models'})")
     return p
@@ -373,8 +380,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from .home import agent_home
     a = _parser().parse_args(argv)
-    if a.recipe not in RECIPES:
-        print(f"error: unknown recipe {a.recipe!r}: choose one of {', '.join(RECIPES)}", file=sys.stderr)
+    if a.recipe not in RECIPES and a.recipe not in COMPONENTS:
+        print(f"error: unknown recipe {a.recipe!r}: choose one of {', '.join([*RECIPES, *COMPONENTS])}", file=sys.stderr)
         return 1
     try:
         str(a.dir).encode("utf-8")

@@ -45,7 +45,7 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
 
     def _known(self):
         want = f"/{D.REPO}/resolve/main/"
-        return self.path.startswith(want) and self.path[len(want):] in {r.file for r in D.RECIPES.values()}
+        return self.path.startswith(want) and self.path[len(want):] in {r.file for r in D.RECIPES.values()} | {r.file for r, _ in D.COMPONENTS.values()}
 
     def do_HEAD(self):
         self.server.requests.append(("HEAD", self.path, self.headers.get("Range")))
@@ -213,7 +213,7 @@ def test_the_stand_in_hub_gets_every_request(hub, tmp_path):
 
 def test_bad_recipe_and_unreachable_hub_are_one_line(hub, tmp_path, monkeypatch, capsys):
     assert cli.main(["download", "q3"]) == 1
-    assert capsys.readouterr().err.strip() == "error: unknown recipe 'q3': choose one of q2-imatrix, q4-imatrix, q2, q4"
+    assert capsys.readouterr().err.strip() == "error: unknown recipe 'q3': choose one of q2-imatrix, q4-imatrix, q2, q4, mtp"
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")       # nothing listens there
     assert cli.main(["download", "q2", "--dir", str(tmp_path / "m")]) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -324,3 +324,17 @@ def test_offline_fails_in_seconds_with_one_line(hub, tmp_path, monkeypatch, caps
     assert took < 10, took
     assert err.strip().splitlines()[-1].startswith(f"error: cannot reach http://127.0.0.1:{port}")
     assert "retry" not in err.lower() and "Traceback" not in err
+
+
+def test_download_mtp_fetches_ds4s_mtp_file_and_records_it_as_mtp(hub, tmp_path, capsys):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text('model = "/m.gguf"\n')
+    assert cli.main(["download", "mtp", "--dir", str(tmp_path / "models")]) == 0
+    dest = tmp_path / "models" / "DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf"
+    assert dest.read_bytes() == PAYLOAD
+    assert any(r[1].endswith("/DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf") for r in gets(hub))
+    cfg = cli.load_config()
+    assert cfg["mtp"] == str(dest) and cfg["model"] == "/m.gguf"
+    from engine.gguf.mtp_file import FILE_NAME
+    assert D.MTP_FILE == FILE_NAME          # the name --mtp's errors tell the user to get
