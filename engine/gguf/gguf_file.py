@@ -197,7 +197,7 @@ class GGUFFile:
             return "lowmem"
         raise ValueError(f"paging mode must be 'prefault' or 'lowmem', not {mode!r}")
 
-    def start_resident(self, threads: int = 1, drop_cache: bool = False, on_ready=None) -> None:
+    def start_resident(self, threads: int = 1, drop_cache: bool = False, on_ready=None, skip=frozenset()) -> None:
         """Copy the whole file into anonymous memory backed by transparent huge pages, in
         `threads` background threads, and hand out each tensor's later views from the copy once
         its bytes are all there (`paging.ResidentCopy`); returns at once. A file under
@@ -215,16 +215,17 @@ class GGUFFile:
         reclaims it; `drop_cache` drops each piece from the page cache once copied
         (POSIX_FADV_DONTNEED), for a file whose two copies would not fit. A read that fails (a
         file cut short since open: no SIGBUS, a ModelFileError in `resident_error`) ends the copy:
-        what is ready stays there, every other tensor stays on the map."""
+        what is ready stays there, every other tensor stays on the map. `skip`: tensors left
+        out of the copy (paging.plan_groups), which stay on the map."""
         if self._copy is not None:
             return
         if self.size < paging.SYNC_BYTES:
-            self.load_resident(threads, drop_cache)
+            self.load_resident(threads, drop_cache, skip)
             if on_ready is not None:
-                on_ready(list(self.tensors))
+                on_ready([n for n in self.tensors if n not in skip])
             self._release_map(0, self.size)
             return
-        copy = paging.ResidentCopy(self.path, self.size, paging.plan_groups(self.tensors.values(), self.size))
+        copy = paging.ResidentCopy(self.path, self.size, paging.plan_groups(self.tensors.values(), self.size, skip))
         self._copy = copy           # (before the threads: a switch asks tensor_bytes for the copy's view)
         try:
             copy.start(threads, drop_cache, on_ready, self._release_map)
@@ -232,12 +233,12 @@ class GGUFFile:
             self._copy = None
             raise
 
-    def load_resident(self, threads: int = 2, drop_cache: bool = False) -> float:
+    def load_resident(self, threads: int = 2, drop_cache: bool = False, skip=frozenset()) -> float:
         """The resident copy (start_resident), made before this returns; its seconds. A failed
         read raises ModelFileError and leaves no copy."""
         t0 = time.perf_counter()
         if self._copy is None:
-            copy = paging.ResidentCopy(self.path, self.size, paging.plan_groups(self.tensors.values(), self.size))
+            copy = paging.ResidentCopy(self.path, self.size, paging.plan_groups(self.tensors.values(), self.size, skip))
             copy.start(threads, drop_cache, None, None)
             copy.wait()
             if copy.error is not None:

@@ -125,10 +125,11 @@ class ModelFile:
                 self._on_map[name] = refs + [weakref.ref(qt)]
         return qt
 
-    def start_resident(self, threads: int = 1, drop_cache: bool = False) -> None:
+    def start_resident(self, threads: int = 1, drop_cache: bool = False, skip=frozenset()) -> None:
         """GGUFFile.start_resident, switching every weight this file has handed out (and hands
-        out until its tensor is ready) to the copy when its tensor is ready."""
-        self.gguf.start_resident(threads, drop_cache, on_ready=self._switch)
+        out until its tensor is ready) to the copy when its tensor is ready; `skip`: tensors
+        left out of the copy (the routed experts, under the expert cache)."""
+        self.gguf.start_resident(threads, drop_cache, on_ready=self._switch, skip=skip)
 
     def _switch(self, names) -> None:
         with self._lock:

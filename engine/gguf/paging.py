@@ -69,19 +69,27 @@ def _lower_priority() -> None:
             pass
 
 
-def plan_groups(tensors, size: int) -> list[tuple[int, int, list[str]]]:
+def plan_groups(tensors, size: int, skip=frozenset()) -> list[tuple[int, int, list[str]]]:
     """[(lo, hi, names)] covering bytes 0..size in file order, each ending on a tensor boundary
     and holding at least GROUP bytes (the last one what is left). The first group starts at 0,
-    so the header is copied too (the copy is the whole file, byte for byte)."""
+    so the header is copied too (the copy is the whole file, byte for byte). `skip`: names of
+    tensors left out, their bytes in no group (the expert cache reads the routed experts itself:
+    the copy's pages there are never touched, so they cost no memory)."""
     order = sorted(tensors, key=lambda t: t.offset)
     groups, lo, names = [], 0, []
     for i, t in enumerate(order):
-        names.append(t.name)
         hi = order[i + 1].offset if i + 1 < len(order) else size
+        if t.name in skip:
+            if names:
+                groups.append((lo, t.offset, names))
+                names = []
+            lo = hi
+            continue
+        names.append(t.name)
         if hi - lo >= GROUP or i + 1 == len(order):
             groups.append((lo, hi, names))
             lo, names = hi, []
-    if not groups:
+    if not groups and not skip:
         groups.append((0, size, []))
     return groups
 
