@@ -92,9 +92,12 @@ class Engine:
         m = ModelFile.open(path, check_merges=False)
         try:
             avail = mem_available()
-            if o.expert_cache is not None and paging == "auto":
-                paging = "lowmem"     # (resident or prefault would read the experts the cache stands in for)
-            paging = _paging_mode(m, paging, backend, avail)
+            skip = frozenset()
+            if o.expert_cache is not None:      # (the routed experts left to the cache: issue 39)
+                from ..gguf.expert_cache import expert_names, paging_for
+                paging, skip = paging_for(m, paging, avail), expert_names(m)
+            else:
+                paging = _paging_mode(m, paging, backend, avail)
             eng = cls(m, backend, numerics, threads, ops)
             if o.expert_cache is not None:
                 from ..gguf.expert_cache import attach
@@ -104,7 +107,7 @@ class Engine:
                 # weights are on the map, and each switches to the copy when its bytes are in.
                 # Page cache + copy over the available memory: drop the cache as the copy grows
                 drop = avail is not None and 2 * m.gguf.size > avail
-                m.start_resident(RESIDENT_THREADS, drop_cache=drop)
+                m.start_resident(RESIDENT_THREADS, drop_cache=drop, skip=skip)
             eng.paging = "resident" if paging == "resident" else _advise(m, paging)
             if eng.paging == "lowmem" and eng.model.xp is np:     # (hints for host backends that read the map)
                 eng.model.pager = StepHints(m.gguf)
