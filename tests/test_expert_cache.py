@@ -97,7 +97,31 @@ def test_auto_leaves_the_resident_weights_and_a_margin(small_model):
         assert X.auto_size(m, m.gguf.size + X.MARGIN + 1000) == ex + 1000
         assert X.auto_size(m, 10) == 0
     with Engine.open(small_model, EngineOptions(expert_cache="auto")) as e:
-        assert e.paging == "lowmem" and e.model.experts.n_slots >= e.config.n_expert_used
+        assert e.model.experts.n_slots >= e.config.n_expert_used
+        # the other weights fit: a resident copy of them alone, the experts' bytes left out
+        assert e.paging == "resident" and e.file.gguf.resident
+        ready = e.file.gguf._copy.ready
+        assert ready and not any(n.endswith("_exps.weight") for n in ready)
+        assert X.expert_names(e.file) | ready == set(e.file.gguf.tensors)
+    assert X.paging_for(e.file, "auto", 10) == "lowmem"                 # they would not fit
+    with pytest.raises(ValueError, match="prefault"):
+        Engine.open(small_model, EngineOptions(expert_cache=0, paging="prefault"))
+
+
+def test_resident_groups_leave_the_skipped_tensors_out(small_model):
+    from engine.gguf import paging as PG
+    from engine.gguf.gguf_file import GGUFFile
+    with GGUFFile(small_model) as g:
+        ts = list(g.tensors.values())
+        skip = {t.name for t in ts if t.name.endswith("_exps.weight")}
+        whole = PG.plan_groups(ts, g.size)
+        part = PG.plan_groups(ts, g.size, skip)
+        assert whole[0][0] == 0 and whole[-1][1] == g.size                # unchanged without skip
+        named = [n for _, _, names in part for n in names]
+        assert sorted(named) == sorted(set(g.tensors) - skip)
+        for t in ts:
+            inside = [(lo, hi) for lo, hi, _ in part if lo < t.offset + t.nbytes and t.offset < hi]
+            assert bool(inside) == (t.name not in skip)                   # no group touches an expert
 
 
 # -- eviction on a routing trace -------------------------------------------------------------------

@@ -505,3 +505,22 @@ def direct_read_speed(path: str) -> float | None:
     """expert_reader.direct_read_speed, here for the bench's one import."""
     from .expert_reader import direct_read_speed as speed
     return speed(path)
+
+
+def expert_names(model_file) -> frozenset:
+    """The routed expert tensors' names (left out of a resident copy under the cache)."""
+    return frozenset(n for n in model_file.layout.present if n.endswith("_exps.weight"))
+
+
+def paging_for(model_file, paging: str, avail: int | None) -> str:
+    """The paging of the other weights under the expert cache: "auto" is a resident copy of
+    them where they fit 80 % of the available memory (anonymous memory: a file cut short
+    under the engine cannot fault them, and nothing evicts them), else lowmem; "prefault" would
+    read the experts into the page cache, so it is refused."""
+    if paging == "prefault":
+        raise ValueError("paging 'prefault' reads the whole file, routed experts included: with "
+                         "--expert-cache use auto, resident, lowmem or none")
+    if paging == "auto":
+        dense = model_file.gguf.size - expert_bytes(model_file)
+        return "resident" if avail is None or dense <= 0.8 * avail else "lowmem"
+    return paging
