@@ -8,7 +8,7 @@ the shared expert) has the same launches, grids and buffer sizes at every positi
 input shapes) into a CUDA graph and replayed per token:
 
 * the first call runs eagerly (a warm-up: every kernel fetched and every CuPy elementwise kernel
-  compiled before a capture, which must not load modules);
+  compiled before a capture, which must not load modules), from the graph's private memory pool;
 * the second copies its inputs into static buffers, captures fn on those on a side stream with a
   private memory pool (the graph's intermediates never share blocks with eager arrays), then
   replays it;
@@ -52,25 +52,30 @@ class DecodeGraphs:
         key = (id(owner),) + tuple((a.shape, str(a.dtype)) for a in inputs)
         hit = self._g.get(key)
         if hit is None or (hit[0] if isinstance(hit, tuple) else hit.owner) is not owner:
-            self._g[key] = (owner, None)            # warm-up: eager
-            return fn(*inputs)
+            # warm-up, eager, from the graph's private pool: its blocks, freed, serve the capture's
+            # allocations of the same sizes (no cudaMalloc while capturing)
+            pool = self.xp.cuda.MemoryPool()
+            self._g[key] = (owner, pool)
+            with self.xp.cuda.using_allocator(pool.malloc):
+                return fn(*inputs)
         if isinstance(hit, tuple):
-            hit = self._g[key] = self._capture(owner, fn, inputs)
+            hit = self._g[key] = self._capture(owner, fn, inputs, hit[1])
         for s, a in zip(hit.inputs, inputs):
             s[...] = a                              # device -> device, in stream order
         hit.graph.launch()
         self.replays += 1
         return hit.out.copy()
 
-    def _capture(self, owner, fn, inputs) -> _Captured:
+    def _capture(self, owner, fn, inputs, pool) -> _Captured:
         xp = self.xp
         if self._stream is None:
             self._stream = xp.cuda.Stream(non_blocking=True)
         static = tuple(a.copy() for a in inputs)
         xp.cuda.Device().synchronize()          # the static inputs are written before the side stream reads
-        pool = xp.cuda.MemoryPool()
+        # relaxed: a pool that must still grow may call cudaMalloc while capturing
+        mode = getattr(xp.cuda.runtime, "streamCaptureModeRelaxed", None)
         with xp.cuda.using_allocator(pool.malloc), self._stream:
-            self._stream.begin_capture()
+            self._stream.begin_capture(mode)
             try:
                 out = fn(*static)
             finally:
