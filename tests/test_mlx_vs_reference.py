@@ -1,15 +1,14 @@
 """The mlx backend against the NumPy reference, whole forward passes in `ds4` numerics (issue 33).
 
 Token by token on three synthetic models (seeds 1, 2, 3), the per-position max-abs difference of
-the logits. mlx sums in float32 where the reference sums in float64; in `ds4` numerics an ulp
-before a Q8 quantizer now and then moves a code, and the passes then differ by the noise two
-correct implementations of ds4's roundings show (docs/mlx.md, "Numerics": each float32 op alone
-does it from the first token; ds4's own prefill and decode paths differ by ~0.2 median). The
-bounds are that noise with a margin, so they catch an op that is wrong (`test_a_wrong_op_is_caught`:
-RoPE turned the wrong way), not a rounding rule: on these models mlx without its Q8 activation
-roundings lands as close to the reference (0.06-0.13 a position, measured) as mlx with them, the
-rounding noise being the size of the drift itself. The rules are held bit for bit op by op
-(tests/test_mlx_numerics.py, the conformance suite) and against ds4's logits (the oracles).
+the logits. On MLX's CPU device (Linux; any machine without Metal) the backend computes the
+reference's own steps (engine/backends/mlx/ds4_ref.py: ds4's block-order dots, ds4's float32
+loops with their FMAs, the float64 steps in float64), op by op bit for bit
+(tests/test_mlx_ds4_dot.py, tests/test_mlx_ds4_float.py), so the passes agree to the last bit:
+measured 2026-12-07, 0.0 at every position of the default run on all three seeds. The one op
+not bit for bit is the compressors' softmax, whose reference takes NumPy's float32 `exp` (a SIMD
+approximation mlx cannot reproduce; mlx takes libm's value). On a Mac's GPU (no float64) the
+backend keeps its float32 forms and the old, loose bounds apply (docs/mlx.md, "Numerics").
 
 Default run: a 3-layer model, the first 6 tokens. `-m slow`: the 6-layer `ds4-gguf synth --seed N`
 models, 300 tokens.
@@ -24,12 +23,19 @@ pytest.importorskip("mlx.core", reason="mlx is not installed (pip install -e '.[
 from engine import Engine, Session  # noqa: E402
 from engine.gguf.synth import config_for, write_synthetic  # noqa: E402
 
+from engine.backends.mlx.ds4_dot import cpu_float64  # noqa: E402
+
 SEEDS = (1, 2, 3)
 SMALL = dict(n_layer=3, ratios=[4, 128, 4], n_hash_layer=1, vocab=465)
-# per-position max-abs, measured 2026-12-07 (docs/mlx.md): the 6-token runs 0.05-0.11 by
-# position, the 300-token runs median 0.25 and p90 ~1 (routing near-ties past the first tokens)
-FAST_MEDIAN, FAST_MAX = 0.2, 0.4
-SLOW_MEDIAN, SLOW_P90 = 0.5, 2.0
+if cpu_float64():
+    # the CPU device: the reference's steps (measured 2026-12-07: 0.0 at every position of the
+    # default run; the 300-token runs: see docs/mlx.md). The issue's bar for 300 tokens: p90 0.05.
+    FAST_MEDIAN, FAST_MAX = 0.0, 1e-6
+    SLOW_MEDIAN, SLOW_P90 = 0.05, 0.05
+else:
+    # a GPU (no float64): float32 sums; the 6-token runs measured 0.05-0.11 by position before
+    FAST_MEDIAN, FAST_MAX = 0.2, 0.4
+    SLOW_MEDIAN, SLOW_P90 = 0.5, 2.0
 
 
 _MODELS: dict = {}

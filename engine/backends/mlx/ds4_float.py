@@ -70,6 +70,19 @@ def _sum4(v, axis: int, order=((0, 1), (2, 3))) -> mx.array:
     return (t(a) + t(b)) + (t(c) + t(d))
 
 
+def _row_sums(C) -> mx.array:
+    """(c0 + c1) + (c2 + c3) along the last axis of [T, 4, 4]: sums over axes of 2, one add each."""
+    return C.reshape(*C.shape[:-1], 2, 2).sum(axis=-1).sum(axis=-1)
+
+
+def _col_sums(C) -> mx.array:
+    """(r0 + r1) + (r2 + r3) over the rows of [T, 4, 4]."""
+    return C.reshape(C.shape[0], 2, 2, C.shape[-1]).sum(axis=2).sum(axis=1)
+
+
+_LAST_ROW_PAIRS = mx.array([[[0, 1, 2, 3]] * 3 + [[1, 2, 0, 3]]], dtype=mx.int32)
+
+
 def hc_split(mix, n: int, scale, base, eps, iters: int):
     """The spec's hc_split (ds4.c hc_split_sinkhorn_one as compiled, n = 4)."""
     if n != 4:
@@ -83,13 +96,12 @@ def hc_split(mix, n: int, scale, base, eps, iters: int):
     post = _c(2.0) / (_c(1.0) + expf(-z[:, n:2 * n]))
     C = z[:, 2 * n:].reshape(T, n, n)
     C = expf(C - C.max(axis=2, keepdims=True))
-    C = fma(C, (_c(1.0) / _sum4(C, 2))[:, :, None], eps)
-    C = C * (_c(1.0) / (_sum4(C, 1) + eps))[:, None, :]
-    last = [((0, 1), (2, 3))] * (n - 1) + [((1, 2), (0, 3))]
+    C = fma(C, (_c(1.0) / _row_sums(C))[:, :, None], eps)
+    C = C * (_c(1.0) / (_col_sums(C) + eps))[:, None, :]
     for _ in range(iters - 1):
-        rows = mx.stack([_sum4(C[:, r], 1, last[r]) for r in range(n)], axis=1)
-        C = C * (_c(1.0) / (rows + eps))[:, :, None]
-        C = C * (_c(1.0) / (_sum4(C, 1) + eps))[:, None, :]
+        # GCC pairs the last row's sum (1+2)+(0+3) in these rounds: its columns reordered first
+        C = C * (_c(1.0) / (_row_sums(mx.take_along_axis(C, _LAST_ROW_PAIRS, axis=2)) + eps))[:, :, None]
+        C = C * (_c(1.0) / (_col_sums(C) + eps))[:, None, :]
     return pre, post, C
 
 
