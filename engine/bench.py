@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer", default=None, metavar="NAME",
                    help="also measure backend NAME in the same run (same tokens, frontiers, numerics, "
                         "threads); print each row's ratio against it and add a backend column to the CSV")
+    from .mtp_options import add_mtp_flags
+    add_mtp_flags(p)        # --mtp: the verify step's costs and the expected speed-up (bench_mtp.py)
+    p.add_argument("--mtp-reps", type=_positive_int, default=5, help="repetitions of each --mtp step measured")
     return p
 
 
@@ -326,6 +329,9 @@ def _main(argv) -> int:
     if a.ctx_start > a.ctx_max:
         raise BenchError(f"--ctx-start {a.ctx_start} is above --ctx-max {a.ctx_max}")
     ctx = a.ctx if a.ctx is not None else a.ctx_max + a.gen_tokens + 1
+    if a.mtp:
+        from .bench_mtp import run as run_mtp
+        return run_mtp(a, options, text)
 
     sweeps: dict[str, tuple[list[dict], list[list[int]]]] = {}
     try:

@@ -337,3 +337,25 @@ def test_ds4_cli_with_mtp_prints_plain_greedy_tokens(mtp_models, capsys):
     assert main(args + ["--mtp", str(main_path)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "not an MTP file" in err and "\n" not in err
+
+
+def test_expected_speedup_follows_from_costs_and_acceptance():
+    from engine.bench_mtp import expected_speedup, expected_tokens
+    assert expected_tokens(2, 0.0) == 1.0 and expected_tokens(2, 1.0) == 3.0
+    assert abs(expected_tokens(2, 0.5) - 1.75) < 1e-12
+    costs = {1: 1.0, 2: 1.2, 3: 1.4}
+    # 1.75 tokens for a 3-token verify (1.4) and two drafts (0.2): 1.75 / 1.6
+    assert abs(expected_speedup(costs, 0.1, 2, 0.5) - 1.75 / 1.6) < 1e-12
+
+
+def test_bench_mtp_prints_step_costs_and_speedups(mtp_models, capsys):
+    from engine.bench import main
+    main_path, mtp, _ = mtp_models
+    args = ["-m", str(main_path), "--ctx-start", "16", "--gen-tokens", "3", "--mtp-reps", "1"]
+    assert main(args + ["--mtp", str(mtp), "--mtp-draft", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [l for l in out.splitlines() if l[:2] in ("1,", "2,", "3,", "4,", "5,")]
+    assert [r.split(",")[0] for r in rows[:5]] == ["1", "2", "3", "4", "5"] and rows[0].endswith(",1.000")
+    assert "a=0.8" in out and "measured acceptance with --mtp-draft 1" in out
+    assert main(args + ["--mtp", str(main_path)]) == 1
+    assert "not an MTP file" in capsys.readouterr().err
