@@ -64,12 +64,6 @@ def f16_matvec(w, x) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 
-def _sum4(v, axis: int, order=((0, 1), (2, 3))) -> mx.array:
-    (a, b), (c, d) = order
-    t = lambda i: mx.take(v, i, axis=axis)   # noqa: E731
-    return (t(a) + t(b)) + (t(c) + t(d))
-
-
 def _row_sums(C) -> mx.array:
     """(c0 + c1) + (c2 + c3) along the last axis of [T, 4, 4]: sums over axes of 2, one add each."""
     return C.reshape(*C.shape[:-1], 2, 2).sum(axis=-1).sum(axis=-1)
@@ -166,11 +160,12 @@ def attention(q, segments, sinks, kq_scale) -> mx.array:
     w = mx.where(mask[:, None, :], expf(s - m[..., None]), _c(0.0))
     den = mx.concatenate([expf(sinks[None, :] - m)[..., None], w], axis=2)
     den = mx.cumsum(den, axis=2)[..., -1]
-    w64, k64 = w.astype(_F64), keys.astype(_F64)
-    o = mx.zeros((T, H, D), dtype=_F32)
+    # o = fma(w_r, k_r, o) key by key: the exact products at once, then one add and one rounding a key
+    prod = mx.moveaxis(w.astype(_F64)[..., None] * keys.astype(_F64)[:, None], 2, 0)   # [K, T, H, D]
+    o = mx.zeros((T, H, D), dtype=_F64)
     for r in range(K):
-        o = (w64[:, :, r, None] * k64[:, None, r, :] + o.astype(_F64)).astype(_F32)
-    return o * (_c(1.0) / den)[..., None]
+        o = (prod[r] + o).astype(_F32).astype(_F64)
+    return o.astype(_F32) * (_c(1.0) / den)[..., None]
 
 
 def hc_head(mix, scale, base, eps, X) -> mx.array:
