@@ -25,6 +25,8 @@ class GenerationResult:
     finish: str          # "stop": EOS, a forced text's end, or the stream is done (closing tag,
     #                      stop string); "length": the limit or the context; "cancelled": should_stop
     elapsed: float       # seconds in the loop, the stream's finish included
+    drafted: int = 0     # with MTP (generation_mtp.py): drafts proposed, and accepted by the verify
+    accepted: int = 0
 
     @property
     def cancelled(self) -> bool:
@@ -44,14 +46,22 @@ def generate(session: Session, stream: DsmlStream, *, sampling: SamplingParams, 
              forced: Iterable[int] | None = None,
              should_stop: Callable[[], bool] = _never,
              before_token: Callable[[], None] | None = None,
-             on_events: Callable[[list], None] | None = None) -> GenerationResult:
+             on_events: Callable[[list], None] | None = None, speculator=None) -> GenerationResult:
     """Generate at most `limit` tokens. `forced`: these tokens instead of sampling, ending as if
     EOS had been sampled (the rng is not drawn). `should_stop` is asked before each token;
     `before_token` runs after it, before the token is chosen; `on_events` gets the events of each
     fed token, then those of the stream's finish (told "length" when sampling was cut: the limit,
-    the context or a stop, so a half-written tool block reads as cut, not as finished)."""
+    the context or a stop, so a half-written tool block reads as cut, not as finished).
+    `speculator`: an engine.Speculator (MTP): several tokens a main-model pass, the same output
+    (`before_token` then runs once a step)."""
     todo = list(forced) if forced is not None else None
     on_events = on_events or _drop
+    if speculator is not None and todo is None:     # MTP (ds4agent/generation_mtp.py): the same tokens
+        from .generation_mtp import generate_speculative
+        return generate_speculative(session, stream, speculator, sampling=sampling, greedy=GREEDY, rng=rng,
+                                    limit=max(0, limit), eos_id=eos_id, token_bytes=token_bytes,
+                                    should_stop=should_stop, before_token=before_token, on_events=on_events,
+                                    result=GenerationResult)
     n, finish = 0, "length"
     t0 = time.perf_counter()
     for _ in range(max(0, limit)):

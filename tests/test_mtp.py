@@ -359,3 +359,36 @@ def test_bench_mtp_prints_step_costs_and_speedups(mtp_models, capsys):
     assert "a=0.8" in out and "measured acceptance with --mtp-draft 1" in out
     assert main(args + ["--mtp", str(main_path)]) == 1
     assert "not an MTP file" in capsys.readouterr().err
+
+
+def test_the_agents_generation_loop_with_mtp_leaves_what_the_plain_loop_leaves(mtp_models):
+    """ds4agent.generation.generate with a speculator: the same tokens, result and snapshot as
+    the plain loop, also when the stream ends inside a step (a stop string: the tokens the step
+    evaluated past it are cut back)."""
+    from ds4agent.generation import generate
+    from ds4agent.generation_mtp import speculator_for
+    from prompts import DsmlStream
+    main, mtp, _ = mtp_models
+    with Engine.open(main, mtp=mtp) as eng:
+        tb = eng.tokenizer.token_bytes
+
+        def run(spec_truth, stop):
+            s = Session(eng, 256)
+            s.sync(PROMPT[:18])
+            sp = None
+            if spec_truth is not None:
+                sp = speculator_for(s, 4)
+                sp.drafter = TruthDrafter(spec_truth, eng.config.n_vocab, 18)
+            toks = []
+            res = generate(s, DsmlStream("none", has_tools=True, stop=stop), sampling=GREEDY, rng=Rng(1),
+                           limit=10, eos_id=eng.tokenizer.eos_id, token_bytes=lambda t: (toks.append(t), tb(t))[1],
+                           speculator=sp)
+            return toks, (res.n_tokens, res.finish), s.snapshot(), res
+        toks, res, snap, _ = run(None, ())
+        stop = tb(toks[6])
+        for stop_s in ((), (stop,)):
+            plain = run(None, stop_s)
+            spec = run(toks, stop_s)
+            assert spec[:3] == plain[:3]
+            assert spec[3].drafted > 0
+        assert plain[1][1] == "stop" and len(plain[0]) <= 7       # the stop string did end it early

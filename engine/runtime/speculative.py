@@ -74,16 +74,16 @@ def draw(p: np.ndarray, rng: Rng) -> int:
     return i
 
 
-def accept_drafts(p_rows, drafts, q_rows, rng: Rng | None) -> tuple[int, int | None]:
+def accept_drafts(p_rows, drafts, q_rows, rng: Rng | None, greedy=None) -> tuple[int, int | None]:
     """The rejection rule on distributions: p_rows[i] the target's distribution for the position
     of drafts[i], q_rows[i] the drafter's (None: it proposed deterministically, q one-hot).
     Returns (k, r): the first k drafts are kept; r is the token drawn at the first rejection
-    (None when all were kept). rng None: greedy targets, no draws."""
+    (None when all were kept). rng None, or greedy[i] true: a greedy target there, no draws."""
     for i, d in enumerate(drafts):
         p = p_rows[i]
         q = None if q_rows is None else q_rows[i]
         qd = 1.0 if q is None else float(q[d])
-        if rng is None:
+        if rng is None or (greedy is not None and greedy[i]):
             if p[d] >= 1.0:
                 continue
             return i, int(np.argmax(p))
@@ -106,7 +106,9 @@ class Speculator:
 
     `step(params, rng, limit, stop)` adds at least one token and returns the tokens it added:
     every one is evaluated into the session (a token in `stop` ends the list and is not
-    evaluated, as plain decoding never evaluates EOS)."""
+    evaluated, as plain decoding never evaluates EOS). `params` may be a function of the tokens
+    this step has added before the position (the agent samples greedily inside DSML syntax): the
+    rule then checks each draft against the parameters plain decoding would have used there."""
 
     def __init__(self, session: Session, drafter, n_draft: int = 2):
         if not 0 <= n_draft <= MAX_DRAFT:
@@ -123,7 +125,8 @@ class Speculator:
     def step(self, params: SamplingParams, rng: Rng, limit: int = 1 << 30, stop=()) -> list[int]:
         s = self.session
         t0 = time.perf_counter()
-        y = self.pending if self.pending is not None else sample(s.logits, params, rng)
+        at = params if callable(params) else (lambda prefix: params)
+        y = self.pending if self.pending is not None else sample(s.logits, at([]), rng)
         self.pending = None
         if y in stop:
             return [y]
@@ -134,9 +137,10 @@ class Speculator:
         drafts, q_rows = self.drafter.propose(s, y, n) if n else ([], None)
         drafts = [int(d) for d in drafts[:n]]
         rows, hc = self._verify([y] + drafts)
-        greedy = float(params.temperature) <= 0
-        p_rows = [target_probs(rows[i], params) for i in range(len(drafts))]
-        k, r = accept_drafts(p_rows, drafts, q_rows, None if greedy else rng)
+        prm = [at([y] + drafts[:i]) for i in range(len(drafts))]
+        greedy = [float(p.temperature) <= 0 for p in prm]
+        p_rows = [target_probs(rows[i], prm[i]) for i in range(len(drafts))]
+        k, r = accept_drafts(p_rows, drafts, q_rows, rng, greedy)
         out = [y] + drafts[:k]
         hit = next((i for i, t in enumerate(out) if t in stop), None)
         if hit is not None:
@@ -144,8 +148,8 @@ class Speculator:
         kept = len(out) - (hit is not None)
         self._cut(P, 1 + len(drafts), kept, rows)
         self.drafter.commit(s, kept, hc[kept - 1] if kept and hc is not None else None)
-        if hit is None and not greedy:
-            self.pending = r                    # the residual draw is the next token (None: sample)
+        if hit is None and k < len(drafts) and not greedy[k]:
+            self.pending = r                    # the residual draw is the next token (else: sample)
         st = self.stats
         st["steps"] += 1
         st["drafted"] += len(drafts)
