@@ -37,6 +37,7 @@ from .mcp_client import command as mcp_command
 from .session_views import list_text, resume_hint
 from .timelines import Timelines
 from .generation import GREEDY, generate
+from .generation_mtp import speculator_for
 
 EOS_TEXT = prompts.EOS
 MAX_TOOL_ROUNDS = 64
@@ -92,6 +93,7 @@ class AgentConfig:
     allow_outside: bool = False
     live_timelines: int = 2        # timelines kept in memory, the live one included (/switch without a disk read)
     checkpoints: bool = True       # a git checkpoint before each write/edit/bash/git_commit (/undo)
+    mtp_draft: int = 0             # --mtp: tokens the MTP drafts a step (0: off; the engine needs its file)
 
 
 class Agent:
@@ -126,6 +128,7 @@ class Agent:
         self.last_finish = E.TurnFinished()
         self.gen_tps = 0.0         # the status bar's speeds: this turn's generation (live) ...
         self.prefill_tps = 0.0     # ... and its latest prefill
+        self.mtp_counts = [0, 0]   # --mtp: drafts proposed and accepted since the agent started
         self._last_gen_tokens = 0
         self._system = system      # fixed system text (tests); None: gathered from the project
         self.checkpoints = Checkpoints(self)   # /undo, /redo, /checkpoints (ds4agent/checkpoints.py)
@@ -323,7 +326,9 @@ class Agent:
         res = generate(self.session, stream, sampling=GREEDY if greedy else self.cfg.sampling,
                        rng=self.rng, limit=limit, eos_id=self.tok.eos_id,
                        token_bytes=self.tok.token_bytes, forced=forced,
-                       should_stop=self._interrupt.is_set, before_token=live_status, on_events=sink)
+                       should_stop=self._interrupt.is_set, before_token=live_status, on_events=sink,
+                       speculator=speculator_for(self.session, self.cfg.mtp_draft))
+        self.mtp_counts = [self.mtp_counts[0] + res.drafted, self.mtp_counts[1] + res.accepted]
         self.pending_eos = True   # the assistant turn is over: EOS opens the next append
         self._last_gen_tokens = res.n_tokens     # submit counts them against the turn's cap
         if res.elapsed > 0 and res.n_tokens:
@@ -580,10 +585,16 @@ class Agent:
         warn = f"context {100 * used // ctx}% full: compaction at {int(COMPACT_AT * 100)}%" if used >= WARN_AT * ctx else ""
         self.emit(E.Status(self.model_name, self.engine.backend, used, ctx,
                            self.prefill_tps, self.gen_tps, self.session_name, self.cfg.think_mode, busy, warn,
-                           getattr(self.engine, "expert_status", "")))
+                           getattr(self.engine, "expert_status", ""), mtp_status(self.mtp_counts)))
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+def mtp_status(counts) -> str:
+    """The status bar's MTP field: the share of drafts the verify accepted ("" before any)."""
+    drafted, accepted = counts
+    return f"mtp {100 * accepted // drafted}%" if drafted else ""
+
+
 def new_branch_id() -> str:
     """A timeline's branch id: 12 hex digits, fixed for the branch's life (session ids change on
     every save; a branch's checkpoints and lineage need a name that does not)."""

@@ -97,10 +97,12 @@ def _parser():
     p.add_argument("--seed", type=int, help="sampling seed, for repeatable runs (default: a random seed)")
     p.add_argument("--serve", action="store_true",
                    help="serve the model over HTTP for Claude Code, Codex, opencode, Pi and the SDKs")
+    from engine.mtp_options import add_mtp_flags
     from engine.options import add_engine_flags
 
     from .serve.cli import add_flags
     add_engine_flags(p)
+    add_mtp_flags(p, config_keys=True)
     add_flags(p)
     return p
 
@@ -247,6 +249,24 @@ def _check_model(a, model: str, ctx: int, think: str, options, project: Path):
         raise _Fail(problem)
 
 
+def _check_mtp(a, cfg: dict, model: str):
+    """(the MTP file or None, drafts a step): --mtp or `mtp` in the config, checked against the
+    model before any UI (a wrong or corrupt file: one line, exit 1)."""
+    from engine import ModelFile, ModelFileError
+    from engine.gguf.mtp_file import MTPFile
+    from engine.mtp_options import resolve_mtp
+    try:
+        path, n = resolve_mtp(a, cfg)
+        if path:
+            path = os.path.expanduser(path)
+            with ModelFile.open(model) as mf:
+                MTPFile.open(path, mf.config).close()
+    except (ValueError, ModelFileError) as e:
+        raise _Fail(str(e)) from None
+    a.mtp = path
+    return path, n
+
+
 def _resume_choice(store, resume):
     """True: the last session; a name, an id or "pick": resolved here, before the model loads."""
     if not isinstance(resume, str):
@@ -299,6 +319,7 @@ def _main(a) -> int:
     think = a.think or cfg.get("think", "high")
     project = Path.cwd()
     _check_model(a, model, ctx, think, options, project)
+    mtp, a.mtp_draft = _check_mtp(a, cfg, model)
     if options.layers is not None:       # (mlx.launch's ranks above 0 serve their layers here, before any UI)
         from engine.runtime.split_engine import serve_if_worker
         serve_if_worker(model, options)
@@ -312,7 +333,8 @@ def _main(a) -> int:
                               seed=a.seed)
     conf = AgentConfig(ctx=ctx, think_mode=think, yolo=a.yolo or bool(cfg.get("yolo", False)),
                        sampling=sampling, allow_outside=a.allow_outside, max_tokens=max_tokens,
-                       checkpoints=cfg.get("checkpoints", True) is not False)   # `checkpoints = false`: no /undo
+                       checkpoints=cfg.get("checkpoints", True) is not False,   # `checkpoints = false`: no /undo
+                       mtp_draft=a.mtp_draft if mtp else 0)
     try:
         store = SessionStore(project_dir=project)
     except SessionStoreError as e:
@@ -325,7 +347,7 @@ def _main(a) -> int:
 
     def make_agent(emit):
         from .mcp_client import start_servers
-        eng = Engine.open(model, options)
+        eng = Engine.open(model, options, mtp=mtp)
         started.append(start_servers(project, emit))   # before the system prompt: their tools are in it
         return Agent(eng, project, config=conf, store=store, emit=emit, mcp=started[-1])
 

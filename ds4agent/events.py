@@ -67,6 +67,7 @@ class Status:                    # context, speeds, session, mode: for the statu
     busy: str = ""               # "", "prefill", "generating", "tool", "saving", "compacting"
     warning: str = ""            # e.g. "context 85% full: compaction soon"
     experts: str = ""            # --expert-cache: "experts 93% hit, 1.20 GB read, 3.1 s stall"
+    mtp: str = ""                # --mtp: "mtp 42%", the drafts the verify accepted this session
 
 
 @dataclass

@@ -115,6 +115,7 @@ def status_fields(st: E.Status, state: str) -> list[Field]:
     pre = f"{st.prefill_tps:,.0f} t/s" if st.prefill_tps else "–"
     # --expert-cache: its hit rate, reads and stall, beside the speeds; left out where narrow
     experts = [Field([st.experts, st.experts.split(",")[0]], [0, 1], 2)] if st.experts else []
+    experts += [Field([st.mtp], [0], 2)] if st.mtp else []      # --mtp: the acceptance, left out where narrow
     return [
         Field(["● " + state, "● " + STATE_SHORT.get(state, state)], [0, 9],
               style="bold magenta" if state != "idle" else "green", sep=""),

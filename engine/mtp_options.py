@@ -26,10 +26,28 @@ def draft_count(text) -> int:
     return n
 
 
-def add_mtp_flags(parser: argparse.ArgumentParser) -> None:
+def add_mtp_flags(parser: argparse.ArgumentParser, config_keys: bool = False) -> None:
+    """config_keys: the agent's flags, whose defaults come from config.toml (`mtp`, `mtp_draft`;
+    resolve_mtp): the flags then default to None."""
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--mtp", metavar="FILE", default=None,
                    help="ds4's MTP file (DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf): draft tokens with it "
                         "and verify them in one pass; the output is the same as without")
-    g.add_argument("--mtp-draft", type=draft_count, default=DEFAULT_DRAFT, metavar="N",
-                   help=f"tokens the MTP drafts a step (1..{MAX_DRAFT})")
+    g.add_argument("--mtp-draft", type=draft_count, default=None if config_keys else DEFAULT_DRAFT, metavar="N",
+                   help=f"tokens the MTP drafts a step (1..{MAX_DRAFT}; default {DEFAULT_DRAFT}"
+                        + (", or `mtp_draft` in the config)" if config_keys else ")"))
+
+
+def resolve_mtp(a, cfg: dict) -> tuple[str | None, int]:
+    """(the MTP file or None, drafts a step) from the agent's flags, else its config.toml keys
+    `mtp` (what `ds4-agent download mtp` records) and `mtp_draft`. A bad value: ValueError, one line."""
+    path = a.mtp or cfg.get("mtp")
+    if path is not None and not isinstance(path, str):
+        raise ValueError(f"mtp in the config must be a file's path, not {path!r}")
+    n = a.mtp_draft
+    if n is None:
+        try:
+            n = draft_count(cfg.get("mtp_draft", DEFAULT_DRAFT))
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"mtp_draft in the config: {e}") from None
+    return path, n

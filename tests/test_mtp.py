@@ -392,3 +392,29 @@ def test_the_agents_generation_loop_with_mtp_leaves_what_the_plain_loop_leaves(m
             assert spec[:3] == plain[:3]
             assert spec[3].drafted > 0
         assert plain[1][1] == "stop" and len(plain[0]) <= 7       # the stop string did end it early
+
+
+def test_agent_flags_and_config_keys(mtp_models, tmp_path, monkeypatch, capsys):
+    """--mtp/--mtp-draft, else `mtp`/`mtp_draft` in config.toml; a wrong MTP file is one line and
+    exit 1 before any UI; the status bar shows the acceptance."""
+    import argparse
+
+    from ds4agent import cli
+    from ds4agent.agent import mtp_status
+    from ds4agent.events import Status
+    from ds4agent.tui_widgets import status_fields
+    from engine.mtp_options import resolve_mtp
+    main_path, mtp, _ = mtp_models
+    ns = argparse.Namespace(mtp=None, mtp_draft=None)
+    assert resolve_mtp(ns, {"mtp": "/x.gguf", "mtp_draft": 3}) == ("/x.gguf", 3)
+    assert resolve_mtp(argparse.Namespace(mtp="/y", mtp_draft=1), {"mtp": "/x.gguf"}) == ("/y", 1)
+    with pytest.raises(ValueError, match="mtp_draft in the config"):
+        resolve_mtp(ns, {"mtp_draft": 40})
+    monkeypatch.setenv("DS4_AGENT_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--model", str(main_path), "--mtp", str(main_path), "-p", "hi"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "not an MTP file" in err and "\n" not in err
+    assert mtp_status([0, 0]) == "" and mtp_status([10, 4]) == "mtp 40%"
+    st = Status("m", "numpy", 10, 100, 0.0, 1.0, "s", "high", mtp="mtp 40%")
+    assert any("mtp 40%" in f.forms[0] for f in status_fields(st, "idle"))

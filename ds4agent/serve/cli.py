@@ -128,7 +128,9 @@ def _serve(a, model: str, ctx: int, options, cfg: ServeConfig, socks) -> int:
     from .shim import Shim
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
-        engine = Engine.open(model, options)
+        engine = Engine.open(model, options, mtp=getattr(a, "mtp", None))
+        # (the drafts a step of slot.py's speculator: 0 without an MTP file)
+        engine.mtp_draft = (getattr(a, "mtp_draft", 0) or 0) if getattr(engine, "mtp", None) else 0
     except (ModelFileError, ValueError) as e:    # ValueError: a backend that cannot serve here
         print(f"error: {e}", file=sys.stderr)
         return 1

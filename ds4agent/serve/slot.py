@@ -24,6 +24,7 @@ from sessions.prefix_cache import token_text
 
 from . import events as E
 from ..generation import GenerationResult, generate
+from ..generation_mtp import speculator_for
 
 from .job import Job
 
@@ -138,10 +139,12 @@ class Slot:
         pre_s, gen_s, gen = t.get("prefill_s", 0.0), t.get("gen_s", 0.0), t.get("gen_tokens", 0)
         src = t.get("source")
         how = f"{HOW.get(src, src)}: {src}" if src else "-"
+        drafted = t.get("mtp_drafted", 0)      # --mtp: how many drafts the verify accepted
+        mtp = f", mtp {t.get('mtp_accepted', 0)}/{drafted} accepted" if drafted else ""
         log.info("%s slot %d (%s): prompt %d tokens, reused %d (%s), generated %d, prefill %.1f t/s, "
-                 "decode %.1f t/s, %.2f s, %s", ENDPOINT.get(job.api, job.api), self.index,
+                 "decode %.1f t/s%s, %.2f s, %s", ENDPOINT.get(job.api, job.api), self.index,
                  t.get("slot_choice", "-"), n, cached, how, gen, (n - cached) / pre_s if pre_s > 0 else 0.0,
-                 gen / gen_s if gen_s > 0 else 0.0, secs, finish)
+                 gen / gen_s if gen_s > 0 else 0.0, mtp, secs, finish)
 
     def _run(self, job: "Job") -> str:
         self.w.count(requests=1)
@@ -383,10 +386,12 @@ class Slot:
                            rng=Rng(job.seed or None), limit=limit, eos_id=tok.eos_id,
                            token_bytes=tok.token_bytes, forced=forced, should_stop=job.cancel.is_set,
                            before_token=checkpoint,
-                           on_events=lambda evs: self._forward(job, evs, ids, lambda: self._new_id(kind, taken)))
+                           on_events=lambda evs: self._forward(job, evs, ids, lambda: self._new_id(kind, taken)),
+                           speculator=speculator_for(s, getattr(s.engine, "mtp_draft", 0)))
         n = out.n_tokens
         self.w.count(generated=n)
-        job.trace.update(gen_tokens=n, gen_s=round(out.elapsed, 3), output=stream.text)
+        job.trace.update(gen_tokens=n, gen_s=round(out.elapsed, 3), output=stream.text,
+                         mtp_drafted=out.drafted, mtp_accepted=out.accepted)
         if out.cancelled:
             self._keep_bindings(())
             raise Cancelled()
