@@ -42,9 +42,9 @@ def record(model: str, text: str, n_tokens: int, backend: str) -> tuple[list, di
                        "steps": len(toks) - 64, "hash_layers": c.n_hash_layer}
 
 
-def table(trace: list, info: dict) -> list[dict]:
+def table(trace: list, info: dict, shares=(1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)) -> list[dict]:
     total = info["n_layer"] * info["n_expert"]
-    sizes = sorted({info["n_used"], total // 16, total // 8, total // 4, total // 2, total})
+    sizes = sorted({info["n_used"]} | {max(1, round(total * f)) for f in shares})
     dec = trace
     rows = []
     for n in sizes:
@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-file")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--out", help="write the trace (JSON) here")
+    ap.add_argument("--shares", default="0.0625,0.125,0.25,0.5,1",
+                    help="cache sizes as shares of all the file's experts (comma-separated)")
     a = ap.parse_args(argv)
     text = Path(a.prompt_file).read_text() if a.prompt_file else default_text()
     trace, info = record(a.model, text, a.tokens, a.backend)
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
           f"{info['steps']} decode steps after 64 prompt tokens")
     print("| slots | share of experts | " + " | ".join(X.POLICIES) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in X.POLICIES) + " |")
-    for r in table(trace, info):
+    for r in table(trace, info, [float(x) for x in a.shares.split(",")]):
         print(f"| {r['slots']} | {r['share']:.0%} | " + " | ".join(f"{r[p]:.1%}" for p in X.POLICIES) + " |")
     return 0
 

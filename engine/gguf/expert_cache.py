@@ -94,7 +94,10 @@ class SLRU(LRU):
 
 
 POLICIES = {"lru": LRU, "slru": SLRU}
-POLICY = "lru"     # the kept policy (docs/performance.md, "The expert cache": the replay)
+# the kept policy: on a recorded decode trace SLRU hit 2.5-5 points more than LRU with the cache
+# at 6-40 % of the experts (the 1/5 and 1/2 cgroups' share), the same at 69 %, less only at one
+# token's working set (docs/performance.md, "The expert cache")
+POLICY = "slru"
 
 
 def replay(trace, n_slots: int, policy: str) -> float:
