@@ -34,7 +34,9 @@ def free_ports(n: int) -> list[int]:
 
 
 def rank_env(rank: int, hostfile: Path, **extra) -> dict:
-    env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), DS4_PAGING="none")
+    # ranks that take turns on a shared machine must not spin their idle threads at each other
+    env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), DS4_PAGING="none",
+               OMP_WAIT_POLICY="PASSIVE")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

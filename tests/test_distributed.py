@@ -83,14 +83,17 @@ def test_partial_states_load_and_pack_the_single_process_payload(small_engine):
 
 # -- real ranks ------------------------------------------------------------------------------------
 def _single_tokens(model, n, chunk=4, backend="numpy"):
-    with Engine.open(model, EngineOptions(backend=backend, paging="none")) as eng:
+    with Engine.open(model, EngineOptions(backend=backend, paging="none", threads=1)) as eng:
         sess = Session(eng, 256, chunk=chunk)
         sess.sync(PROMPT)
         return greedy(sess, n)
 
 
 def _split_tokens(tmp, model, n_ranks, backend, n=64):
-    procs = spawn(tmp, [driver("tokens", model, "auto", backend, IDS, n, 4)] * n_ranks)
+    # one compute thread a rank, waiting passively: ranks that take turns on 2 cores must not
+    # spin OpenMP threads at each other (the cpu backend ran 10x slower so)
+    procs = spawn(tmp, [driver("tokens", model, "auto", backend, IDS, n, 4)] * n_ranks,
+                  DS4_KERNEL_THREADS=1, OMP_WAIT_POLICY="PASSIVE")
     res = finish(procs)
     assert [r[0] for r in res] == [0] * n_ranks, res[0][2][-2000:]
     assert all(not o and not e for _, o, e in res[1:]), "a worker printed something"

@@ -284,3 +284,12 @@ def open_split(cls, path, o):
     except BaseException:
         m.close()
         raise
+
+
+def serve_if_worker(path, o) -> None:
+    """For commands that start a UI before they open the model (ds4-agent): under mlx.launch a
+    rank above 0 opens it now, which serves the ring and never returns; rank 0 and a process
+    alone return at once."""
+    if o.layers is not None and D.launched() and D.this_rank() > 0:
+        from .session import Engine
+        Engine.open(path, o)
