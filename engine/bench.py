@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "threads); print each row's ratio against it and add a backend column to the CSV")
     from .mtp_options import add_mtp_flags
     add_mtp_flags(p)        # --mtp: the verify step's costs and the expected speed-up (bench_mtp.py)
-    p.add_argument("--mtp-reps", type=_positive_int, default=5, help="repetitions of each --mtp step measured")
+    p.add_argument("--mtp-reps", type=_positive_int, default=5, help="repetitions of each --mtp step measured (default %(default)s)")
     return p
 
 
