@@ -71,7 +71,9 @@ def test_swiglu_forms():
     _same(DF.routed_mid(mx.array(g), mx.array(u), mx.array(w), 10.0), F.routed_mid(g, u, w, 10.0))
 
 
-def test_attention_head_dim_128():
+@pytest.mark.parametrize("products", [1 << 21, 0], ids=["decode-form", "key-at-a-time"])
+def test_attention_head_dim_128(products, monkeypatch):
+    monkeypatch.setattr(DF, "_ATT_PRODUCTS", products)
     T, H, D, K1, K2 = 2, 3, 128, 7, 5
     q = _wide(T, H, D) * np.float32(0.1)
     k1 = MN.f16_round(mx.array(_wide(K1, D) * np.float32(0.1)))       # cached rows are F16 values

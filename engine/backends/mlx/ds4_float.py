@@ -143,6 +143,9 @@ def _dot128(q, k) -> mx.array:
     return v[..., 0]
 
 
+_ATT_PRODUCTS = 1 << 21          # float64 products (16 MB) attention makes at once
+
+
 def attention(q, segments, sinks, kq_scale) -> mx.array:
     """The spec's attention (head dim 128): q [T, H, D]; segments (keys [K, D] or [T, K, D],
     mask [T, K]); one fma per key, in order (a loop over the keys)."""
@@ -160,11 +163,17 @@ def attention(q, segments, sinks, kq_scale) -> mx.array:
     w = mx.where(mask[:, None, :], expf(s - m[..., None]), _c(0.0))
     den = mx.concatenate([expf(sinks[None, :] - m)[..., None], w], axis=2)
     den = mx.cumsum(den, axis=2)[..., -1]
-    # o = fma(w_r, k_r, o) key by key: the exact products at once, then one add and one rounding a key
-    prod = mx.moveaxis(w.astype(_F64)[..., None] * keys.astype(_F64)[:, None], 2, 0)   # [K, T, H, D]
+    # o = fma(w_r, k_r, o) key by key: one add and one rounding a key, the exact products made
+    # all at once where they fit in _ATT_PRODUCTS (a decode step), else a key at a time (prefill)
+    w64, k64 = w.astype(_F64), keys.astype(_F64)
     o = mx.zeros((T, H, D), dtype=_F64)
-    for r in range(K):
-        o = (prod[r] + o).astype(_F32).astype(_F64)
+    if T * H * K * D <= _ATT_PRODUCTS:
+        prod = mx.moveaxis(w64[..., None] * k64[:, None], 2, 0)                      # [K, T, H, D]
+        for r in range(K):
+            o = (prod[r] + o).astype(_F32).astype(_F64)
+    else:
+        for r in range(K):
+            o = (w64[:, :, r, None] * k64[:, None, r, :] + o).astype(_F32).astype(_F64)
     return o.astype(_F32) * (_c(1.0) / den)[..., None]
 
 
