@@ -84,7 +84,7 @@ def launcher(k, xp, name, w, xq, xd, x, experts, toks):
     out = xp.empty((P, n_out), dtype=xp.float32)
     i32 = np.int32
     if name.startswith(("ds4_gemm_", "gemm_experts_")):
-        perm, chunks = KM.batch_plan(xp.asnumpy(experts))
+        perm, chunks = KM.batch_plan(xp.asnumpy(experts), KM.MMA_TILE_PAIRS if name.startswith("ds4_") else KM.GEMM_TILE_PAIRS)
         perm, chunks = xp.asarray(perm), xp.asarray(chunks)
         grid = (KM._cdiv(n_out, KM.GEMM_ROWS), int(chunks.shape[0]), 1)
         head = (raw, xq, xd) if name.startswith("ds4_") else (raw, x)

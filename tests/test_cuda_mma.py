@@ -28,9 +28,9 @@ def K(request):
 
 
 def _pairs(rng, n_experts, n_tok):
-    """27 pairs: expert 0 has 19 (a chunk of 16 and one of 3), shuffled; tokens repeat."""
-    experts = np.array([0] * 19 + [n_experts - 1] * 5 + [1 % n_experts] * 3, np.int32)[rng.permutation(27)]
-    return experts, rng.integers(0, n_tok, 27).astype(np.int32)
+    """45 pairs: expert 0 has 37 (a chunk of 32 and one of 5), shuffled; tokens repeat."""
+    experts = np.array([0] * 37 + [n_experts - 1] * 5 + [1 % n_experts] * 3, np.int32)[rng.permutation(45)]
+    return experts, rng.integers(0, n_tok, 45).astype(np.int32)
 
 
 def _reference(fmt, raw, act, experts, toks):
@@ -56,11 +56,13 @@ def test_ds4_gemm_bit_for_bit_with_the_reference(K, fmt):
 # or drops IQ2_XXS's per-group multiplier must fail it
 @pytest.mark.parametrize("fmt,old,new", [
     ("q2_k", "a[1] = ld_s4(t + (r0 + g + 8) * LD + 4 * tq);", "a[1] = ld_s4(t + (r0 + g) * LD + 16 + 4 * tq);"),
-    ("q8_0", "term = __fmul_rn(__fmul_rn(sd[r], dx), float(isum[j][i]));",
-     "term = __fmul_rn(sd[r], __fmul_rn(dx, float(isum[j][i])));"),
+    ("q8_0", "term = __fmul_rn(__fmul_rn(sd[rr], dx), float(isum[j][i]));",
+     "term = __fmul_rn(sd[rr], __fmul_rn(dx, float(isum[j][i])));"),
     ("iq2_xxs", "smul[16 * warp + g + 8 * (i >> 1)] * d[i]", "smul[16 * warp + g] * d[i]"),
 ])
 def test_a_broken_mma_kernel_fails_the_comparison(fmt, old, new):
+    from harness import KDIR
+    assert (KDIR / "ds4_mma.cu").read_text().count(old) == 1      # the patch applies (the comparison fails)
     with pytest.raises(AssertionError):
         test_ds4_gemm_bit_for_bit_with_the_reference(Kernels(patch={"ds4_mma.cu": (old, new)}), fmt)
 

@@ -117,7 +117,7 @@ class Kernels:
     def ds4_gemm(self, fmt, raw, xq, xd, experts, toks):
         """ds4_mma.cu: ds4's dot products of the pairs grouped by expert (int8 mma), as ds4_matvec."""
         E, n_out, _ = raw.shape
-        perm, chunks = batch_plan(experts, tile_pairs=16)
+        perm, chunks = batch_plan(experts, tile_pairs=32)
         out = _nan((len(experts), n_out))
         self.fn("ds4_mma.cu", f"ds4_gemm_{fmt}")(
             (-(-n_out // 64), len(chunks), 1), (128, 1, 1),

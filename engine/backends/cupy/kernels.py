@@ -22,6 +22,7 @@ GEMM_ROWS, GEMM_TILE_PAIRS = 64, 16
 TOPK_MAX = 1024
 DS4_DOT_BLOCK = {"q8_0": 32, "iq2_xxs": 256, "q2_k": 256}    # ds4's integer dots: activation block
 MMA_MIN_CC = 80               # ds4_gemm_* (int8 mma.sync m16n8k32) needs sm_80
+MMA_TILE_PAIRS = 32           # ds4_gemm_*: pairs a chunk (its tile: 64 rows x 32 pairs)
 # which file holds a kernel, by name prefix (cuda_kernels/README.md)
 FILES = (("matvec_", "matvec.cu"), ("dequant_rows_", "matvec.cu"), ("gemm_experts_", "gemm.cu"),
          ("ds4_matvec_", "ds4_dot.cu"), ("ds4_gemm_", "ds4_mma.cu"),
@@ -186,7 +187,7 @@ class Kernels:
         if P >= GEMM_TILE_PAIRS and self.mma and self.has(name):
             e_h = xp.asnumpy(experts)
             if P >= 2 * len(np.unique(e_h)):
-                perm, chunks = batch_plan(e_h)
+                perm, chunks = batch_plan(e_h, MMA_TILE_PAIRS)
                 self._launch(name, (_cdiv(n_out, GEMM_ROWS), len(chunks), 1), BLOCK,
                              (raw, xq, xd, experts, toks, xp.asarray(perm), xp.asarray(chunks), out,
                               _I32(n_out), _I32(n_in), _I32(len(chunks))))
