@@ -57,10 +57,22 @@ import numpy as np
 from ...gguf import quants as Q
 from ...model import ds4_matmul as _D
 
+# OpenMP's wait policy, read once when libgomp loads with the extension: passive (a thread that
+# waits at a barrier sleeps) unless the user set OMP_WAIT_POLICY.  With 2 threads on 2 cores that
+# others also use, libgomp's default spin let a waiting thread burn the core its partner needed:
+# a 4-layer real-width decode (AVX2 build, Zen 4 VM at load average 15-22) ran 0.49-0.59 t/s with
+# the default and 0.43-0.50 with ACTIVE, 1.88-3.42 with PASSIVE, 1.53-1.96 with GOMP_SPINCOUNT=10000
+# (docs/performance.md, issue 36).  Set for the import only: child processes keep the user's env.
+_SET_WAIT = "OMP_WAIT_POLICY" not in os.environ
+if _SET_WAIT:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 try:  # built by setup.py (optional extension)
     from . import _kernels as _K
 except ImportError:  # pragma: no cover - depends on the install
     _K = None
+finally:
+    if _SET_WAIT:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 __all__ = ["available", "isa", "set_threads", "get_threads", "set_batch_invariant", "matmul", "matmul_q8",
            "matmul_q8_batch", "matmul_q8_mixed", "round_q8", "has_q8", "q8_gemm_min_t", "q8_beats_float", "dequantize_rows", "BLAS_MIN_T", "Q8_MAX_T", "F64_T1_TYPES"]

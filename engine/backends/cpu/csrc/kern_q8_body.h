@@ -118,17 +118,57 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
     for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 #else
+/* the 8 int32 lanes of each of 8 blocks' dots p[0..7] -> one vector of the 8 block sums, in block
+ * order (exact integer sums: unpacks pair the blocks' lanes, as q8_0_sum8 does in 512 bits) */
+KI __m256i q8_0_sum8_avx2(const __m256i *p) {
+    __m256i a[4];
+    for (int k = 0; k < 4; k++) /* per 128-bit half: [b2k b2k+1 b2k b2k+1] partial sums */
+        a[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2 * k], p[2 * k + 1]), _mm256_unpackhi_epi32(p[2 * k], p[2 * k + 1]));
+    /* per half: [b0 b1 b2 b3] and [b4 b5 b6 b7] partial sums */
+    const __m256i b0 = _mm256_add_epi32(_mm256_unpacklo_epi64(a[0], a[1]), _mm256_unpackhi_epi64(a[0], a[1]));
+    const __m256i b1 = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2], a[3]), _mm256_unpackhi_epi64(a[2], a[3]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* AVX2 form.  One token (decode), 8 blocks a step: a block's dot is |w| (unsigned) against x with
+ * w's sign; the 8 blocks' int32 lanes are summed across registers (q8_0_sum8_avx2: about 2.6
+ * instructions a block, against 8 for a horizontal sum of each) and converted at once, then each
+ * block's (d_w * d_x) * (float)dot is added in block order (ds4's order, kern_q8.c).  Zen 3 decodes
+ * a token mostly in this kernel (the output head and the attention projections).  More tokens: a
+ * block pair a step, each block's lanes summed on their own (8 blocks' lanes of several tokens do
+ * not fit 16 ymm registers); the same float32 steps, so a token's bits do not depend on T. */
 KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd, float *out,
                        const int nt) {
     float acc[Q8_NT];
     for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     int64_t b = 0;
+    if (nt == 1) {
+        for (; b + 8 <= nb; b += 8) {
+            const uint8_t *q = row + 34 * b;
+            const int8_t *xb = xq + 32 * b;
+            __m256i p[8];
+            for (int k = 0; k < 8; k++) {
+                if (!(k & 1)) { /* one L1 and one L2 prefetch per block pair (see below) */
+                    PFL(q + 34 * k, 3072, _MM_HINT_T0);
+                    PFL(q + 34 * k, 16384, _MM_HINT_T1);
+                }
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 34 * k + 2));
+                p[k] = Q8_DOT_U8S8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w),
+                                   _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 32 * k)), w));
+            }
+            float sv[8];
+            _mm256_storeu_ps(sv, _mm256_cvtepi32_ps(q8_0_sum8_avx2(p)));
+            float a = acc[0];
+            for (int k = 0; k < 8; k++) a += (KERN_F16(kern_rd16(q + 34 * k)) * xd[b + k]) * sv[k];
+            acc[0] = a;
+        }
+    }
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *q = row + 34 * b;
         /* one L1 and one L2 prefetch per block pair (68 bytes, about a line): PF2's two of each
          * (a line every 34 bytes) issue twice the prefetches for the same lines and streamed large
-         * matrices from DRAM more slowly.  Farther distances than PF2's (3 KiB, 16 KiB) measured
-         * the same or better. */
+         * matrices from DRAM more slowly.  Farther distances than PF2's (3 KiB, 16 KiB) measured the
+         * same or better. */
         PFL(q, 3072, _MM_HINT_T0);
         PFL(q, 16384, _MM_HINT_T1);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 2));
