@@ -437,3 +437,40 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def mtp_variants(src, seed: int = 0) -> list[tuple[str, Callable[[], bytes]]]:
+    """(label, build) for an MTP file (engine/gguf/mtp_file.py; issue 37): the byte-level
+    truncations and flips, and edits of its tensor directory (types, shapes, names, offsets)."""
+    base = parse(src)
+    raw = open(src, "rb").read()
+    out = [(f"mtp {label}", build) for label, build in _byte_variants(raw, _section_bounds(src), seed)]
+
+    def on(name, fn):
+        def edit(p):
+            fn(p.tensor(name), p)
+        return edit
+
+    def set_item(i, value):
+        return lambda t, p: t.__setitem__(i, value(t, p))
+
+    e, n, g = "mtp.0.e_proj.weight", "mtp.0.enorm.weight", "mtp.0.ffn_gate_exps.weight"
+    edits = [
+        ("mtp tensor: Q8_0 e_proj re-typed F16", on(e, set_item(2, lambda t, p: F16))),
+        ("mtp tensor: F32 enorm re-typed F16", on(n, set_item(2, lambda t, p: F16))),
+        ("mtp tensor: routed gate re-typed Q2_K (up stays)", on(g, set_item(2, lambda t, p: 10))),
+        ("mtp tensor: e_proj dims doubled", on(e, set_item(1, lambda t, p: (t[1][0], t[1][1] * 2)))),
+        ("mtp tensor: e_proj a dim of 2^40", on(e, set_item(1, lambda t, p: (t[1][0], 2**40)))),
+        ("mtp tensor: e_proj offset past the end", on(e, set_item(3, lambda t, p: len(p.data) + p.alignment * 4))),
+        ("mtp tensor: e_proj renamed", on(e, set_item(0, lambda t, p: "mtp.0.e_projj.weight"))),
+        ("mtp tensor: every name without its mtp.0. prefix",
+         lambda p: [t.__setitem__(0, t[0][len("mtp.0."):]) for t in p.tensors]),
+        ("mtp tensor directory: last tensor dropped", lambda p: p.tensors.pop()),
+    ]
+    for label, edit in edits:
+        def build(edit=edit):
+            p = base.copy()
+            edit(p)
+            return serialise(p)
+        out.append((label, build))
+    return out

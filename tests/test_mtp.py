@@ -418,3 +418,44 @@ def test_agent_flags_and_config_keys(mtp_models, tmp_path, monkeypatch, capsys):
     assert mtp_status([0, 0]) == "" and mtp_status([10, 4]) == "mtp 40%"
     st = Status("m", "numpy", 10, 100, 0.0, 1.0, "s", "high", mtp="mtp 40%")
     assert any("mtp 40%" in f.forms[0] for f in status_fields(st, "idle"))
+
+
+def _corrupt_runs(main_path, mtp, tmp_path, monkeypatch, commands):
+    """Every corrupted variant of the MTP file through `commands`: exit 0, or 1 with one line."""
+    from test_gguf_corruption import clean, gguf_corrupt, run_cli
+    monkeypatch.setenv("DS4_AGENT_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    variants = gguf_corrupt.mtp_variants(mtp, seed=0)
+    assert len(variants) >= 40
+    path = tmp_path / "variant-mtp.gguf"
+    bad, refused = [], 0
+    for label, build in variants:
+        path.write_bytes(build())
+        for name, entry, argv in commands(str(path)):
+            rc, err = run_cli(entry, argv)
+            refused += rc == 1
+            if not clean(name, rc, err):
+                bad.append(f"{label} | {name}: {rc} {err.strip()[-300:]}")
+    assert not bad, "\n".join(bad)
+    return refused, len(variants)
+
+
+def test_corrupt_mtp_files_are_one_line_in_inspect(mtp_models, tmp_path, monkeypatch):
+    from engine.gguf.gguf_cli import main as gguf_main
+    main_path, mtp, _ = mtp_models
+    refused, n = _corrupt_runs(main_path, mtp, tmp_path, monkeypatch,
+                               lambda p: [("ds4-gguf inspect", gguf_main, ["inspect", p, "--model", str(main_path)])])
+    assert n // 2 < refused < n          # flips in weights still fit; the rest are refused
+
+
+@pytest.mark.slow       # ~60 variants through three commands that open the engine: ~2 min
+def test_corrupt_mtp_files_are_one_line_in_every_command(mtp_models, tmp_path, monkeypatch):
+    from ds4agent.cli import main as agent_main
+    from ds4agent.ds4_cli import main as ds4_main
+    from engine.bench import main as bench_main
+    main_path, mtp, _ = mtp_models
+    m = str(main_path)
+    _corrupt_runs(main_path, mtp, tmp_path, monkeypatch, lambda p: [
+        ("ds4", ds4_main, ["-m", m, "-p", "hi", "-n", "2", "--nothink", "--ctx", "64", "--mtp", p]),
+        ("ds4-bench", bench_main, ["-m", m, "--ctx-start", "8", "--gen-tokens", "2", "--mtp-reps", "1", "--mtp", p]),
+        ("ds4-agent", agent_main, ["-m", m, "-p", "hi", "--ctx", "64", "--mtp", p])])
