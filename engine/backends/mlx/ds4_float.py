@@ -8,8 +8,12 @@ rounded once, as the spec models it; expf is MN.expf (the float64 exp rounded on
 """
 from __future__ import annotations
 
-import mlx.core as mx
+import functools
 
+import mlx.core as mx
+import numpy as np
+
+from ...model import numerics as N
 from . import numerics as MN
 
 _F32, _F64 = mx.float32, mx.float64
@@ -43,11 +47,27 @@ def silu(x) -> mx.array:
     return x * sigmoid_stable(x)
 
 
+def log1pf(x) -> mx.array:
+    """The C library's log1pf, as the spec takes it (glibc's is one ulp off the correctly rounded
+    value now and then, and a router weight moves with it): computed on the host, on the values
+    (a sync; the router's [T, n_expert] logits once a layer). Correctly rounded where no libm loads."""
+    x = _f32(x)
+    f = _libm("log1pf")
+    if f is None or x.size == 0:
+        return mx.log1p(x.astype(_F64)).astype(_F32)
+    return mx.array(np.asarray(f(np.array(x)), dtype=np.float32))
+
+
+@functools.lru_cache(maxsize=4)
+def _libm(name: str):
+    get = getattr(N, "libm_ufunc", None)
+    return None if get is None else get(name)
+
+
 def softplus(x) -> mx.array:
     x = _f32(x)
     e = expf(x)
-    mid = mx.log1p(e.astype(_F64)).astype(_F32)
-    return mx.where(x > 20.0, x, mx.where(x < -20.0, e, mid))
+    return mx.where(x > 20.0, x, mx.where(x < -20.0, e, log1pf(e)))
 
 
 _F16_CHUNK = 1 << 24
