@@ -47,6 +47,8 @@ SYNC_BYTES = 64 << 20
 NICE = 19
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+# (Python adds the name in 3.13; the value is Linux's on x86 and arm64, macOS's elsewhere)
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0x40)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux value; older Pythons lack the name
 
 # every live worker, so the interpreter's exit stops them before it tears the modules down
@@ -99,8 +101,14 @@ class ResidentCopy:
 
     def __init__(self, path: str, size: int, groups: list[tuple[int, int, list[str]]]):
         self.path, self.size = path, size
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if sum(hi - lo for lo, hi, _ in groups) < size:
+            # a partial copy (the routed experts left to the expert cache): its untouched pages
+            # cost nothing, and the kernel's overcommit check would refuse a reservation of the
+            # whole file where the file is larger than the memory
+            flags |= MAP_NORESERVE
         try:
-            buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # (size > 0: open checked)
+            buf = mmap.mmap(-1, size, flags=flags)   # (size > 0: open checked)
         except (OSError, ValueError) as e:
             raise ModelFileError(path, f"cannot allocate {size:,} bytes of memory for a resident "
                                        f"copy: {getattr(e, 'strerror', None) or e}") from None
