@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from .paging import MAP_NORESERVE
 from .expert_reader import ALIGN, DEPTH, ExpertReader, Span, region_bytes
 from .model_file import QTensor
 
@@ -183,7 +184,10 @@ class ExpertCache:
         self.layers = [_Layer(t, ti, region) for t, ti in zip(layers, infos)]
         self.n_used = n_used
         self.n_slots = max(int(n_slots), n_used)
-        self._mem = mmap.mmap(-1, self.n_slots * self.slot_bytes)
+        # slots are memory once read into: a cache sized beyond the memory (more than the file's
+        # experts asked for) reserves nothing up front (the overcommit check would refuse it)
+        self._mem = mmap.mmap(-1, self.n_slots * self.slot_bytes,
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
         self.buf = np.frombuffer(self._mem, dtype=np.uint8)
         self.reader = ExpertReader(path, memoryview(self._mem), direct=direct, depth=depth, pread=pread)
         self.policy = POLICIES[policy](self.n_slots)
