@@ -13,6 +13,10 @@ import pytest
 os.environ.setdefault("DS4_BACKEND", "numpy")
 # and the memory tests measure what a forward pass itself maps in: no prefault at open
 os.environ.setdefault("DS4_PAGING", "none")
+# pytest-xdist runs one worker per core: a kernel team's threads that spin at a barrier would take the
+# core the other worker needs (libgomp reads this when the kernels' library loads, after this line)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from engine import Engine
 from engine.gguf.synth import config_for, write_synthetic
@@ -159,3 +163,20 @@ def tui_project(tui_env):
     reset_project(tui_env["proj"])
     yield tui_env["proj"]
     reset_project(tui_env["proj"])
+
+
+# -- the ds4-oracle table (test_ds4_oracles.py) -------------------------------------------------------
+# Each test puts its row in its report's user_properties; these hooks run where the reports arrive (the
+# one process, or pytest-xdist's controller), so the table is written once, after the whole run.
+_ORACLE_ROWS: list = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _ORACLE_ROWS.extend(v for k, v in report.user_properties if k == "ds4_oracle_row")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _ORACLE_ROWS:
+        from test_ds4_oracles import _write_table
+        _write_table(terminalreporter, sorted(_ORACLE_ROWS, key=lambda r: (r[0], r[1], r[2])))

@@ -35,6 +35,7 @@ BARS = {"median": 0.2, "p90": 0.5, "top1": 0.85, "kl": 0.02}
 # a handful of prefill checkpoints: test_engine_oracle's prefill bars (no p90 / top-1 over ~8 rows)
 PREFILL_BARS = {"median": 0.3, "p90": float("inf"), "top1": 0.0, "kl": 0.03}
 BACKENDS = [b for b in ("numpy", "cpu", "mlx") if b in registry.available_names()]
+TABLE_ROW = "ds4_oracle_row"    # the user_properties key conftest.py gathers
 REGENERATE = ".venv/bin/python scripts/build_ds4_oracle.py --ds4-src DS4_TREE make NAME"
 
 # (test, backend, oracle) -> why it misses the bars today: the figures measured on Linux x86-64 at
@@ -109,17 +110,15 @@ def _params(test: str):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def table(request):
-    """Rows of figures; written to the terminal when the module ends (not captured by pytest)."""
-    rows: list[tuple] = []
-    yield rows
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is None or not rows:
-        return
-    capman = request.config.pluginmanager.get_plugin("capturemanager")
-    with capman.global_and_fixture_disabled():     # fd capture would swallow it otherwise
-        _write_table(tr, rows)
+    """Where a test puts its row of figures: the report's user_properties, which pytest-xdist carries
+    from a worker to the controller; conftest.py gathers the rows and writes the table at the end of
+    the run (a worker has no terminal of its own)."""
+    class Rows:
+        def append(self, row: tuple) -> None:
+            request.node.user_properties.append((TABLE_ROW, row))
+    return Rows()
 
 
 def _write_table(tr, rows) -> None:
