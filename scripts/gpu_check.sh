@@ -38,6 +38,7 @@ check() { local what=$1; shift; if "$@"; then echo "$what: ok"; else echo "$what
 step "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi not found"
 nproc
+command -v g++ >/dev/null || echo "no g++: the emulation-only tests skip; the kernel comparisons still run on the device"
 
 if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
     step "install: pip install -e '.[cuda,test]' into $WORK/venv"
