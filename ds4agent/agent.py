@@ -23,7 +23,7 @@ from typing import Callable
 
 import prompts
 import tools
-from engine import Engine, Rng, SamplingParams, Session
+from engine import Engine, ModelFileError, Rng, SamplingParams, Session
 from prompts import DsmlStream, Message, ToolCall
 from prompts.render import _TOOLS_HEAD as TOOLS_HEAD
 from prompts.render import _TOOLS_TAIL as TOOLS_TAIL
@@ -228,7 +228,26 @@ class Agent:
     def submit(self, text: str, max_tokens: int | None = None) -> E.TurnFinished:
         """Run one user turn to completion: generation, tools, more generation. `max_tokens` (else
         cfg.max_tokens; None: no cap but max_turn_tokens per round and the context) bounds the
-        tokens the turn generates over all its rounds; a turn it cuts ends "length" and says so."""
+        tokens the turn generates over all its rounds; a turn it cuts ends "length" and says so.
+        The model file failing under the engine (a read error, a file cut short: the expert
+        cache's preads, issue 39) ends the turn with one error line: the timeline and transcript
+        go back to the turn's start and nothing is saved, so the last save stays as it was."""
+        tokens, n_msgs = self.session.tokens, len(self.transcript)
+        try:
+            return self._submit(text, max_tokens)
+        except ModelFileError as e:
+            self.emit(E.Notice(f"the turn stopped: {e}", "error"))
+            del self.transcript[n_msgs:]
+            try:
+                self.session.sync(tokens)        # a cut back, in place (no model read)
+            except (ModelFileError, ValueError):
+                pass
+            self.last_finish = E.TurnFinished(finish_reason="error")
+            self.emit(self.last_finish)
+            self._status()
+            return self.last_finish
+
+    def _submit(self, text: str, max_tokens: int | None) -> E.TurnFinished:
         cap = max_tokens if max_tokens is not None else self.cfg.max_tokens
         if cap is not None and cap < 1:
             raise ValueError(f"max_tokens must be at least 1, not {cap}")
