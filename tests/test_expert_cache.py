@@ -281,3 +281,28 @@ def test_the_status_bar_shows_the_cache(small_model):
     st = E.Status("m", "numpy", 10, 100, 5.0, 2.0, "s1", "off", experts=text)
     assert text in fit_status(status_fields(st, "idle"), 300).plain
     assert "experts" not in fit_status(status_fields(E.Status("m", "numpy", 10, 100, 5.0, 2.0, "s1", "off"), "idle"), 300).plain
+
+
+@pytest.mark.slow      # (the agent's system prompt: a 3.7k-token prefill unless cached, ~15 s)
+def test_an_agent_turn_with_a_read_fault_ends_with_one_error(agent_model, hello_project, sessions_root):
+    """A read fault mid-turn: one error notice, the turn ends "error", the timeline and the
+    transcript are the turn's start again, the saved session is untouched; the next turn runs."""
+    from ds4agent import events as E
+    from helpers_agent import start_agent
+    with Engine.open(agent_model, EngineOptions(numerics="exact", expert_cache=0)) as e:
+        slot = e.model.experts.slot_bytes
+    with Engine.open(agent_model, EngineOptions(numerics="exact", expert_cache=8 * slot)) as e:
+        agent, rec = start_agent(e, hello_project, sessions_root)
+        agent.submit("hello")
+        saved = {p: p.read_bytes() for p in sessions_root.rglob("*") if p.is_file()}
+        tokens, n_msgs = agent.session.tokens, len(agent.transcript)
+        pread, state = _faulty("eio")
+        e.model.experts.reader.pread = pread
+        got = agent.submit("and again")
+        assert got.finish_reason == "error"
+        errors = [n.text for n in rec.of(E.Notice) if n.level == "error"]
+        assert len(errors) == 1 and "routed expert" in errors[0] and "Traceback" not in errors[0]
+        assert agent.session.tokens == tokens and len(agent.transcript) == n_msgs
+        assert {p: p.read_bytes() for p in sessions_root.rglob("*") if p.is_file()} == saved
+        state["on"] = False
+        assert agent.submit("and again").finish_reason != "error"
