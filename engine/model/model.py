@@ -394,8 +394,12 @@ class Model:
         T = X.shape[0]
         flat = ops.rmsnorm(X.reshape(T, c.n_hc * c.n_embd), None, c.rms_eps)
         mix = ops.linear(w.hc_head_fn, flat)                                      # [T, n_hc]
-        pre = ops.sigmoid(mix * w.hc_head_scale[0] + w.hc_head_base) + xp.asarray(c.hc_eps, dtype=xp.float32)
-        x = ops.hc_pre_mix(pre, X)
+        head = getattr(ops, "hc_head", None)     # a backend's own form of the collapse (ds4 numerics)
+        if head is not None:
+            x = head(mix, w.hc_head_scale[0], w.hc_head_base, c.hc_eps, X)
+        else:
+            pre = ops.sigmoid(mix * w.hc_head_scale[0] + w.hc_head_base) + xp.asarray(c.hc_eps, dtype=xp.float32)
+            x = ops.hc_pre_mix(pre, X)
         x = ops.rmsnorm(x, w.out_norm, c.rms_eps)
         return ops.linear(w.output, x)
 
