@@ -39,6 +39,18 @@ match the stated number of times, else the script stops and says which edit fail
     except the routed experts' block dot, which is ours: it referees everything around the
     experts, not ds4's own Q4_K float order.  No other code changes.
 
+ 7. Only with --dump (never for the oracles' logits): a debug dump of the decode path's
+    intermediates.  A helper writes, when DS4_ORACLE_DUMP names a file, records (tag[16], pos,
+    layer, n, float32[n]) for positions below DS4_ORACLE_DUMP_POS (default 4); calls to it are
+    added (nothing else changes) in layer_forward_raw_swa_one (HC input, attn input after the HC
+    pre, post, comb, attn_norm, qr_norm, q and kv after RoPE/FP8, heads before the inverse RoPE,
+    the attention output, the HC after attention), layer_ffn_one_decode_scratch (FFN input,
+    post, comb, ffn_norm, routed and shared outputs, the layer's output HC) and
+    output_logits_one_decode_scratch (head weights, head embedding, its norm); and one accessor,
+    ds4_session_oracle_decode_first(), makes a fresh session's first token take the decode path
+    (ds4_session_sync's own checkpoint-extension loop), so every position is the same code.
+    The driver's `dump` command uses them; the reference's side is scripts/ds4_dump_compare.py.
+
 Checked: with these edits, ds4 8d576642c39b (the newest commit when this was written; the shared
 oracle's README names none) reproduces ../shared/ds4-oracle's decode and prefill logits bit for
 bit (`check-shared`), so the edits are the ones that oracle was made with.
@@ -154,6 +166,53 @@ static void ds4_oracle_dot_q4_K_q8_K(int n, float *s, const void *vx, const bloc
 Q4K_CHECKS = [("w0->type != 16 || w1->type != 16", "w0->type != 12 || w1->type != 12", 1),
               ("gate_w->type != 16 || up_w->type != 16", "gate_w->type != 12 || up_w->type != 12", 1),
               ("if (w->type != 10) ds4_die", "if (w->type != 12) ds4_die", 2)]
+DUMP_HELPER = """
+/* oracle build (edit 7): a debug dump of the decode path's intermediates */
+static uint32_t ds4_oracle_pos;
+static void ds4_oracle_dump(const char *tag, uint32_t il, const float *x, size_t n) {
+    static FILE *f;
+    static int init;
+    static uint32_t max_pos = 4;
+    if (!init) {
+        init = 1;
+        const char *p = getenv("DS4_ORACLE_DUMP"), *m = getenv("DS4_ORACLE_DUMP_POS");
+        if (p) f = fopen(p, "wb");
+        if (m) max_pos = (uint32_t)atoi(m);
+    }
+    if (!f || ds4_oracle_pos >= max_pos) return;
+    char t[16] = {0};
+    strncpy(t, tag, 15);
+    int32_t h[3] = {(int32_t)ds4_oracle_pos, (int32_t)il, (int32_t)n};
+    fwrite(t, 1, 16, f); fwrite(h, 4, 3, f); fwrite(x, 4, n, f); fflush(f);
+}
+"""
+D = "ds4_oracle_dump"
+HCE = "(size_t)DS4_N_HC * DS4_N_EMBD"
+DUMP_EDITS = [   # (anchor, text before it, text after it)
+    ("    memcpy(scratch->attn_residual, inp_hc", f"    ds4_oracle_pos = pos;\n    {D}(\"hc_in\", il, inp_hc, {HCE});\n", ""),
+    ("    layer_attn_norm_one(scratch->attn_norm, model, layer, scratch->attn_cur);\n",
+     f"    {D}(\"attn_x\", il, scratch->attn_cur, DS4_N_EMBD);\n    {D}(\"attn_post\", il, post, DS4_N_HC);\n"
+     f"    {D}(\"attn_comb\", il, comb, DS4_N_HC * DS4_N_HC);\n",
+     f"    {D}(\"attn_norm\", il, scratch->attn_norm, DS4_N_EMBD);\n"),
+    ("    kv_cache_push_raw(cache, scratch->kv);\n",
+     f"    {D}(\"qr_norm\", il, scratch->qr_norm, DS4_N_LORA_Q);\n    {D}(\"q\", il, scratch->q, DS4_N_HEAD * DS4_N_HEAD_DIM);\n"
+     f"    {D}(\"kv\", il, scratch->kv, DS4_N_HEAD_DIM);\n", ""),
+    ("    rope_tail_layer_inplace(scratch->heads, DS4_N_HEAD, DS4_N_HEAD_DIM, DS4_N_ROT, pos, il, true);\n",
+     f"    {D}(\"heads\", il, scratch->heads, DS4_N_HEAD * DS4_N_HEAD_DIM);\n", ""),
+    ("    hc_post_one(scratch->after_attn_hc, scratch->attn_out, scratch->attn_residual, post, comb, DS4_N_EMBD, n_hc);\n",
+     f"    {D}(\"attn_out\", il, scratch->attn_out, DS4_N_EMBD);\n", f"    {D}(\"after_attn\", il, scratch->after_attn_hc, {HCE});\n"),
+    ("    rms_norm_weight(scratch->ffn_norm, scratch->ffn_cur, ffn_norm, DS4_N_EMBD, DS4_RMS_EPS);\n",
+     f"    {D}(\"ffn_x\", il, scratch->ffn_cur, DS4_N_EMBD);\n    {D}(\"ffn_post\", il, post, DS4_N_HC);\n"
+     f"    {D}(\"ffn_comb\", il, comb, DS4_N_HC * DS4_N_HC);\n", f"    {D}(\"ffn_norm\", il, scratch->ffn_norm, DS4_N_EMBD);\n"),
+    ("    hc_post_one(out_hc, scratch->ffn_out, inp_hc, post, comb, DS4_N_EMBD, n_hc);\n",
+     f"    {D}(\"ffn_moe\", il, scratch->ffn_moe, DS4_N_EMBD);\n    {D}(\"ffn_shared\", il, scratch->ffn_shared, DS4_N_EMBD);\n",
+     f"    {D}(\"out_hc\", il, out_hc, {HCE});\n"),
+    ("    hc_weighted_sum_one(scratch->output_embd", f"    {D}(\"head_w\", 0, scratch->output_weights, DS4_N_HC);\n", ""),
+    ("    matvec_q8_0_decode_scratch(logits, model, weights->output, scratch->output_norm, scratch);\n",
+     f"    {D}(\"head_x\", 0, scratch->output_embd, DS4_N_EMBD);\n    {D}(\"head_norm\", 0, scratch->output_norm, DS4_N_EMBD);\n", ""),
+]
+DUMP_ACCESSOR = ("\n/* oracle build (edit 7): a fresh session's first token through the decode path */\n"
+                 "void ds4_session_oracle_decode_first(ds4_session *s) { s->checkpoint_valid = true; }\n")
 ACCESSOR = "\n/* oracle build: the session's logits */\nconst float *ds4_session_logits_oracle(ds4_session *s) { return s->logits; }\n"
 
 
@@ -164,8 +223,8 @@ def replace(text: str, old: str, new: str, count: int, what: str) -> str:
     return text.replace(old, new)
 
 
-def edit_source(text: str, cfg, q4k: bool = False) -> str:
-    """The documented edits of the module docstring, each checked (6 only when `q4k`)."""
+def edit_source(text: str, cfg, q4k: bool = False, dump: bool = False) -> str:
+    """The documented edits of the module docstring, each checked (6 only when `q4k`, 7 `dump`)."""
     for const, field in CONSTANTS.items():                                    # 1
         pat = re.compile(rf"^(\s*{const}\s*=\s*)\d+,", re.M)
         text, n = pat.subn(rf"\g<1>{int(getattr(cfg, field))},", text)
@@ -182,6 +241,11 @@ def edit_source(text: str, cfg, q4k: bool = False) -> str:
         text = replace(text, Q4K_ANCHOR, Q4K_DOT + Q4K_ANCHOR, 1, "6 q4_K dot")
         for old, new, count in Q4K_CHECKS:
             text = replace(text, old, new, count, f"6 {old}")
+    if dump:                                                                   # 7
+        text = replace(text, INDEXER_HELPER, INDEXER_HELPER + DUMP_HELPER, 1, "7 dump helper")
+        for anchor, before, after in DUMP_EDITS:
+            text = replace(text, anchor, before + anchor + after, 1, f"7 {anchor.strip()[:40]}")
+        text += DUMP_ACCESSOR
     return text + ACCESSOR                                                     # 5
 
 
@@ -206,16 +270,17 @@ def routed_q4k(gguf: Path) -> bool:
     return types == {Q4_K}
 
 
-def build(src: Path, gguf: Path, work: Path) -> Path:
+def build(src: Path, gguf: Path, work: Path, dump: bool = False) -> Path:
     """Edit a copy of `src` in `work` for `gguf`'s shape, build its CPU objects and the driver."""
     copy = work / "ds4"
     shutil.copytree(src, copy, ignore=shutil.ignore_patterns(".git", "*.o"))
     c = copy / "ds4.c"
-    c.write_text(edit_source(c.read_text(), model_config(gguf), routed_q4k(gguf)))
+    c.write_text(edit_source(c.read_text(), model_config(gguf), routed_q4k(gguf), dump))
     cflags = ["-O3", "-ffast-math", "-g", "-march=native", "-Wall", "-std=c99", "-D_GNU_SOURCE",
               "-fno-finite-math-only"]
     run(["cc", *cflags, "-DDS4_NO_GPU", "-c", "-o", "ds4_cpu.o", "ds4.c"], copy)
-    run(["cc", *cflags, "-I", str(copy), "-c", "-o", "driver.o", str(DRIVER)], copy)
+    run(["cc", *cflags, *(["-DDS4_ORACLE_DUMP"] if dump else []), "-I", str(copy), "-c", "-o", "driver.o",
+         str(DRIVER)], copy)
     run(["cc", *cflags, "-o", "driver", "driver.o", "ds4_cpu.o", "-lm", "-pthread"], copy)
     return copy / "driver"
 
@@ -421,6 +486,23 @@ def check_shared(src: Path, keep: bool) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def dump(name: str, src: Path, n_tokens: int, n_pos: int, out: Path) -> None:
+    """Build edit 7 for oracle NAME's model and write its decode intermediates (positions below
+    n_pos) to out/NAME.dump and the logits of its first n_tokens ids, all decode, to out/NAME.f32."""
+    spec = ORACLES[name]
+    work = Path(tempfile.mkdtemp(prefix=f"ds4-dump-{name}-"))
+    try:
+        gguf = synth_model(spec["synth"], work / "model.gguf")
+        driver = build(src, gguf, work, dump=True)
+        ids = json.loads((OUT_ROOT / name / "oracle.json").read_text())["token_ids"][:n_tokens]
+        (work / "ids.txt").write_text("".join(f"{int(t)}\n" for t in ids))
+        out.mkdir(parents=True, exist_ok=True)
+        env = dict(driver_env(work), DS4_ORACLE_DUMP=str(out / f"{name}.dump"), DS4_ORACLE_DUMP_POS=str(n_pos))
+        run([driver, "dump", gguf, work / "ids.txt", model_config(gguf).n_vocab, 1, out / f"{name}.f32"], work, env)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ds4-src", type=Path, help="a ds4 source tree (a checkout of antirez/ds4); "
@@ -431,6 +513,11 @@ def main(argv=None) -> int:
     m.add_argument("names", nargs="*", metavar="NAME", help=", ".join(ORACLES))
     sub.add_parser("check-shared", help="rebuild ../shared/ds4-oracle's logits and compare")
     sub.add_parser("readmes", help="rewrite every oracle's README.md from its oracle.json")
+    d = sub.add_parser("dump", help="a debug build (edit 7): NAME's decode intermediates into OUT")
+    d.add_argument("name", metavar="NAME")
+    d.add_argument("out", type=Path, metavar="OUT")
+    d.add_argument("--tokens", type=int, default=8, help="ids fed, all through the decode path")
+    d.add_argument("--positions", type=int, default=4, help="positions whose intermediates are written")
     a = p.parse_args(argv)
     if a.cmd != "readmes" and not (a.ds4_src and (a.ds4_src / "ds4.c").exists()):
         p.error(f"--ds4-src {a.ds4_src} is not a ds4 source tree (no ds4.c)")
@@ -444,6 +531,11 @@ def main(argv=None) -> int:
                 meta = json.loads(meta_path.read_text())
                 q4k = "q4" in meta["synth"]
                 _write_text(OUT_ROOT / name / "README.md", readme(meta, spec, q4k))
+        return 0
+    if a.cmd == "dump":
+        if a.name not in ORACLES:
+            p.error(f"unknown oracle {a.name!r}; known: {', '.join(ORACLES)}")
+        dump(a.name, a.ds4_src, a.tokens, a.positions, a.out)
         return 0
     if a.cmd == "check-shared":
         check_shared(a.ds4_src, a.keep)

@@ -126,7 +126,44 @@ static int cmd_logits(int argc, char **argv) {
     return 0;
 }
 
+#ifdef DS4_ORACLE_DUMP
+/* driver dump MODEL IDS_FILE N_VOCAB THREADS OUT_LOGITS: every id through the decode path (the
+ * first too, via ds4_session_oracle_decode_first: build edit 7), the logits after each; the
+ * private build writes its intermediates where DS4_ORACLE_DUMP says. */
+void ds4_session_oracle_decode_first(ds4_session *s);
+
+static int cmd_dump(int argc, char **argv) {
+    if (argc != 7) { fprintf(stderr, "usage: dump MODEL IDS N_VOCAB THREADS OUT_LOGITS\n"); return 2; }
+    ds4_engine *e = open_engine(argv[2], atoi(argv[5]));
+    ds4_tokens ids = {0};
+    read_ids(argv[3], &ids);
+    char err[512] = {0};
+    FILE *out = fopen(argv[6], "wb");
+    if (!out) { perror(argv[6]); return 1; }
+    ds4_session *s = NULL;
+    check(ds4_session_create(&s, e, ids.len + 64), "session_create", "");
+    ds4_session_oracle_decode_first(s);
+    ds4_tokens first = {0};
+    ds4_tokens_push(&first, ids.v[0]);
+    check(ds4_session_sync(s, &first, err, sizeof(err)), "sync", err);
+    write_row(out, s, atoi(argv[4]));
+    for (int i = 1; i < ids.len; i++) {
+        check(ds4_session_eval(s, ids.v[i], err, sizeof(err)), "eval", err);
+        write_row(out, s, atoi(argv[4]));
+    }
+    fclose(out);
+    ds4_session_free(s);
+    ds4_tokens_free(&first);
+    ds4_tokens_free(&ids);
+    ds4_engine_close(e);
+    return 0;
+}
+#endif
+
 int main(int argc, char **argv) {
+#ifdef DS4_ORACLE_DUMP
+    if (argc >= 2 && strcmp(argv[1], "dump") == 0) return cmd_dump(argc, argv);
+#endif
     if (argc >= 2 && strcmp(argv[1], "tokenize") == 0) return cmd_tokenize(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "logits") == 0) return cmd_logits(argc, argv);
     fprintf(stderr, "usage: %s tokenize|logits ...\n", argv[0]);

@@ -27,6 +27,7 @@ import numpy as np
 
 from ...gguf import quants as Q
 from ...gguf.model_file import QTensor
+from ...model import ds4_float as F
 from ...model import ds4_matmul as D
 from ...model import numerics as N
 from ...model.kv_state import KVState
@@ -60,8 +61,14 @@ class NumpyOps:
         self.numerics = numerics
         self._ds4 = numerics == DS4     # (a shorthand inside the ops; `numerics` is the one public name)
         self._dot = self._ds4 and q8_dot == "ds4"
-        if self._ds4:   # an instance attribute: the class's static rmsnorm stays the float64 form
+        if self._ds4:   # instance attributes: the class's static forms stay exact numerics'
             self.rmsnorm = self.rmsnorm_ds4
+            # ds4's float32 loops as its compiled code runs them (model/ds4_float.py)
+            self.sigmoid, self.silu, self.softplus = F.sigmoid_stable, F.silu, F.softplus
+            self.hc_pre_mix, self.hc_post = F.hc_weighted_sum, F.hc_post
+            self.attention = self.attention_ds4
+            self.hc_head = F.hc_head     # the output head's HC collapse (model.Model._head)
+            self.rope = self.rope_ds4
 
     # -- set-up and hand-offs (host memory: nothing to upload or copy) ---------------------------
     def bind_weights(self, model_file) -> tuple:
@@ -98,6 +105,9 @@ class NumpyOps:
         model/ds4_matmul.py). Other weights: float64 sums rounded once."""
         if self._dot and w.type_id == Q.Q8_0:
             return D.q8_0_matmul(w.data, D.q8_0_act(x), rows)
+        if self._ds4 and w.type_id == Q.F16:      # ds4.c matvec_f16: float32 sums in index order
+            w16 = np.asarray(w.data).view(np.float16)
+            return F.f16_matvec(w16 if rows is None else w16[rows], x)
         x = N.q8_0_exact(x) if self._ds4 and w.type_id == Q.Q8_0 else _f32(x)
         return Q.matvec(w.type_id, w.data, x.T, rows, accumulate=np.float64).T
 
@@ -191,6 +201,11 @@ class NumpyOps:
         """inplace: the caller drops x, so a backend may rotate it in place (the reference copies)."""
         return N.apply_rope(x, thetas, inverse=inverse)
 
+    @staticmethod
+    def rope_ds4(x, thetas, inverse=False, inplace=False):
+        """ds4 numerics' RoPE: the C library's cosf / sinf of each angle (numerics.apply_rope)."""
+        return N.apply_rope(x, thetas, inverse=inverse, libm=True)
+
     # -- attention -----------------------------------------------------------------------------
     @staticmethod
     def attention(q, segments, sinks, scale):
@@ -224,10 +239,21 @@ class NumpyOps:
             k0 = k1
         return (o / den[..., None]).astype(np.float32)
 
+    def attention_ds4(self, q, segments, sinks, scale):
+        """ds4 numerics' attention (model/ds4_float.attention: ds4's float32 loops as compiled,
+        read at head dim 128); other widths keep the class's own form."""
+        if q.shape[-1] != 128:
+            return type(self).attention(q, segments, sinks, scale)
+        segments = [(s[0][s[2]], s[1]) if len(s) > 2 else s for s in segments]
+        # ds4's kq_scale is 1.0f / sqrtf(128): the float32 rounding of the model's 1 / sqrt(128)
+        return F.attention(q, segments, sinks, np.float32(scale))
+
     # -- hyper-connections (§3.2, §3.3) ----------------------------------------------------------
     def hc_split(self, mix, n: int, scale, base, eps, iters: int):
         """The HC mixing weights from mix [T, 2n + n*n]: pre [T, n], post [T, n] and the
         Sinkhorn-normalised combination C [T, n, n] (columns first, then `iters - 1` row/column rounds)."""
+        if self._ds4:          # ds4.c hc_split_sinkhorn_one as compiled (model/ds4_float.py)
+            return F.hc_split(mix, n, scale, base, eps, iters)
         T, sc = mix.shape[0], scale
         pre = self.sigmoid(mix[:, :n] * sc[0] + base[:n]) + eps
         post = 2.0 * self.sigmoid(mix[:, n:2 * n] * sc[1] + base[n:2 * n])
@@ -275,6 +301,8 @@ class NumpyOps:
 
     # -- routed experts (§3.11) ----------------------------------------------------------------
     def swiglu(self, g, v, limit):
+        if self._ds4:      # ds4.c swiglu as compiled (model/ds4_float.py)
+            return F.swiglu(g, v, limit)
         g = np.minimum(g, limit)
         v = np.clip(v, -limit, limit)
         return self.silu(g) * v
@@ -290,9 +318,16 @@ class NumpyOps:
     def routed(self, lw, u, sel, wsel, limit):
         """sum over each token's selected experts of weight * down(swiglu(gate u, up u)).
         u [T, E]; sel, wsel [T, k] (expert ids, weights); lw: the layer's weights. One expert at
-        a time, over the tokens that picked it."""
-        out = np.zeros_like(u)
+        a time, over the tokens that picked it. ds4 numerics add the experts' outputs in slot
+        order from 0 (ds4.c matvec_q2_k_accum_worker: ``acc += v`` per selected expert)."""
         ua = self.expert_act(lw.gate_exps, u)          # ds4: one Q8_K rounding shared by all experts
+        if self._ds4:
+            ys = np.zeros((u.shape[0], sel.shape[1], u.shape[1]), dtype=np.float32)
+            for e in np.unique(sel):
+                rows, slot = np.nonzero(sel == e)
+                ys[rows, slot] = self.expert_out(lw, e, ua[rows], wsel[rows, slot][:, None], limit)
+            return np.add.accumulate(ys, axis=1, dtype=np.float32)[:, -1]
+        out = np.zeros_like(u)
         for e in np.unique(sel):
             rows, slot = np.nonzero(sel == e)
             out[rows] += self.expert_out(lw, e, ua[rows], wsel[rows, slot][:, None], limit)
@@ -302,7 +337,8 @@ class NumpyOps:
         """Expert e's weighted output for its tokens: xe [n, E] (after expert_act), we [n, 1]."""
         g = self.expert_linear(lw.gate_exps.expert(e), xe)
         v = self.expert_linear(lw.up_exps.expert(e), xe)
-        m = self.swiglu(g, v, limit)
         if self._ds4:   # ds4 weights the SwiGLU output before the down projection (and rounds it)
-            return self.expert_linear(lw.down_exps.expert(e), self.expert_act(lw.down_exps, m * we))
+            m = F.routed_mid(g, v, we, limit)
+            return self.expert_linear(lw.down_exps.expert(e), self.expert_act(lw.down_exps, m))
+        m = self.swiglu(g, v, limit)
         return self.expert_linear(lw.down_exps.expert(e), m) * we     # transformers: the output
