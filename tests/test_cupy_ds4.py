@@ -65,3 +65,15 @@ def test_expert_products_are_the_reference_bit_for_bit(ops_pair, P, which):
     assert got.tobytes() == want.tobytes()
     kind = {16: "iq2_xxs", 10: "q2_k"}[w.type_id]
     assert cu.k.launches == {(f"ds4_gemm_{kind}" if P >= 16 else f"ds4_matvec_{kind}"): 1}
+
+
+@pytest.mark.parametrize("with_w", [True, False])
+def test_rmsnorm_ds4_runs_its_kernel_bit_for_bit(ops_pair, with_w):
+    cu, ref, lw = ops_pair
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, 256), dtype=np.float32) * np.float32(3)
+    w = rng.standard_normal(256, dtype=np.float32) if with_w else None
+    cu.k.launches.clear()
+    got = xp.asnumpy(cu.rmsnorm(xp.asarray(x), None if w is None else xp.asarray(w), 1e-6))
+    assert got.tobytes() == ref.rmsnorm(x, w, 1e-6).tobytes()
+    assert cu.k.launches == {"rmsnorm_ds4": 1}       # one launch, not the ~12 array ops of its form

@@ -241,13 +241,14 @@ class Kernels:
                      (m, l, acc, self._c(sinks, xp.float32), out, _I32(T), _I32(H), _I32(D)))
         return out
 
-    def rmsnorm(self, x, w, eps):
+    def rmsnorm(self, x, w, eps, name: str = "rmsnorm"):
+        """`rmsnorm` (exact numerics) or `rmsnorm_ds4` (ds4's float32 scale) over the last axis."""
         xp = self.xp
         n = x.shape[-1]
         x2 = self._c(x).reshape(-1, n)
         out = xp.empty(x2.shape, dtype=xp.float32)
         wt = self._c(w, xp.float32) if w is not None else xp.zeros(1, dtype=xp.float32)
-        self._launch("rmsnorm", (x2.shape[0], 1, 1), (256, 1, 1),
+        self._launch(name, (x2.shape[0], 1, 1), (256, 1, 1),
                      (x2, wt, out, _I32(x2.shape[0]), _I32(n), np.float64(eps), _I32(w is not None)))
         return out.reshape(x.shape)
 
