@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from .runtime.speculative import MAX_DRAFT
-
 DEFAULT_DRAFT = 2
+MAX_DRAFT = 16      # (ds4's cap; engine/runtime/speculative.py takes it from here: this module loads no compute code)
 
 
 def draft_count(text) -> int:

@@ -24,10 +24,9 @@ import time
 
 import numpy as np
 
+from ..mtp_options import MAX_DRAFT
 from .sampling import Rng, SamplingParams, TOP_K_CAP, argmax, sample
 from .session import ContextFull, Session
-
-MAX_DRAFT = 16
 
 
 def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
