@@ -433,6 +433,8 @@ def _floors(eng) -> dict:
           f"weights read per token {c['bpt']['short']} B (short) / {c['bpt']['long']} B (long, from "
           f"{c['long_from']}); prefill FLOPs per token {c['flops']}", file=sys.stderr)
     if eng.model.experts is not None:       # the disk floor's speed: O_DIRECT reads of the file
+        if eng.paging == "resident":
+            eng.wait_resident()             # (the copy's reads would share the disk with it)
         c["disk"] = X.direct_read_speed(eng.file.path)
         d = eng.model.experts
         print(f"expert cache: {d.n_slots} slots of {d.slot_bytes:,} B ({d.nbytes / 2**30:.2f} GiB), "
