@@ -248,7 +248,6 @@ def open_split(cls, path, o):
     """Engine.open with `o.layers` set (module docstring)."""
     from ..backends import registry
     from ..gguf.model_file import ModelFile
-    from .session import _advise
     g = D.group()
     n = 1 if g is None else g.size()
     if n == 1:
@@ -262,7 +261,7 @@ def open_split(cls, path, o):
     link = D.Link(g)
     if link.rank > 0:
         from .split_worker import worker_main
-        worker_main(path, o, link)          # never returns
+        worker_main(path, o, link, cls)     # never returns
     D.filter_ring_noise()
     entry = registry.pick(o.backend)
     ops = registry.make_ops(entry, o.numerics)
@@ -286,10 +285,19 @@ def open_split(cls, path, o):
         raise
 
 
-def serve_if_worker(path, o) -> None:
+def serve_if_worker(path, o, engine_cls) -> None:
     """For commands that start a UI before they open the model (ds4-agent): under mlx.launch a
-    rank above 0 opens it now, which serves the ring and never returns; rank 0 and a process
-    alone return at once."""
+    rank above 0 opens it now (engine_cls.open), which serves the ring and never returns; rank 0
+    and a process alone return at once."""
     if o.layers is not None and D.launched() and D.this_rank() > 0:
-        from .session import Engine
-        Engine.open(path, o)
+        engine_cls.open(path, o)
+
+
+def _advise(m, mode: str) -> str:
+    """Engine.open's advice on the map (session._advise; not imported: session imports this)."""
+    if mode == "none":
+        return "none"
+    try:
+        return m.gguf.advise(mode)
+    except OSError:
+        return "none"

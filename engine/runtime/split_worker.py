@@ -32,8 +32,15 @@ def file_identity(m) -> str:
 
 
 def free_memory() -> int:
-    from .session import mem_available
-    avail = mem_available()
+    """MemAvailable (Linux), else the physical memory (macOS has no MemAvailable)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     if avail is None:
         try:
             avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -61,8 +68,8 @@ def _quiet():
 
 
 class Worker:
-    def __init__(self, link: D.Link, path, options):
-        self.link, self.path, self.o = link, path, options
+    def __init__(self, link: D.Link, path, options, engine_cls):
+        self.link, self.path, self.o, self.engine_cls = link, path, options, engine_cls
         self.m = self.eng = self.runner = self.keep = None
         self.states: dict = {}
 
@@ -116,7 +123,6 @@ class Worker:
 
     def _plan(self, op, sid, a, parts):
         from ..backends import registry
-        from .session import Engine
         info = unpack_json(parts[0])
         r = self.link.rank
         lo, hi = info["ranges"][r]
@@ -126,7 +132,7 @@ class Worker:
         ops = registry.make_ops(entry, o.numerics)
         entry.setup(o.threads)
         self.m.keep = self.keep
-        self.eng = Engine(self.m, entry.name, o.numerics, o.threads, ops)
+        self.eng = self.engine_cls(self.m, entry.name, o.numerics, o.threads, ops)
         self.runner = LayerRunner(self.eng.model, self.keep)
         info["status"].append({"rank": r, "backend": entry.name})
         return op, sid, a, [pack_json(info)]
@@ -208,7 +214,8 @@ class Worker:
         return op, sid, a, [tokens, model.ops.logits_to_host(X)]
 
 
-def worker_main(path, options, link: D.Link):
-    """Serve the ring until rank 0's process ends; never returns."""
+def worker_main(path, options, link: D.Link, engine_cls):
+    """Serve the ring until rank 0's process ends; never returns. engine_cls: the Engine class
+    (passed in: this module is below engine.runtime.session, which imports it)."""
     _quiet()
-    Worker(link, path, options).run()
+    Worker(link, path, options, engine_cls).run()
