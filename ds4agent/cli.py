@@ -322,7 +322,7 @@ def _main(a) -> int:
     mtp, a.mtp_draft = _check_mtp(a, cfg, model)
     if options.layers is not None:       # (mlx.launch's ranks above 0 serve their layers here, before any UI)
         from engine.runtime.split_engine import serve_if_worker
-        serve_if_worker(model, options)
+        serve_if_worker(model, options, Engine)
     if a.serve:
         from .serve.cli import serve_main
         return serve_main(a, model, ctx, options)
