@@ -90,11 +90,11 @@ class Ds4RefOps:
 
     # -- attention and the HC split ------------------------------------------------------------
     def attention_ds4(self, q, segments, sinks, scale):
-        """NumpyOps.attention_ds4: ds4's float32 loops at head dim 128 (its scale 1 / sqrtf(128)),
-        the reference's float64 form at other widths."""
+        """NumpyOps.attention_ds4: ds4's float32 loops at head dim 128 (the scale rounded to
+        float32), the reference's float64 form at other widths."""
         if q.shape[-1] != 128:
             return self.attention_ref(q, segments, sinks, scale)
-        return DF.attention(q, segments, sinks, np.float32(1.0) / np.sqrt(np.float32(q.shape[-1])))
+        return DF.attention(q, segments, sinks, np.float32(scale))      # (as the reference: float32)
 
     @staticmethod
     def attention_ref(q, segments, sinks, scale):
