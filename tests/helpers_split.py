@@ -7,7 +7,7 @@ The driver (`python helpers_split.py MODE MODEL ...`) opens the model with --lay
 rank 0 does MODE, the others serve inside Engine.open and never return.
   tokens  PROMPT_IDS N CHUNK: greedy, prints `gen[i] id` lines
   save    PROMPT_IDS CHUNK OUT: prefill, write the session payload to OUT
-  resume  PAYLOAD N: load a payload, greedy N more, print gen lines
+  resume  PAYLOAD N: load a payload, fork it; greedy N more on each, then rewind 5 and 4 more
   hang    PROMPT_IDS SAVED: prefill, save to SAVED, print `ready`, then decode until stopped
 """
 from __future__ import annotations
@@ -99,7 +99,11 @@ def _main(argv) -> int:
     elif mode == "resume":
         sess = Session(eng, 256)
         sess.restore(Path(rest[0]).read_bytes())
+        fork = sess.fork()
         print("\n".join(greedy(sess, int(rest[1]))), flush=True)
+        print("\n".join("fork " + ln for ln in greedy(fork, int(rest[1]))), flush=True)
+        sess.rewind(5)                  # cut back in place on every rank, then on again
+        print("\n".join("rewound " + ln for ln in greedy(sess, 4)), flush=True)
     elif mode == "hang":
         sess = Session(eng, 256, chunk=4)
         sess.sync(ids(rest[0]))

@@ -116,12 +116,14 @@ def test_more_ranks_and_the_cpu_backend_give_one_process_tokens(tiny_q2, tmp_pat
 
 def test_sessions_move_both_ways_between_split_and_single(small_model, tmp_path):
     """A 2-rank run's payload is the single process's, byte for byte; a single process's payload
-    resumes in a 2-rank run to the same tokens."""
+    resumes in a 2-rank run to the same tokens, as does a fork of it, and a rewind on every rank."""
     with Engine.open(small_model, EngineOptions(backend="numpy", paging="none")) as eng:
         sess = Session(eng, 256, chunk=4)
         sess.sync(PROMPT)
         single = sess.snapshot()
         want = greedy(sess, 8)
+        sess.rewind(5)
+        rewound = ["rewound " + ln for ln in greedy(sess, 4)]
     out = tmp_path / "split.kv"
     res = finish(spawn(tmp_path, [driver("save", small_model, "0:2,2:6", "numpy", IDS, 4, out)] * 2))
     assert [r[0] for r in res] == [0, 0], res[0][2][-2000:]
@@ -130,7 +132,10 @@ def test_sessions_move_both_ways_between_split_and_single(small_model, tmp_path)
     src.write_bytes(single)
     res = finish(spawn(tmp_path, [driver("resume", small_model, "0:3,3:6", "numpy", src, 8)] * 2))
     assert [r[0] for r in res] == [0, 0], res[0][2][-2000:]
+    lines = res[0][1].splitlines()
     assert gen_lines(res[0][1]) == want
+    assert [ln[5:] for ln in lines if ln.startswith("fork ")] == want
+    assert [ln for ln in lines if ln.startswith("rewound ")] == rewound
 
 
 def test_a_killed_worker_ends_rank_0_with_one_line(tiny_q2, tmp_path):
