@@ -99,5 +99,7 @@ class AgentWorker:
                 else:
                     out = self.agent.command(text)
                     self._emit(E.Notice(out) if out != "quit" else E.Notice("quit"))
+            except ConnectionError as e:     # a split run's rank gone or silent (engine HopError): one line
+                self._emit(E.Notice(str(e), "error"))
             except Exception as e:   # a bug must not kill the worker silently
                 self._emit(E.Notice(f"internal error: {e}\n{traceback.format_exc(limit=3)}", "error"))
