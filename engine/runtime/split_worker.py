@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -72,6 +73,8 @@ class Worker:
         self.link, self.path, self.o, self.engine_cls = link, path, options, engine_cls
         self.m = self.eng = self.runner = self.keep = None
         self.states: dict = {}
+        log = os.environ.get("DS4_SPLIT_LOG")
+        self.log = open(f"{log}.rank{link.rank}", "a") if log else None
 
     def run(self):
         link = self.link
@@ -81,10 +84,14 @@ class Worker:
             except Exception:           # rank 0 (or a neighbour) is gone: nothing left to serve
                 self._exit(0)
             op = int(h[0])
+            t0 = time.perf_counter()
             try:
                 out = self.handle(op, h, parts)
             except Exception as e:      # the failure goes to rank 0 as one line naming this rank
                 out = (D.ERR, 0, (), [pack_json(f"rank {link.rank}: {e}")])
+            if self.log is not None:     # DS4_SPLIT_LOG: what this worker did, and how long each took
+                print(f"op {op} sid {int(h[1])} args {h[2:6].tolist()} {time.perf_counter() - t0:.3f} s"
+                      + (f" -> {unpack_json(out[3][0])}" if out and out[0] == D.ERR else ""), file=self.log, flush=True)
             if out is None:
                 continue
             try:
