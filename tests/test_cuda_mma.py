@@ -98,3 +98,33 @@ def test_the_graphs_check_runs_on_the_emulation(monkeypatch, capsys, tmp_path):
     path = write_synthetic(tmp_path / "g.gguf", cfg, recipe="q2", vocab=vocab, seed=5).path
     assert _bench().main(["--graphs", str(path), "--graph-tokens", "3"]) == 0
     assert "logits bit for bit: ok" in capsys.readouterr().out
+
+
+# -- quantize.cu: ds4's activation codes ------------------------------------------------------------
+def _activation_rows(rng, n):
+    """Rows with the quantizers' edge cases: random, an all-zero block, a tiny block (127 / amax
+    overflows), ties of |x| across signs (Q8_K takes the first), a NaN, halves (rint's ties)."""
+    x = rng.standard_normal((6, n), dtype=np.float32) * np.float32(4)
+    x[1, :32] = 0.0
+    x[2, :64] = np.float32(1e-38) * rng.standard_normal(64, dtype=np.float32)
+    x[3, 5], x[3, 9] = -100.0, 100.0           # the block's largest |x|, twice: m = -100
+    x[3, 300 % n] = np.nan
+    x[4] = np.round(x[4] * 2) / 2
+    return x
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_quantize_is_the_reference_bit_for_bit(K, block):
+    from engine.model import numerics as N
+    x = _activation_rows(np.random.default_rng(9), 512)
+    q, d = K.quantize(block, x)
+    wq, wd = (N.q8_0_quantize if block == 32 else N.q8_k_quantize)(x)
+    assert q.tobytes() == wq.reshape(6, -1).tobytes() and d.tobytes() == wd.tobytes()
+
+
+def test_a_quantizer_that_takes_the_last_tie_fails_the_comparison():
+    from harness import KDIR
+    old, new = "(ob == best && oi < bi)", "(ob == best && oi > bi)"
+    assert (KDIR / "quantize.cu").read_text().count(old) == 1
+    with pytest.raises(AssertionError):
+        test_quantize_is_the_reference_bit_for_bit(Kernels(patch={"quantize.cu": (old, new)}), 256)

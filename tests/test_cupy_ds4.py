@@ -46,7 +46,8 @@ def test_q8_0_linear_is_the_reference_bit_for_bit(ops_pair, T):
     cu.k.launches.clear()
     got = xp.asnumpy(cu.linear(lw.q_a, x))
     assert got.tobytes() == ref.linear(lw.q_a, x).tobytes()
-    assert cu.k.launches == ({"ds4_gemm_q8_0": 1} if T >= 16 else {"ds4_matvec_q8_0": 1})
+    # the activation's codes from the quantize kernel, then ds4's dots: two launches
+    assert cu.k.launches == {"q8_0_quantize": 1, ("ds4_gemm_q8_0" if T >= 16 else "ds4_matvec_q8_0"): 1}
 
 
 @pytest.mark.parametrize("P", [6, 24])     # a decode step's pairs (ds4_matvec), a prefill's (ds4_gemm)
@@ -64,7 +65,7 @@ def test_expert_products_are_the_reference_bit_for_bit(ops_pair, P, which):
                      for e, t in zip(experts, toks)])
     assert got.tobytes() == want.tobytes()
     kind = {16: "iq2_xxs", 10: "q2_k"}[w.type_id]
-    assert cu.k.launches == {(f"ds4_gemm_{kind}" if P >= 16 else f"ds4_matvec_{kind}"): 1}
+    assert cu.k.launches == {"q8_k_quantize": 1, (f"ds4_gemm_{kind}" if P >= 16 else f"ds4_matvec_{kind}"): 1}
 
 
 @pytest.mark.parametrize("with_w", [True, False])

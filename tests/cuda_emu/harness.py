@@ -129,6 +129,14 @@ class Kernels:
              perm, np.ascontiguousarray(chunks), out, i32(n_out), i32(xq.shape[1]), i32(len(chunks))))
         return out
 
+    def quantize(self, block, x):
+        """quantize.cu: ds4's activation codes (q int8 [T, n], d [T, n / block])."""
+        T, n = x.shape
+        q, d = np.full((T, n), 99, np.int8), _nan((T, n // block))
+        self.fn("quantize.cu", "q8_0_quantize" if block == 32 else "q8_k_quantize")(
+            (-(-(n // block) // 8), T, 1), (256, 1, 1), (np.ascontiguousarray(x, dtype=f32), q, d, i32(T), i32(n)))
+        return q, d
+
     def dequant_rows(self, fmt, raw2d, rows, n_in):
         out = _nan((len(rows), n_in))
         self.fn("matvec.cu", f"dequant_rows_{fmt}")((-(-(n_in // 32) // 128), len(rows), 1), (128, 1, 1),

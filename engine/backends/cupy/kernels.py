@@ -25,7 +25,7 @@ MMA_MIN_CC = 80               # ds4_gemm_* (int8 mma.sync m16n8k32) needs sm_80
 MMA_TILE_PAIRS = 32           # ds4_gemm_*: pairs a chunk (its tile: 64 rows x 32 pairs)
 # which file holds a kernel, by name prefix (cuda_kernels/README.md)
 FILES = (("matvec_", "matvec.cu"), ("dequant_rows_", "matvec.cu"), ("gemm_experts_", "gemm.cu"),
-         ("ds4_matvec_", "ds4_dot.cu"), ("ds4_gemm_", "ds4_mma.cu"),
+         ("ds4_matvec_", "ds4_dot.cu"), ("ds4_gemm_", "ds4_mma.cu"), ("q8_", "quantize.cu"),
          ("attn_", "attention.cu"), ("rmsnorm", "norm_rope.cu"), ("rope", "norm_rope.cu"),
          ("hc_split", "hc_topk.cu"), ("topk", "hc_topk.cu"), ("indexer_scores", "hc_topk.cu"))
 _MODULES: dict = {}           # (id(xp), file) -> module or None: built once a process
@@ -195,6 +195,19 @@ class Kernels:
         self._launch(f"ds4_matvec_{w.kind}", (_cdiv(n_out, ROWS_PER_BLOCK), P, 1), BLOCK,
                      (raw, xq, xd, experts, toks, out, _I32(n_out), _I32(n_in), _I32(P)))
         return out
+
+    def quantize(self, x, block: int):
+        """ds4's activation codes of x [T, n] float32 (numerics.q8_0_quantize for block 32,
+        q8_k_quantize for 256; n a multiple of block): (q int8 [T, n], d float32 [T, n / block]),
+        or None where the kernel is missing or n does not divide."""
+        xp = self.xp
+        name = "q8_0_quantize" if block == 32 else "q8_k_quantize"
+        T, n = x.shape
+        if n % block or not self.has(name):
+            return None
+        q, d = xp.empty((T, n), dtype=xp.int8), xp.empty((T, n // block), dtype=xp.float32)
+        self._launch(name, (_cdiv(n // block, 8), T, 1), (256, 1, 1), (self._c(x, xp.float32), q, d, _I32(T), _I32(n)))
+        return q, d
 
     def ds4_dense(self, w: DevTensor, xq, xd, rows=None):
         """A dense Q8_0 weight's ds4 product [T, n_sel]: one expert, the tokens as its pairs."""

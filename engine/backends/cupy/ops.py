@@ -129,8 +129,7 @@ class CupyOps:
         w, x = self._w(w), self._a(x).astype(xp.float32)
         q8 = self._ds4 and w.type_id == Q.Q8_0
         if q8 and self.k is not None and self.k.has_ds4(w):      # ds4's own dots, the reference's bits
-            xq, xd = DN.q8_0_quantize(xp, x)
-            return self.k.ds4_dense(w, xq.reshape(x.shape[0], -1), xd, rows)
+            return self.k.ds4_dense(w, *self._codes(Q.Q8_0, x), rows)
         if self.k is not None and self.k.has_dense(w):
             xin = DN.q8_0_round(xp, x) if q8 else x
             if x.shape[0] >= GEMM_MIN_ROWS and self.k.has_dequant(w):
@@ -377,11 +376,19 @@ class CupyOps:
         """One matrix's gathered expert products on the kernels. ds4 numerics with ds4's integer
         dot for w (Q8_0, IQ2_XXS, Q2_K): x is the float input, quantized here to ds4's codes for
         ds4_matvec / ds4_gemm (the reference's bits); else x as _act gives it."""
-        xp = self.xp
         if self._ds4 and self.k.has_ds4(w):
-            xq, xd = (DN.q8_0_quantize if w.type_id == Q.Q8_0 else DN.q8_k_quantize)(xp, x)
-            return self.k.ds4_experts(w, xq.reshape(x.shape[0], -1), xd, experts, toks)
+            return self.k.ds4_experts(w, *self._codes(w.type_id, x), experts, toks)
         return self.k.experts(w, self._act(w, x, True), experts, toks)
+
+    def _codes(self, type_id, x):
+        """ds4's activation codes of x [T, n] for a `type_id` weight (Q8_0 blocks, or Q8_K):
+        (q int8 [T, n], d float32 [T, n / block]) from the quantize kernel, else its array-op form."""
+        x = x.astype(self.xp.float32)
+        got = self.k.quantize(x, 32 if type_id == Q.Q8_0 else 256)
+        if got is not None:
+            return got
+        q, d = (DN.q8_0_quantize if type_id == Q.Q8_0 else DN.q8_k_quantize)(self.xp, x)
+        return q.reshape(x.shape[0], -1), d
 
     def _routed_kernels(self, gate, up, down, u, sel, wsel, limit):
         """Pairs (token, expert) in token-major order, each token's experts ascending so its
