@@ -31,7 +31,7 @@ def test_every_kernel_compiles_for_four_architectures_without_spills_and_the_tab
         assert {f"matvec_experts_{fmt}", f"gemm_experts_{fmt}", f"dequant_rows_{fmt}"} <= names
     assert {"attn_segment", "attn_finish", "rmsnorm", "rmsnorm_ds4", "rope", "hc_split", "topk", "indexer_scores",
             "ds4_matvec_q8_0", "ds4_matvec_iq2_xxs", "ds4_matvec_q2_k",
-            "ds4_gemm_q8_0", "ds4_gemm_iq2_xxs", "ds4_gemm_q2_k"} <= names
+            "ds4_gemm_q8_0", "ds4_gemm_iq2_xxs", "ds4_gemm_q2_k", "q8_0_quantize", "q8_k_quantize"} <= names
     assert cuda_compile.spills(table) == []
     doc = cuda_compile.DOC.read_text()
     assert cuda_compile.current_table(doc) == cuda_compile.render(table), \
