@@ -34,22 +34,25 @@ def expected_speedup(costs: dict, draft_s: float, n_draft: int, a: float) -> flo
 
 
 def step_costs(session, reps: int, sizes=STEP_TOKENS) -> dict:
-    """Median seconds of a verify step of T tokens at the session's position, for each T."""
+    """Median seconds of a verify step of T tokens at the session's position, for each T. One
+    round over every size first, not timed (the first touch of a page of the map faults it in),
+    then `reps` rounds, the sizes interleaved in each (a loaded machine's drift spreads over all
+    sizes alike instead of landing on one)."""
     eng = session.engine
     model, pos = eng.model, session.pos
     rng = np.random.default_rng(0)
-    out = {}
-    for T in sizes:
-        times = []
-        for _ in range(reps):
+    times: dict = {T: [] for T in sizes}
+    for r in range(reps + 1):
+        for T in sizes:
             toks = rng.integers(0, eng.config.n_vocab, T)
             with eng.lock:
                 t0 = time.perf_counter()
                 model.ops.logits_to_host(model.forward_verify(toks, pos, session.state))
-                times.append(time.perf_counter() - t0)
+                dt = time.perf_counter() - t0
                 session.state.truncate(pos + T, pos)     # back to where it was
-        out[T] = statistics.median(times)
-    return out
+            if r:
+                times[T].append(dt)
+    return {T: statistics.median(ts) for T, ts in times.items()}
 
 
 def draft_cost(session, reps: int) -> float:
