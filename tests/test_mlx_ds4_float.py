@@ -121,3 +121,11 @@ def test_moe_is_the_references(kinds):
     sel = np.array([[3, 1], [0, 3], [2, 1]])
     wsel = RNG.uniform(0.1, 1.0, (T, k)).astype(np.float32)
     _same(MlxOps("ds4").moe(lw, u, sel, wsel, 10.0), NumpyOps("ds4").moe(lw, u, sel, wsel, 10.0))
+
+
+def test_softmax_is_the_references():
+    """The compressors' pooling softmax (NumPy's float32 exp and pairwise sums, on the host)."""
+    x = _wide(3, 8, 64)
+    x[0, :, 5] = -np.inf
+    for axis in (1, -1):
+        _same(MlxOps("ds4").softmax(x, axis=axis), NumpyOps("ds4").softmax(x, axis=axis))

@@ -82,11 +82,15 @@ class Ds4RefOps:
     # -- elementwise, with libm's expf -------------------------------------------------------
     @staticmethod
     def softmax_ref(x, axis=-1):
-        x = MN._f32(x)
-        m = mx.max(x, axis=axis, keepdims=True)
-        m = mx.where(mx.isinf(m) | mx.isnan(m), 0.0, m)
-        e = MN.expf(x - m)
-        return e / mx.sum(e, axis=axis, keepdims=True)
+        """NumpyOps.softmax, computed as it computes it: with NumPy, on the host (a sync; the
+        compressors' pooling weights, a few hundred values a token). Its float32 `exp` is NumPy's
+        SIMD approximation (not libm's: ds4's pool is not yet the reference's rule), which MLX's
+        ops cannot reproduce; its sums are NumPy's pairwise ones."""
+        h = np.array(MN._f32(x))
+        m = np.max(h, axis=axis, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(h - m)
+        return mx.array((e / np.sum(e, axis=axis, keepdims=True)).astype(np.float32))
 
     # -- attention and the HC split ------------------------------------------------------------
     def attention_ds4(self, q, segments, sinks, scale):
