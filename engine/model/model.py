@@ -368,10 +368,14 @@ class Model:
             biased = p + lw.bias if lw.bias is not None else p
             sel = ops.topk_lowest_index(biased, c.n_expert_used)
         wsel = xp.take_along_axis(p, sel, axis=1)
-        tot = wsel.sum(axis=1, keepdims=True)
         f32 = xp.float32
-        tot = xp.maximum(tot, xp.asarray(2.0 ** -14, dtype=f32)) if ops.numerics == "ds4" else tot + xp.asarray(1e-20, dtype=f32)
-        wsel = (wsel / tot * xp.asarray(c.expert_weights_scale, dtype=f32)).astype(f32)
+        norm = getattr(ops, "expert_weights", None)     # a backend's own form (ds4 numerics)
+        if norm is not None:
+            wsel = norm(wsel, c.expert_weights_scale, lw.tid2eid is not None)
+        else:
+            tot = wsel.sum(axis=1, keepdims=True)
+            tot = xp.maximum(tot, xp.asarray(2.0 ** -14, dtype=f32)) if ops.numerics == "ds4" else tot + xp.asarray(1e-20, dtype=f32)
+            wsel = (wsel / tot * xp.asarray(c.expert_weights_scale, dtype=f32)).astype(f32)
         if self.pager and len(tokens) <= EXPERT_HINT_TOKENS and self.experts is None:
             # asked for in this thread (the next thing read); a hash layer's were asked for
             # ahead at the step's start, and again here in case that thread fell behind
