@@ -229,3 +229,19 @@ def hc_head(mix, scale, base, eps, X) -> np.ndarray:
     a = fma(X[:, 0], w[:, 0], (X[:, 3] * w[:, 3]).astype(_F32))
     b = fma(X[:, 1], w[:, 1], (X[:, 2] * w[:, 2]).astype(_F32))
     return (b + a).astype(_F32)
+
+
+def expert_weights(w, scale, hashed: bool) -> np.ndarray:
+    """The routed experts' weights from their router probabilities w [T, k] (ds4.c
+    ``layer_hash_router_weights_from_probs`` / ``layer_topk_selected_experts_from_probs``):
+    ``sum = max(sum w, 2^-14)``, then ``w / sum * scale``. As compiled for k = 4 (both inlined
+    into the decode path): the sum paired (0+1)+(2+3) (hash layers) or (0+2)+(1+3) (top-k
+    layers), then ``(w * scale) * (1 / sum)``. Other k: the literal form (checked at k = 2)."""
+    w, scale = _f32(w), _F32(scale)
+    floor = _F32(6.103515625e-5)
+    if w.shape[-1] == 4:
+        s = _sum4(w, 1, ((0, 1), (2, 3)) if hashed else ((0, 2), (1, 3)))
+        inv = (_ONE / np.maximum(s, floor)).astype(_F32)
+        return ((w * scale).astype(_F32) * inv[:, None]).astype(_F32)
+    s = np.add.accumulate(w, axis=1, dtype=_F32)[:, -1]
+    return (w / np.maximum(s, floor)[:, None] * scale).astype(_F32)

@@ -416,7 +416,7 @@ def _pos_f32(pos) -> np.ndarray:
     return p.astype(np.float32)
 
 
-def rope_thetas_ds4(pos, n_rot: int, base: float, *, yarn: dict | None = None) -> np.ndarray:
+def rope_thetas_ds4(pos, n_rot: int, base: float, *, yarn: dict | None = None, fma_blend: bool = False) -> np.ndarray:
     """RoPE angles [len(pos), n_rot // 2] exactly as ds4's ``rope_tail_ext_inplace`` makes them.
 
     float32 throughout:
@@ -453,7 +453,24 @@ def rope_thetas_ds4(pos, n_rot: int, base: float, *, yarn: dict | None = None) -
     ext = np.multiply.accumulate(steps, axis=1, dtype=np.float32)   # sequential float32 products
     if mult is None:
         return ext
+    if fma_blend:
+        # the query rotation's copy of rope_tail_ext_inplace (ds4's q RoPE call site): GCC keeps
+        # the source's blend, fma(freq_scale * e, 1 - ramp_mix, ramp_mix * e), ramp_mix = 1 - r
+        fs = _F32(1.0) / _F32(yarn["factor"])
+        rm = (_F32(1.0) - _ds4_yarn_r(n_rot, float(base), _yarn_params(yarn))).astype(np.float32)
+        return (((fs * ext).astype(np.float64) * (_F32(1.0) - rm).astype(np.float64)
+                 + (rm * ext).astype(np.float32).astype(np.float64))).astype(np.float32)
     return (ext * mult).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def _ds4_yarn_r(n_rot: int, base: float, yarn: tuple) -> np.ndarray:
+    """The YaRN ramp r per pair, clamp((p - low) / max(0.001, high - low), 0, 1) (a true division,
+    as the query RoPE's copy computes it)."""
+    _, orig_ctx, beta_fast, beta_slow = yarn
+    low, high = _ds4_yarn_corr_dims(n_rot, orig_ctx, base, beta_fast, beta_slow)
+    y = ((np.arange(n_rot // 2, dtype=np.float32) - low) / np.maximum(_F32(0.001), _F32(high - low))).astype(np.float32)
+    return np.minimum(_F32(1.0), np.maximum(_F32(0.0), y)).astype(np.float32)
 
 
 @functools.lru_cache(maxsize=16)

@@ -68,7 +68,8 @@ class NumpyOps:
             self.hc_pre_mix, self.hc_post = F.hc_weighted_sum, F.hc_post
             self.attention = self.attention_ds4
             self.hc_head = F.hc_head     # the output head's HC collapse (model.Model._head)
-            self.rope = self.rope_ds4
+            self.rope, self.rope_thetas = self.rope_ds4, self.rope_thetas_ds4
+            self.expert_weights = F.expert_weights    # the routed weights' normalization (Model._ffn)
 
     # -- set-up and hand-offs (host memory: nothing to upload or copy) ---------------------------
     def bind_weights(self, model_file) -> tuple:
@@ -201,9 +202,22 @@ class NumpyOps:
         """inplace: the caller drops x, so a backend may rotate it in place (the reference copies)."""
         return N.apply_rope(x, thetas, inverse=inverse)
 
-    @staticmethod
-    def rope_ds4(x, thetas, inverse=False, inplace=False):
-        """ds4 numerics' RoPE: the C library's cosf / sinf of each angle (numerics.apply_rope)."""
+    def rope_thetas_ds4(self, pos, n_rot, base, yarn):
+        """ds4 numerics' angles (numerics.rope_thetas_ds4), and for YaRN the query rotation's own
+        blend kept beside them for rope_ds4 (ds4's q RoPE call site compiles the blend with an
+        FMA where the KV row's factors it: each copy of rope_tail_ext_inplace as GCC built it)."""
+        th = N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn)
+        if yarn is not None:
+            self._q_thetas = (th, N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=True))
+        return th
+
+    def rope_ds4(self, x, thetas, inverse=False, inplace=False):
+        """ds4 numerics' RoPE: the C library's cosf / sinf of each angle (numerics.apply_rope); a
+        forward rotation of per-head rows ([T, H, D], the queries) at YaRN angles takes the query
+        copy's blend (rope_thetas_ds4)."""
+        q = getattr(self, "_q_thetas", None)
+        if q is not None and not inverse and x.ndim == 3 and thetas.ndim == 3 and thetas.base is q[0]:
+            thetas = q[1].reshape(thetas.shape)
         return N.apply_rope(x, thetas, inverse=inverse, libm=True)
 
     # -- attention -----------------------------------------------------------------------------
