@@ -114,8 +114,16 @@ def _logits(path, backend, toks, numerics="exact", decode=()):
         return pre, dec, e
 
 
+# since e41bbf3 (issue 33) the reference's ds4 numerics follow ds4's compiled float32 loops outside
+# the matmuls (engine/model/ds4_float.py: F16 matvecs in index order, the HC split/sums/post, SwiGLU,
+# the routed sum in slot order, attention's float32 loops); the cupy backend's forms do not yet, so
+# its ds4 logits are within the oracle's thresholds but not the reference's bits. strict: this
+# fails once they are, and the mark must go.
+DS4_FLOAT_PENDING = pytest.mark.xfail(strict=True, reason="cupy does not yet follow ds4_float.py (e41bbf3)")
+
+
 @need_emulation
-@pytest.mark.parametrize("numerics", ["exact", "ds4"])
+@pytest.mark.parametrize("numerics", ["exact", pytest.param("ds4", marks=DS4_FLOAT_PENDING)])
 def test_array_op_forms_are_the_reference_bit_for_bit(emulate, monkeypatch, two_layers, numerics):
     # ds4 numerics included: ds4's integer block dots (ds4_dot.py), its RMSNorm, its KV rounding
     monkeypatch.setenv("DS4_CUDA_KERNELS", "0")
