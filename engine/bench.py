@@ -461,6 +461,8 @@ def _sweep(eng, open_s: float, tokens, fronts, a, ctx: int, c: dict):
     eos = eng.tokenizer.eos_id
     print(bench_plan.plan_line(fronts, a.gen_tokens), file=sys.stderr)
     speeds = bench_plan.probe(lambda n: Session(eng, n, chunk=chunk), greedy_no_eos, tokens, a.gen_tokens, eos)
+    if eng.model.experts is not None:
+        eng.model.experts.empty()       # (the probe decoded the rows' tokens: its experts would be hits)
     print(bench_plan.estimate_line(fronts, a.gen_tokens, *speeds), file=sys.stderr)
     first = []
 
