@@ -306,3 +306,16 @@ def test_an_agent_turn_with_a_read_fault_ends_with_one_error(agent_model, hello_
         assert {p: p.read_bytes() for p in sessions_root.rglob("*") if p.is_file()} == saved
         state["on"] = False
         assert agent.submit("and again").finish_reason != "error"
+
+
+def test_empty_forgets_every_expert_and_keeps_the_counters(small_model, reference):
+    with _open(small_model, "numpy", "1G") as e:
+        c = e.model.experts
+        _greedy(e, 1, PROMPT[:3])
+        before = c.stats()
+        assert c.where
+        c.empty()
+        assert not c.where and not c.pending and len(c.free) == c.n_slots and c.stats() == before
+        toks, logits = _greedy(e)
+        assert c.stats()["misses"] > before["misses"]                  # read again
+    assert toks == reference["numpy"][0] and np.array_equal(logits, reference["numpy"][1])

@@ -322,6 +322,18 @@ class ExpertCache:
     def release(self) -> None:
         self.held.clear()
 
+    def empty(self) -> None:
+        """Forget every cached expert (the counters stay): the bench empties the cache after its
+        probe, which decodes the same tokens the measured rows will, so its reads would be hits."""
+        for f in list(self.pending.values()):
+            f.exception()                     # (no read may land in a slot after this)
+        self.pending.clear()
+        self.where.clear()
+        self.fresh.clear()
+        self.held.clear()
+        self.policy = POLICIES[self.policy.name](self.n_slots)
+        self.free = list(range(self.n_slots - 1, -1, -1))
+
     def view(self, il: int, e: int, m: int) -> np.ndarray:
         """Expert e of layer il, matrix m (0 gate, 1 up, 2 down): [n_out, row_bytes] uint8 in its
         slot. An expert not held is read now (a path outside ExpertCache.moe)."""
