@@ -106,7 +106,7 @@ def test_two_ranks_numpy_give_one_process_tokens(tiny_q2, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n_ranks,backend", [(3, "numpy"), (2, "cpu"), (3, "cpu")])
+@pytest.mark.parametrize("n_ranks,backend", [(3, "numpy"), (2, "cpu"), (3, "cpu"), (2, "mlx")])
 def test_more_ranks_and_the_cpu_backend_give_one_process_tokens(tiny_q2, tmp_path, n_ranks, backend):
     from engine.backends import registry
     if backend not in registry.available_names():
