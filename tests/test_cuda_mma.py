@@ -128,3 +128,27 @@ def test_a_quantizer_that_takes_the_last_tie_fails_the_comparison():
     assert (KDIR / "quantize.cu").read_text().count(old) == 1
     with pytest.raises(AssertionError):
         test_quantize_is_the_reference_bit_for_bit(Kernels(patch={"quantize.cu": (old, new)}), 256)
+
+
+# -- kv.cu: ds4's KV-row rounding (FP8 E4M3 blocks of 64, then F16) ---------------------------------
+def test_kv_store_is_the_reference_bit_for_bit(K):
+    from engine.model import numerics as N
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((7, 192), dtype=np.float32) * np.float32(5)
+    x[1, :64] = 0.0                                          # amax below the 1e-4 floor
+    x[2, :64] *= np.float32(1e-6)
+    x[3, :64] = np.float32(448.0) * np.round(rng.random(64).astype(np.float32) * 16) / 16    # scale 1: E4M3 ties
+    x[4, 128:] = rng.choice([65519.0, 65520.0, 7e4, 1e-8, 2.0 ** -25, 3 * 2.0 ** -25,    # F16 edges in the tail,
+                             1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, -(1 + 2.0 ** -11)], 64)  # and its ties
+    x[5] *= np.float32(1e4)
+    x[6, :64] = -x[6, :64]
+    got = K.kv_store(x, 128)
+    assert got.tobytes() == N.f16_round(N.fp8_e4m3_roundtrip(x, 128)).tobytes()
+
+
+def test_a_kv_rounding_without_ties_to_even_fails_the_comparison():
+    from harness import KDIR
+    old, new = "(a + 0xFFFu + ((a >> 13) & 1u))", "(a + 0xFFFu + 1u)"
+    assert (KDIR / "kv.cu").read_text().count(old) == 1
+    with pytest.raises(AssertionError):
+        test_kv_store_is_the_reference_bit_for_bit(Kernels(patch={"kv.cu": (old, new)}))

@@ -78,3 +78,12 @@ def test_rmsnorm_ds4_runs_its_kernel_bit_for_bit(ops_pair, with_w):
     got = xp.asnumpy(cu.rmsnorm(xp.asarray(x), None if w is None else xp.asarray(w), 1e-6))
     assert got.tobytes() == ref.rmsnorm(x, w, 1e-6).tobytes()
     assert cu.k.launches == {"rmsnorm_ds4": 1}       # one launch, not the ~12 array ops of its form
+
+
+def test_store_kv_runs_its_kernel_bit_for_bit(ops_pair):
+    cu, ref, lw = ops_pair
+    rows = np.random.default_rng(8).standard_normal((3, 192), dtype=np.float32) * np.float32(9)
+    cu.k.launches.clear()
+    got = xp.asnumpy(cu.store_kv(xp.asarray(rows), 128))
+    assert got.tobytes() == ref.store_kv(rows, 128).tobytes()
+    assert cu.k.launches == {"kv_store_ds4": 1}

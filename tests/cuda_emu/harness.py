@@ -137,6 +137,14 @@ class Kernels:
             (-(-(n // block) // 8), T, 1), (256, 1, 1), (np.ascontiguousarray(x, dtype=f32), q, d, i32(T), i32(n)))
         return q, d
 
+    def kv_store(self, x, n_nope):
+        """kv.cu: ds4's KV-row rounding of x [rows, n] (FP8 on the first n_nope values, then F16)."""
+        out = _nan(x.shape)
+        self.fn("kv.cu", "kv_store_ds4")((x.shape[0], 1, 1), (64, 1, 1),
+                                         (np.ascontiguousarray(x, dtype=f32), out, i32(x.shape[0]), i32(x.shape[1]),
+                                          i32(n_nope)))
+        return out
+
     def dequant_rows(self, fmt, raw2d, rows, n_in):
         out = _nan((len(rows), n_in))
         self.fn("matvec.cu", f"dequant_rows_{fmt}")((-(-(n_in // 32) // 128), len(rows), 1), (128, 1, 1),

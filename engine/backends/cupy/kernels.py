@@ -26,6 +26,7 @@ MMA_TILE_PAIRS = 32           # ds4_gemm_*: pairs a chunk (its tile: 64 rows x 3
 # which file holds a kernel, by name prefix (cuda_kernels/README.md)
 FILES = (("matvec_", "matvec.cu"), ("dequant_rows_", "matvec.cu"), ("gemm_experts_", "gemm.cu"),
          ("ds4_matvec_", "ds4_dot.cu"), ("ds4_gemm_", "ds4_mma.cu"), ("q8_", "quantize.cu"),
+         ("kv_store_ds4", "kv.cu"),
          ("attn_", "attention.cu"), ("rmsnorm", "norm_rope.cu"), ("rope", "norm_rope.cu"),
          ("hc_split", "hc_topk.cu"), ("topk", "hc_topk.cu"), ("indexer_scores", "hc_topk.cu"))
 _MODULES: dict = {}           # (id(xp), file) -> module or None: built once a process
@@ -208,6 +209,18 @@ class Kernels:
         q, d = xp.empty((T, n), dtype=xp.int8), xp.empty((T, n // block), dtype=xp.float32)
         self._launch(name, (_cdiv(n // block, 8), T, 1), (256, 1, 1), (self._c(x, xp.float32), q, d, _I32(T), _I32(n)))
         return q, d
+
+    def kv_store(self, rows, n_nope: int):
+        """ds4's KV-row rounding (FP8 on the first n_nope of the last axis, then F16) of float32
+        rows [..., n], or None where the kernel is missing or n_nope is not whole 64-blocks."""
+        xp = self.xp
+        if n_nope % 64 or n_nope > rows.shape[-1] or not self.has("kv_store_ds4"):
+            return None
+        x2 = self._c(rows, xp.float32).reshape(-1, rows.shape[-1])
+        out = xp.empty(x2.shape, dtype=xp.float32)
+        self._launch("kv_store_ds4", (x2.shape[0], 1, 1), (64, 1, 1),
+                     (x2, out, _I32(x2.shape[0]), _I32(x2.shape[1]), _I32(n_nope)))
+        return out.reshape(rows.shape)
 
     def ds4_dense(self, w: DevTensor, xq, xd, rows=None):
         """A dense Q8_0 weight's ds4 product [T, n_sel]: one expert, the tokens as its pairs."""

@@ -187,7 +187,10 @@ class CupyOps:
     # -- KV-row numerics -----------------------------------------------------------------------
     def store_kv(self, rows, n_nope):
         rows = self._a(rows)
-        return DN.f16_round(self.xp, DN.fp8_e4m3_roundtrip(self.xp, rows, n_nope)) if self._ds4 else rows
+        if not self._ds4:
+            return rows
+        got = None if self.k is None or rows.dtype != self.xp.float32 else self.k.kv_store(rows, n_nope)
+        return got if got is not None else DN.f16_round(self.xp, DN.fp8_e4m3_roundtrip(self.xp, rows, n_nope))
 
     def index_qat(self, rows):
         rows = self._a(rows)
