@@ -3,6 +3,9 @@ with the integer part on int8 mma.sync m16n8k32) under the host emulation, whose
 PTX fragment layout (engine/backends/cupy/emu_support/cuda_emu.h), and on a CUDA device where CuPy
 sees one (scripts/gpu_check.sh): bit for bit with engine/model/ds4_matmul.py. The integer dots are
 exact on either, and the float32 steps are ds4's, in block order, so no tolerance is needed.
+Also ds4's other roundings the `ds4` numerics run as kernels before and after those products:
+the activation codes (quantize.cu) and the KV rows' FP8/F16 rounding (kv.cu), bit for bit; and
+scripts/cuda_kernel_bench.py, which gpu_check.sh runs on a device, run on the emulation.
 """
 from __future__ import annotations
 
