@@ -119,7 +119,7 @@ def q8_0_matmul(data2d: np.ndarray, a: Q8Act, rows: slice | None = None) -> np.n
 def q8_k_matmul(type_id: int, data2d: np.ndarray, a: Q8Act) -> np.ndarray:
     """ds4's IQ2_XXS / Q2_K dot products (``ds4_vec_dot_iq2_xxs_q8_K``, ``ds4_vec_dot_q2_K_q8_K``)
     of one expert's weight [out, in] (raw rows) with the Q8_K activation a -> float32 [T, out]."""
-    if type_id not in (Q.IQ2_XXS, Q.Q2_K):
+    if type_id not in (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K):
         raise ValueError(f"no ds4 Q8_K dot product for {Q.type_name(type_id)}")
     blocks = _blocks(data2d, type_id)
     T, R, nb = a.q.shape[0], blocks.shape[0], a.q.shape[1]
@@ -135,13 +135,18 @@ def q8_k_matmul(type_id: int, data2d: np.ndarray, a: Q8Act) -> np.ndarray:
             for k in range(nb):
                 acc += (dw[None, :, k] * a.d[:, k, None]) * dots[k]
             acc = _F32(0.125) * acc
-        else:
-            isum = _idots(a.q, _decode_int(type_id, _with_scales(b, (80, 82), (1.0, 0.0)))).astype(np.float32)
-            summs = -_idots(a.q, _decode_int(type_id, _with_scales(b, (80, 82), (0.0, 1.0)))).astype(np.float32)
-            d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])
+        else:   # Q2_K (d, dmin at bytes 80, 82) or Q4_K (at 0, 2): the q4 oracles' block dot, which
+            # the oracle build writes in the form of ds4's Q2_K one (scripts/build_ds4_oracle.py, edit 6)
+            at = (80, 82) if type_id == Q.Q2_K else (0, 2)
+            isum = _idots(a.q, _decode_int(type_id, _with_scales(b, at, (1.0, 0.0)))).astype(np.float32)
+            summs = -_idots(a.q, _decode_int(type_id, _with_scales(b, at, (0.0, 1.0)))).astype(np.float32)
+            d, dmin = _f16(b[..., at[0]:at[0] + 2]), _f16(b[..., at[1]:at[1] + 2])
             for k in range(nb):     # fma(isum, d_x * d, -((summs * d_x) * dmin)): see the module doc
-                dall = (a.d[:, k, None] * d[None, :, k]).astype(np.float64)
                 mins = (summs[k] * a.d[:, k, None]) * dmin[None, :, k]
+                if type_id == Q.Q4_K:      # as GCC builds the oracle's Q4_K line: fma(isum * d_x, d, -mins)
+                    acc += ((isum[k] * a.d[:, k, None]).astype(np.float64) * d[None, :, k] - mins).astype(np.float32)
+                    continue
+                dall = (a.d[:, k, None] * d[None, :, k]).astype(np.float64)
                 acc += (isum[k].astype(np.float64) * dall - mins).astype(np.float32)
         out[:, r0:r0 + _ROWS] = acc
     return out

@@ -179,8 +179,8 @@ class CpuOps(FastOps, NumpyOps):
         # in C: at decode the NumPy form is ~90 calls on 4 x 4 arrays, twice a layer
         # (kernels.hc_split's work with the scale and base rows made once a weight: _hc_rows)
         ext = K._K
-        if ext is None:
-            return super().hc_split(mix, n, scale, base, eps, iters)
+        if ext is None or self._ds4:    # ds4 numerics: ds4's compiled split (model/ds4_float.py)
+            return NumpyOps.hc_split(self, mix, n, scale, base, eps, iters)
         mix = np.ascontiguousarray(mix, dtype=np.float32)
         T = mix.shape[0]
         s_row, b_row = _hc_rows(self, scale, base)
@@ -193,6 +193,8 @@ class CpuOps(FastOps, NumpyOps):
     def linear(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         if self._ds4 and w.type_id == Q.Q8_0:
             return self._mm_act(w, x, rows)
+        if self._ds4 and w.type_id == Q.F16:  # ds4's matvec_f16: float32 sums in index order (the reference's)
+            return NumpyOps.linear(self, w, x, rows)
         return self._mm(w, x, rows)
 
     def linears(self, ws: list, x: np.ndarray) -> list:

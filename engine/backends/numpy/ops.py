@@ -39,7 +39,7 @@ from ..protocol import BindReport
 # MXFP4's takes Q8_0 (32-value) ones.
 _EXPERT_ACT_Q8_0 = frozenset({Q.MXFP4, Q.Q8_0})
 # weights with ds4's integer dot product (ds4.c: dot_q8_0_row, ds4_vec_dot_{iq2_xxs,q2_K}_q8_K)
-_DS4_DOT = frozenset({Q.Q8_0, Q.IQ2_XXS, Q.Q2_K})
+_DS4_DOT = frozenset({Q.Q8_0, Q.IQ2_XXS, Q.Q2_K, Q.Q4_K})   # Q4_K: the q4 oracles's own dot (ds4_matmul)
 
 
 def _f32(x):
