@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.gguf.expert_cache import MATRICES, _Layer  # noqa: E402
-from engine.gguf.expert_reader import ExpertReader, direct_read_speed, region_bytes  # noqa: E402
+from engine.gguf.expert_reader import ExpertReader, direct_read_speed, region_bytes, split  # noqa: E402
 from engine.gguf.model_file import ModelFile  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def _layers(m: ModelFile):
     return [_Layer(ts, ti, region) for ts, ti in zip(tensors, infos)], sum(region)
 
 
-def run(path: str, layers, slot: int, picks, direct: bool, depth: int, n_slots: int = 16) -> float:
+def run(path: str, layers, slot: int, picks, direct: bool, depth: int, piece: int = 0, n_slots: int = 16) -> float:
     fd = os.open(path, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
@@ -49,7 +49,8 @@ def run(path: str, layers, slot: int, picks, direct: bool, depth: int, n_slots: 
     # a decode step's pattern: a layer's experts asked together, then waited for
     futs = []
     for i, (il, e) in enumerate(picks):
-        futs.append(r.submit(layers[il].reads(e, (i % n_slots) * slot)))
+        spans = layers[il].reads(e, (i % n_slots) * slot)
+        futs.append(r.submit([p for s in spans for p in split(s, piece)]))
         if len(futs) == n_slots:
             for f in futs:
                 f.result()
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("model")
     ap.add_argument("--experts", type=int, default=48)
     ap.add_argument("--depths", default="1,4,16,32")
+    ap.add_argument("--pieces", default="0", help="reads cut into pieces of these sizes (0: whole matrices)")
     a = ap.parse_args(argv)
     with ModelFile.open(a.model) as m:
         layers, slot = _layers(m)
@@ -75,13 +77,14 @@ def main(argv=None) -> int:
         c = m.config
         depths = [int(d) for d in a.depths.split(",")]
         print(f"{a.experts} experts of {layers[0].bytes / 1e6:.2f} MB, cold; GB/s of expert bytes")
-        print("| depth | O_DIRECT | buffered |")
-        print("| --- | --- | --- |")
+        print("| depth | piece | O_DIRECT | buffered |")
+        print("| --- | --- | --- | --- |")
         for d in depths:
-            picks = [(int(rng.integers(c.n_layer)), int(rng.integers(c.n_expert))) for _ in range(a.experts)]
-            dr = run(a.model, layers, slot, picks, True, d)
-            bu = run(a.model, layers, slot, picks, False, d)
-            print(f"| {d} | {dr / 1e9:.2f} | {bu / 1e9:.2f} |")
+            for pc in [int(x) for x in a.pieces.split(",")]:
+                picks = [(int(rng.integers(c.n_layer)), int(rng.integers(c.n_expert))) for _ in range(a.experts)]
+                dr = run(a.model, layers, slot, picks, True, d, pc)
+                bu = run(a.model, layers, slot, picks, False, d, pc)
+                print(f"| {d} | {pc or 'whole'} | {dr / 1e9:.2f} | {bu / 1e9:.2f} |")
         sp = direct_read_speed(a.model)
         print(f"plain O_DIRECT read (the bench's disk speed): {sp / 1e9:.2f} GB/s" if sp else "O_DIRECT refused")
     return 0

@@ -319,3 +319,23 @@ def test_empty_forgets_every_expert_and_keeps_the_counters(small_model, referenc
         toks, logits = _greedy(e)
         assert c.stats()["misses"] > before["misses"]                  # read again
     assert toks == reference["numpy"][0] and np.array_equal(logits, reference["numpy"][1])
+
+
+def test_split_spans_lay_the_same_bytes_at_the_same_places(tmp_path):
+    from engine.gguf.expert_reader import split
+    p = tmp_path / "f.bin"
+    data = np.random.default_rng(1).integers(0, 256, 9 * ALIGN, dtype=np.uint8)
+    p.write_bytes(data.tobytes())
+    import mmap
+    for direct in (False, True):
+        mem = mmap.mmap(-1, 8 * ALIGN)
+        r = ExpertReader(str(p), memoryview(mem), direct=direct, depth=4)
+        s = Span(ALIGN + 100, 5 * ALIGN + 7, ALIGN)
+        parts = split(s, 2 * ALIGN)
+        assert len(parts) == 3 and parts[0].off == s.off and sum(x.n for x in parts) == s.n
+        assert all(x.skip == 0 for x in parts[1:])
+        r.submit(parts).result()
+        buf = np.frombuffer(mem, np.uint8)
+        assert np.array_equal(buf[s.dst + s.skip:s.dst + s.skip + s.n], data[s.off:s.off + s.n])
+        r.close()
+    assert split(s, 0) == [s] and split(s, 64 * ALIGN) == [s]
