@@ -224,6 +224,10 @@ class CpuOps(FastOps, NumpyOps):
     def expert_act(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         # the rounding of weights with an integer kernel is done by expert_linear (per expert,
         # on its own rows: rounding is per token, so that is the same rounding)
+        if self._ds4 and w.type_id == Q.Q4_K and w.type_id not in K.Q8_ACT_BLOCK:
+            # the reference's Q4_K dot is the q4 oracles' block form in NumPy (ds4_matmul); the
+            # cpu kernels keep the exact activation and the exact sum (the rule before issue 33)
+            return N.q8_k_exact(x)
         return x if self._ds4 and w.type_id in K.Q8_ACT_BLOCK else super().expert_act(w, x)
 
     def expert_linear(self, w: QTensor, x_act: np.ndarray) -> np.ndarray:
