@@ -69,12 +69,26 @@ def group():
     return _GROUP[0]
 
 
+_LINK: list = []
+_FILTERED: list = []
+
+
+def shared_link(g) -> "Link":
+    """The process's one link (one thread, one lock): every engine opened in it shares it."""
+    if not _LINK:
+        _LINK.append(Link(g))
+    return _LINK[0]
+
+
 def filter_ring_noise():
     """Rank 0's stderr without the ring backend's own lines: a lost peer makes its C++ print
     "[ring] Socket N was closed by the peer" a dozen times, where the user needs the one line
     that names the rank. fd 2 goes through a pipe and a thread that drops lines starting with
-    "[ring]"; at exit the pipe is drained and fd 2 restored."""
+    "[ring]"; at exit the pipe is drained and fd 2 restored. Once a process."""
     import atexit
+    if _FILTERED:
+        return
+    _FILTERED.append(True)
     real = os.dup(2)
     r, w = os.pipe()
     os.dup2(w, 2)

@@ -24,12 +24,17 @@ from . import distributed as D
 from .split_worker import PROTOCOL, file_identity, free_memory, pack_json, unpack_json
 
 
+# session ids are unique in the process: a second engine opened after a first (ds4-bench) never
+# names a state the workers still hold under the first's ids
+_SIDS = itertools.count(1)
+
+
 class Coordinator:
     """Rank 0's rounds of the ring, one at a time, each with its timeout."""
 
     def __init__(self, link: D.Link):
         self.link = link
-        self._sids = itertools.count(1)
+        self._sids = _SIDS
         self._freed: list[int] = []
         self._free_lock = threading.Lock()
 
@@ -258,7 +263,7 @@ def open_split(cls, path, o):
         return cls.open(path, dataclasses.replace(o, layers=None))
     if getattr(o, "expert_cache", None) is not None:
         raise SplitError("--expert-cache and --layers do not combine yet: split the model, or cache its experts")
-    link = D.Link(g)
+    link = D.shared_link(g)
     if link.rank > 0:
         from .split_worker import worker_main
         worker_main(path, o, link, cls)     # never returns

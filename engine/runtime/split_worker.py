@@ -118,6 +118,7 @@ class Worker:
     def _hello(self, op, sid, a, parts):
         from ..gguf.model_file import ModelFile
         infos = unpack_json(parts[0])
+        self.states.clear()             # (a new engine on rank 0: the last one's sessions are gone)
         me = {"rank": self.link.rank, "free": free_memory(), "protocol": PROTOCOL}
         try:
             if self.m is not None:
