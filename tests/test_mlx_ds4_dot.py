@@ -76,3 +76,18 @@ def test_mlx_pair_dots_are_each_experts_dot(name):
     got = np.array(DD.q8_k_matmul(tid, mx.array(data)[mx.array(experts)], q, d, f64=True))
     for p, e in enumerate(experts):
         assert _same(got[p], D.q8_k_matmul(tid, data[e], D.q8_k_act(x[p:p + 1]))[0]), (name, p)
+
+
+def test_mlx_q4_k_dot_is_the_references():
+    """The q4 oracles' Q4_K dot (ds4_matmul.q8_k_matmul's Q4_K form) from the affine4 binding:
+    sc and m recovered from the bound products, bit for bit on random blocks."""
+    from engine.backends.mlx import numerics as MN
+    rng = np.random.default_rng(5)
+    E, n_in, n_out = 3, 512, 24
+    data = Q.random_blocks(Q.Q4_K, rng, E * n_out * n_in // 256, 0.05).reshape(E * n_out, -1)
+    w = quant.repack(SimpleNamespace(name="w", type_id=Q.Q4_K, dims=(n_in, n_out, E), data=data))
+    x = (rng.standard_normal((4, n_in)) * np.exp(rng.standard_normal((4, n_in)))).astype(np.float32)
+    q, d = MN.q8_k_codes(mx.array(x))
+    for e in range(E):
+        want = D.q8_k_matmul(Q.Q4_K, data[e * n_out:(e + 1) * n_out], D.q8_k_act(x))
+        assert _same(np.array(DD.q4_k_matmul(w, e, q, d)), want), e

@@ -133,9 +133,33 @@ def q8_k_matmul(type_id: int, raw: mx.array, q: mx.array, dx: mx.array, f64: boo
     return _ordered_sum(terms)
 
 
-def expert_rows(w, e: int) -> mx.array:
-    """Expert e's raw rows of an IQ2_XXS / Q2_K MxWeight."""
-    return w.w[int(e)]
+def q4_k_matmul(w, e: int, q: mx.array, dx: mx.array) -> mx.array:
+    """The q4 oracles' Q4_K dot (engine/model/ds4_matmul.py: ds4's Q2_K form, d and dmin at the
+    block's head, GCC's ``fma(isum * d_x, d, -mins)``) of expert e of an affine4 Q4_K MxWeight with
+    Q8_K codes q [T, nb, 256], dx [T, nb] -> float32 [T, R]. The weight's 4-bit codes come from
+    MLX's dequantize with unit scales (exact), sc and m from the bound products over d and dmin
+    (d * sc is exact in float32, so the quotient is sc itself); the float64 steps need the CPU device."""
+    e = int(e)
+    T, nb = dx.shape
+    sc, bias = w.scales[e].astype(mx.float32), w.biases[e].astype(mx.float32)      # [R, 8 nb]
+    R = sc.shape[0]
+    ones = mx.ones(sc.shape, mx.float32)
+    codes = mx.dequantize(w.w[e], ones, mx.zeros(sc.shape, mx.float32), group_size=32, bits=4,
+                          dtype=mx.float32).reshape(R, nb * 8, 32)
+    d, dmin = (a[e].astype(mx.float32) for a in w.dmins)                          # [R, nb]
+    per_group = lambda v: mx.repeat(v, 8, axis=1)   # noqa: E731
+    sc_i = mx.where(per_group(d) != 0, sc / per_group(d), 0.0)
+    m_i = mx.where(per_group(dmin) != 0, -bias / per_group(dmin), 0.0)
+    lo = (codes * sc_i[..., None]).reshape(R, nb * 4, 64)
+    hi = mx.broadcast_to(m_i[..., None], (R, nb * 8, 32)).reshape(R, nb, 256)
+    quarters = _dots(q.reshape(T, nb * 4, 64), lo)                                  # [4 nb, T, R]
+    isum = quarters.astype(mx.int32).reshape(nb, 4, T, R).sum(axis=1).astype(mx.float32)
+    summs = _dots(q, hi)
+    dxt = dx.T[:, :, None]
+    mins = (summs * dxt) * dmin.T[:, None, :]
+    terms = ((isum * dxt).astype(mx.float64) * d.T[:, None, :].astype(mx.float64)
+             - mins.astype(mx.float64)).astype(mx.float32)
+    return _ordered_sum(terms)
 
 
 def unique_experts(sel: np.ndarray):

@@ -141,7 +141,7 @@ class Ds4RefOps:
     def _expert_act_ref(self, w, x):
         if w.type_id in _DENSE:
             return ("f32", x)
-        if w.type_id in _K_DOT:
+        if w.type_id in _K_DOT or w.type_id == Q.Q4_K:
             return ("k",) + MN.q8_k_codes(x)
         if w.type_id == Q.Q8_0:
             return ("q8", x)
@@ -149,6 +149,8 @@ class Ds4RefOps:
 
     def _expert_linear_ref(self, w, e, a, rows):
         kind = a[0]
+        if kind == "k" and w.type_id == Q.Q4_K:
+            return DD.q4_k_matmul(w, e, a[1][rows], a[2][rows])
         if kind == "k":
             return DD.q8_k_matmul(w.type_id, w.w[e], a[1][rows], a[2][rows], True)
         if kind == "q8":

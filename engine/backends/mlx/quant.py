@@ -57,9 +57,12 @@ class MxWeight:
     group_size: int | None
     bits: int | None
     mode: str | None
+    # Q4_K only: each 256-block's F16 d and dmin, float32 [..., n_out, n_in / 256] (the scales and
+    # biases above are their products with the 6-bit sc and m; ds4's integer dot needs them apart)
+    dmins: tuple | None = None
 
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (self.w, self.scales, self.biases) if a is not None)
+        return sum(int(a.nbytes) for a in (self.w, self.scales, self.biases, *(self.dmins or ())) if a is not None)
 
     def _qargs(self) -> dict:
         return dict(group_size=self.group_size, bits=self.bits, mode=self.mode)
@@ -191,6 +194,7 @@ def repack(t) -> MxWeight:
     sdt = mx.uint8 if tid == Q.MXFP4 else (mx.float16 if f16 else mx.float32)
     scales, sv = _host_array((n_rows, groups), sdt)
     biases, bv = (None, None) if tid == Q.MXFP4 else _host_array((n_rows, groups), sdt)
+    q4k = [_host_array((n_rows, n_in // 256), mx.float32) for _ in range(2)] if tid == Q.Q4_K else None
     def fill(span: tuple[int, int]) -> None:   # each slab writes its own rows: no locking needed
         r0, r1 = span
         slab = np.ascontiguousarray(data[r0:r1])
@@ -199,6 +203,10 @@ def repack(t) -> MxWeight:
         sv[r0:r1] = s
         if bv is not None:
             bv[r0:r1] = b
+        if q4k is not None:
+            blk = slab.reshape(-1, 144)
+            for (_, v), off in zip(q4k, (0, 2)):
+                v[r0:r1] = blk[:, off:off + 2].copy().view(np.float16).astype(np.float32).reshape(r1 - r0, -1)
 
     with ThreadPoolExecutor(_WORKERS) as pool:
         list(pool.map(fill, _slabs(data)))
@@ -206,7 +214,8 @@ def repack(t) -> MxWeight:
     shape = lambda a: a.reshape(*lead, a.shape[-1])   # noqa: E731
     return MxWeight(kind=kind, w=shape(w), scales=shape(scales),
                     biases=None if biases is None else shape(biases), group_size=32, bits=bits,
-                    mode="mxfp4" if tid == Q.MXFP4 else "affine", **base)
+                    mode="mxfp4" if tid == Q.MXFP4 else "affine",
+                    dmins=None if q4k is None else tuple(shape(a) for a, _ in q4k), **base)
 
 
 def _dense_f32(data: np.ndarray, lead: tuple[int, ...], n_in: int, base: dict) -> MxWeight:
