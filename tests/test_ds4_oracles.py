@@ -39,15 +39,20 @@ TABLE_ROW = "ds4_oracle_row"    # the user_properties key conftest.py gathers
 REGENERATE = ".venv/bin/python scripts/build_ds4_oracle.py --ds4-src DS4_TREE make NAME"
 
 # (test, backend, oracle) -> why it misses the bars today: the figures measured on Linux x86-64 at
-# efe4e45 (slow rows: numpy/cpu at 52efae4, before e080dd9; mlx at e080dd9)
+# efe4e45 (slow rows: numpy/cpu at 52efae4, before e080dd9; mlx at e080dd9); numpy's and cpu's
+# default rows at 4f37e74 (issue 33's rules 13-24; cpu's s101 passes now, by a luckier divergence:
+# it follows fewer of them). Why s101 and s404 still miss: ds4 ITSELF, fed every token
+# through its decode path, misses them too (s101 median 0.122 p90 0.622 top-1 88.5 %; s404 0.172 /
+# 0.551 / 84.5 %): the oracles' row 0 comes from ds4's prefill path, the seed of a divergence the
+# decode path cannot follow (docs/numerics.md); against that all-decode run the reference's median
+# is 0.000 on s101 and 0.042 on s404.
 # (mlx there runs on its CPU device; a Mac's Metal run was not measured, so no mark applies there)
 KNOWN_MISSES: dict[tuple[str, str, str], str] = {
-    ("decode", "numpy", "s101-q2"): "median 0.173 p90 0.732 top-1 84.5% KL 0.0062",
-    ("decode", "cpu", "s101-q2"): "median 0.157 p90 0.826 top-1 85.0% KL 0.0069",
+    ("decode", "numpy", "s101-q2"): "median 0.124 p90 0.634 top-1 87.0% KL 0.0045",
     # mlx default rows: measured at bd7a94c (mlx on the CPU device runs the reference's steps)
     ("decode", "mlx", "s101-q2"): "median 0.125 p90 0.623 top-1 86.0% KL 0.0046",
-    ("decode", "numpy", "s404-q4-8layers"): "median 0.229 p90 0.920 top-1 83.0% KL 0.0091",
-    ("decode", "cpu", "s404-q4-8layers"): "median 0.194 p90 0.744 top-1 86.5% KL 0.0076",
+    ("decode", "numpy", "s404-q4-8layers"): "median 0.177 p90 0.641 top-1 84.0% KL 0.0054",
+    ("decode", "cpu", "s404-q4-8layers"): "median 0.176 p90 0.625 top-1 86.0% KL 0.0060",
     ("decode", "mlx", "s404-q4-8layers"): "median 0.169 p90 0.538 top-1 90.5% KL 0.0054",
     # slow: every kept row (positions 0..299 and the checkpoints up to 1024 and the last)
     ("decode-all", "numpy", "s101-q2"): "median 0.208 p90 0.952 top-1 82.6% KL 0.0083",
