@@ -198,6 +198,7 @@ class ExpertCache:
         self.fresh: set = set()               # keys read in and not used yet
         self.trace: list | None = None
         self.hits = self.misses = self.prefetched = 0
+        self.ahead = 0                        # misses whose read a prefetch had started
         self.stall_s = 0.0
         self.error: BaseException | None = None
 
@@ -208,6 +209,7 @@ class ExpertCache:
     def stats(self) -> dict:
         n = self.hits + self.misses
         return {"slots": self.n_slots, "bytes": self.nbytes, "hits": self.hits, "misses": self.misses,
+                "misses_read_ahead": self.ahead,
                 "hit_rate": self.hits / n if n else 0.0, "bytes_read": self.reader.bytes_read,
                 "stall_s": self.stall_s, "direct": self.reader.direct}
 
@@ -275,7 +277,8 @@ class ExpertCache:
         hint: where every slot is taken the call that needs them reads them)."""
         for e in experts:
             key = (il, int(e))
-            if key not in self.where and self._start(key, self.held):
+            # (never in place of another prefetch not yet used: the earlier layer needs it first)
+            if key not in self.where and self._start(key, self.held | self.fresh):
                 self.prefetched += 1
 
     def hold(self, il: int, experts) -> None:
@@ -287,12 +290,13 @@ class ExpertCache:
         if self.trace is not None:
             self.trace.append((il, [k[1] for k in keys]))
         for k in keys:
-            if k in self.where and k not in self.pending:
+            # a hit is an expert a previous use left cached; one a prefetch read for this use (a
+            # hash layer's, read at the step's start) is a miss whose read started early
+            if k in self.where and k not in self.fresh:
                 self.hits += 1
-            elif k in self.where:
-                self.hits += 1            # a prefetch in flight: counted as a hit, its wait as stall
             else:
                 self.misses += 1
+                self.ahead += k in self.where
             if not self._start(k, set(keys)):
                 raise RuntimeError(f"expert cache: {len(keys)} experts asked at once, {self.n_slots} slots")
             self.held.add(k)
