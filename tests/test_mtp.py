@@ -105,7 +105,8 @@ class TruthDrafter:
         pass
 
 
-def _plain(eng, n, prompt):
+def _plain(eng, n, prompt, snaps=None):
+    """n greedy tokens; `snaps` (a dict) gets the snapshot at every length on the way."""
     s = Session(eng, 256)
     s.sync(prompt)
     out = []
@@ -113,27 +114,35 @@ def _plain(eng, n, prompt):
         t = s.sample(GREEDY)
         out.append(t)
         s.eval(t)
+        if snaps is not None:
+            snaps[s.pos] = s.snapshot()
     return out, s.snapshot()
 
 
-def _speculative(eng, drafter, n, n_draft, prompt=PROMPT):
+def _speculative(eng, drafter, n, n_draft, prompt=PROMPT, snaps=None):
+    """The same with speculation; with `snaps`, the state after every step is checked against
+    plain decoding's at that length (a row a rejected draft left behind would show there; the
+    last step, limited to the tokens left, often drafts nothing and would hide it)."""
     s = Session(eng, 256)
     s.sync(prompt)
     sp = Speculator(s, drafter, n_draft)
     out = []
     while len(out) < n:
         out += sp.step(GREEDY, Rng(1), limit=n - len(out))
+        if snaps is not None:
+            assert s.snapshot() == snaps[s.pos], f"the state at {s.pos} tokens differs from plain decoding's"
     return out, s.snapshot(), sp
 
 
 def _check_greedy(main, mtp, backend, n, n_draft, prompt=PROMPT):
     with Engine.open(main, backend=backend) as eng:
         attach_mtp(eng, mtp)
-        plain, snap = _plain(eng, n, prompt)
+        snaps = {}
+        plain, snap = _plain(eng, n, prompt, snaps)
         V, k = eng.config.n_vocab, len(prompt)
         for name, dr in (("mtp", MTPDrafter(eng)), ("truth", TruthDrafter(plain, V, k)),
                          ("half", TruthDrafter(plain, V, k, every=2))):
-            out, got, sp = _speculative(eng, dr, n, n_draft, prompt)
+            out, got, sp = _speculative(eng, dr, n, n_draft, prompt, snaps)
             assert out == plain, name
             assert got == snap, f"{name}: the snapshot differs from plain decoding's"
             if name == "truth":
