@@ -195,6 +195,17 @@ def test_the_drafter_is_not_persisted(mtp_models):
         s = Session(plain_eng, 256)
         s.restore(snap)
         assert s.tokens == PROMPT[:8] + out
+        more = [s.sample(GREEDY)]
+        s.eval(more[0])
+        plain_snap = s.snapshot()
+    # and a session saved without MTP goes on with it: the first step has no HC row to draft from
+    with Engine.open(main, mtp=mtp) as eng:
+        s = Session(eng, 256)
+        s.restore(snap)
+        sp = Speculator(s, MTPDrafter(eng), 2)
+        assert sp.step(GREEDY, Rng(1), limit=1) == more and s.snapshot() == plain_snap
+        sp.step(GREEDY, Rng(1), limit=3)
+        assert sp.stats["drafted"] > 0
 
 
 # -- sampling: the rejection rule -----------------------------------------------------------------
