@@ -129,3 +129,23 @@ def test_softmax_is_the_references():
     x[0, :, 5] = -np.inf
     for axis in (1, -1):
         _same(MlxOps("ds4").softmax(x, axis=axis), NumpyOps("ds4").softmax(x, axis=axis))
+
+
+@pytest.mark.parametrize("k,hashed", [(4, True), (4, False), (2, False), (6, True)])
+def test_expert_weights_are_the_references(k, hashed):
+    w = RNG.uniform(0, 1, (5, k)).astype(np.float32)
+    w[0] = 1e-9                                   # under the 2^-14 floor
+    _same(DF.expert_weights(mx.array(w), 1.5, hashed), F.expert_weights(w, 1.5, hashed))
+
+
+def test_query_rope_takes_the_yarn_query_angles():
+    """A YaRN table's forward rotation of per-head rows (the queries) takes the fma-blend angles,
+    the KV rows and the inverse the factored ones, as NumpyOps.rope_ds4 picks them."""
+    yarn = dict(factor=16.0, orig_ctx=64, beta_fast=32.0, beta_slow=1.0)
+    pos = np.arange(3000, 3003)
+    mo, no = MlxOps("ds4"), NumpyOps("ds4")
+    tm, tn = mo.rope_thetas(pos, 64, 160000.0, yarn), no.rope_thetas(pos, 64, 160000.0, yarn)
+    q, kv = _wide(3, 8, 128), _wide(3, 128)
+    _same(mo.rope(q, tm[:, None, :]), no.rope(q, tn[:, None, :]))
+    _same(mo.rope(q, tm[:, None, :], inverse=True), no.rope(q, tn[:, None, :], inverse=True))
+    _same(mo.rope(kv, tm), no.rope(kv, tn))

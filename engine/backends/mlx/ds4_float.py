@@ -203,3 +203,16 @@ def hc_head(mix, scale, base, eps, X) -> mx.array:
     a = fma(X[:, 0], w[:, 0], X[:, 3] * w[:, 3])
     b = fma(X[:, 1], w[:, 1], X[:, 2] * w[:, 2])
     return b + a
+
+
+def expert_weights(w, scale, hashed: bool) -> mx.array:
+    """The spec's routed weights' normalization (ds4.c layer_*_router_weights as compiled): for
+    k = 4 the sum paired (0+1)+(2+3) (hash layers) or (0+2)+(1+3) (top-k), (w * scale) * (1/sum);
+    other k: w / sum * scale with the sum in order. The sum is floored at 2^-14."""
+    w, scale, floor = _f32(w), _c(float(np.float32(scale))), _c(6.103515625e-5)
+    if w.shape[-1] == 4:
+        a, b, c, d = (0, 1, 2, 3) if hashed else (0, 2, 1, 3)
+        s = (w[:, a] + w[:, b]) + (w[:, c] + w[:, d])
+        return (w * scale) * (_c(1.0) / mx.maximum(s, floor))[:, None]
+    s = mx.cumsum(w, axis=1)[:, -1]
+    return w / mx.maximum(s, floor)[:, None] * scale

@@ -60,6 +60,7 @@ class Ds4RefOps:
         self.hc_pre_mix, self.hc_post, self.hc_head = DF.hc_weighted_sum, DF.hc_post, DF.hc_head
         self.hc_split, self.attention = self.hc_split_ref, self.attention_ds4
         self.indexer_scores = self.indexer_scores_ref
+        self.expert_weights = DF.expert_weights
 
     # -- matmuls -----------------------------------------------------------------------------
     def linear_ref(self, w, x, rows=None):
