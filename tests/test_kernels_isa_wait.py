@@ -1,4 +1,4 @@
-"""Choosing the cpu kernels' build and OpenMP's wait policy (issue 36).
+"""Choosing the cpu kernels' build, OpenMP's wait policy (issue 36), and the F16 matvec in ds4's order (issue 33).
 
 * kernels.set_isa / DS4_CPU_ISA / ds4-bench --isa run a chosen build this machine can run (the AVX2
   build on an AVX-512 machine, to measure an AVX2-only one); an unknown build is one clear error.
@@ -66,3 +66,25 @@ def test_matmul_q8_without_the_extension_is_ds4_matmul(monkeypatch):
         want = D.q8_0_matmul(w, D.q8_0_act(x)) if t == Q.Q8_0 else D.q8_k_matmul(t, w, D.q8_k_act(x))
         assert not K.has_q8(t)
         assert K.matmul_q8(t, w, x).tobytes() == want.tobytes()
+
+
+def test_f16_seq_is_the_references_index_order(monkeypatch):
+    """ds4 numerics' F16 matvec in C (kernels.matmul_f16_seq, CpuOps.linear's F16 path): the
+    reference's float32 sums in index order, bit for bit, row counts around its 8-row blocks,
+    infinities, signed zeros and subnormal halves included; and without the extension the same."""
+    import numpy as np
+    from engine.model import ds4_float as F
+    rng = np.random.default_rng(36)
+    cases = []
+    for rows, n, T in ((37, 1024, 1), (8, 4096, 3), (5, 100, 2)):
+        w = (rng.standard_normal((rows, n)) * 0.1).astype(np.float16)
+        w.ravel()[:4] = [np.inf, -0.0, 6e-8, -6e-5]
+        x = rng.standard_normal((T, n)).astype(np.float32)
+        cases.append((w, x, F.f16_matvec(w, x)))
+    for w, x, want in cases:
+        assert K.matmul_f16_seq(w.view(np.uint8), x).tobytes() == want.tobytes()
+        rev = x[:, ::-1].copy()                                  # another order differs: the test can fail
+        assert not np.array_equal(K.matmul_f16_seq(w[:, ::-1].copy(), rev), want) or w.shape[1] < 200
+    monkeypatch.setattr(K, "_K", None)
+    w, x, want = cases[0]
+    assert K.matmul_f16_seq(w, x).tobytes() == want.tobytes()

@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from ...gguf import quants as Q
+from ...model import ds4_float as _F
 from ...model import ds4_matmul as _D
 
 # OpenMP's wait policy, read once when libgomp loads with the extension: passive (a thread that
@@ -466,6 +467,23 @@ def matmul_q8_into(types, ws, xs, ys) -> None:
     i's output in row i). Products that read the same input in the same format share its
     quantization."""
     _K.matmul_q8_batch(types, ws, xs, ys)
+
+
+def matmul_f16_seq(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """ds4 numerics' F16 matvec (ds4.c matvec_f16 / dot_f16_row on x86): y = x @ W.T with each
+    product and partial sum rounded to float32, in index order; bit for bit ds4_float.f16_matvec,
+    which also runs without the extension. w: F16 rows as uint8 [n_rows, 2 * n_in] (or float16
+    [n_rows, n_in]), x float32 [T, n_in] -> float32 [T, n_rows]."""
+    w16 = np.asarray(w)
+    w16 = w16.view(np.float16) if w16.dtype == np.uint8 else w16
+    if w16.dtype != np.float16 or w16.ndim != 2:
+        raise ValueError(f"w must be F16 rows (uint8 [rows, 2 * n_in] or float16 [rows, n_in]), got {w16.dtype} {w16.shape}")
+    x = _check_x(np.ascontiguousarray(x, dtype=np.float32), w16.shape[1])   # (the reference's float32 x)
+    if _K is None or not hasattr(_K, "f16_seq"):
+        return _F.f16_matvec(w16, x)
+    y = np.empty((x.shape[0], w16.shape[0]), dtype=np.float32)
+    _K.f16_seq(np.ascontiguousarray(w16), x, y, w16.shape[1])
+    return y
 
 
 def matmul(type_id: int, w: np.ndarray, x: np.ndarray, *, method: str = "auto") -> np.ndarray:

@@ -194,7 +194,7 @@ class CpuOps(FastOps, NumpyOps):
         if self._ds4 and w.type_id == Q.Q8_0:
             return self._mm_act(w, x, rows)
         if self._ds4 and w.type_id == Q.F16:  # ds4's matvec_f16: float32 sums in index order (the reference's)
-            return NumpyOps.linear(self, w, x, rows)
+            return K.matmul_f16_seq(w.data if rows is None else w.data[rows], x)
         return self._mm(w, x, rows)
 
     def linears(self, ws: list, x: np.ndarray) -> list:

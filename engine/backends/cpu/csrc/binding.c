@@ -735,6 +735,41 @@ static PyObject *py_read_sum(PyObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(total);
 }
 
+/* f16_seq(w, x, y, n_in): ds4 numerics' F16 matvec (kern_f16_seq), w C-contiguous halves
+ * [n_rows, n_in], x float32 [T, n_in], y float32 [T, n_rows] (kernels.matmul_f16_seq checks them) */
+static PyObject *py_f16_seq(PyObject *self, PyObject *args) {
+    PyObject *wo, *xo, *yo;
+    long long n_in;
+    if (!PyArg_ParseTuple(args, "OOOL", &wo, &xo, &yo, &n_in)) return NULL;
+    Py_buffer w, x, y;
+    if (PyObject_GetBuffer(wo, &w, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(xo, &x, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&w);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(yo, &y, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&w);
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    const int64_t n = (int64_t)n_in;
+    const int64_t rows = n > 0 ? (int64_t)(w.len / 2) / n : 0, T = n > 0 ? (int64_t)(x.len / 4) / n : 0;
+    if (n <= 0 || w.len != rows * n * 2 || x.len != T * n * 4 || y.len != T * rows * 4) {
+        PyErr_SetString(PyExc_ValueError, "f16_seq: w [rows, n_in] halves, x [T, n_in] and y [T, rows] float32");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        run_f16_seq((const uint16_t *)w.buf, (ptrdiff_t)n, rows, n, (const float *)x.buf, T, (float *)y.buf, 0);
+        Py_END_ALLOW_THREADS
+        ret = Py_None;
+        Py_INCREF(ret);
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&y);
+    return ret;
+}
+
 static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
     long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
@@ -845,6 +880,7 @@ static PyMethodDef methods[] = {
      "q8_gemm_min_t(type_id[, n]) -> smallest T of the integer GEMM form, 0 = none (sets it)"},
     {"has_q8", py_has_q8, METH_O, "has_q8(type_id) -> whether an integer-activation kernel exists"},
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(type_id, w, out[, threads]): out = decoded rows of w"},
+    {"f16_seq", py_f16_seq, METH_VARARGS, "f16_seq(w, x, y, n_in): ds4 numerics' F16 matvec, float32 sums in index order"},
     {"read_sum", py_read_sum, METH_O, "read_sum(buf): sum of the buffer's uint64 words (bandwidth probe)"},
     {"set_threads", py_set_threads, METH_O, "set_threads(n): OpenMP threads used by the kernels"},
     {"get_threads", py_get_threads, METH_NOARGS, "get_threads() -> int"},

@@ -212,6 +212,9 @@ extern uint64_t kern_iq2xxs_sign64[128]; /* IQ2_XXS sign fields as 8 bytes of +1
 void kern_q8_tables_init(void);
 void kern_q8_use(kern_maxmag_fn maxmag, kern_codes_fn codes);
 void kern_fill_q8_generic(kern_isa *k);
+/* ds4 numerics' F16 matvec, float32 sums in index order (kern_q8.c); W rows `stride` halves apart */
+void kern_f16_seq(const uint16_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const float *x,
+                  int64_t T, float *y, int64_t ldy);
 
 void kern_fill_generic(kern_isa *k);
 void kern_fill_avx2(kern_isa *k);

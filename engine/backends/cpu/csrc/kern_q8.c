@@ -22,8 +22,10 @@
 
 uint64_t kern_iq2xxs_grid64[256];
 uint64_t kern_iq2xxs_sign64[128];
+static float f16_tab[65536]; /* every half as float (exact: kern_f16_soft, NaN payloads kept) */
 
 void kern_q8_tables_init(void) {
+    for (uint32_t h = 0; h < 65536; h++) f16_tab[h] = kern_f16_soft((uint16_t)h);
     for (int i = 0; i < 256; i++) memcpy(&kern_iq2xxs_grid64[i], kern_iq2xxs_grid + 8 * i, 8);
     for (int i = 0; i < 128; i++) {
         uint64_t v = 0;
@@ -206,4 +208,30 @@ void kern_fill_q8_generic(kern_isa *k) {
     k->q8[KT_Q8_0] = q8_q8_0_generic;
     k->q8[KT_IQ2_XXS] = q8_iq2_xxs_generic;
     k->q8[KT_Q2_K] = q8_q2_k_generic;
+}
+
+/* ds4 numerics' F16 matvec (ds4.c matvec_f16 / dot_f16_row on x86, engine/model/ds4_float.py
+ * f16_matvec): y[t*ldy + r] = the float32 sum in index order of fl(f16(w[r][i]) * x[t][i]), each
+ * product and partial sum rounded to float32 (this file is compiled with -ffp-contract=off: no
+ * FMA).  Rows r0..r1-1, 8 at a time so that 8 independent sums hide the adds' latency; the order
+ * within a row is the reference's. */
+void kern_f16_seq(const uint16_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const float *x,
+                  int64_t T, float *y, int64_t ldy) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * n;
+        int64_t r = r0;
+        for (; r + 8 <= r1; r += 8) {
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (int64_t i = 0; i < n; i++) {
+                const float xi = xt[i];
+                for (int k = 0; k < 8; k++) acc[k] += f16_tab[W[(r + k) * stride + i]] * xi;
+            }
+            for (int k = 0; k < 8; k++) y[t * ldy + r + k] = acc[k];
+        }
+        for (; r < r1; r++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < n; i++) acc += f16_tab[W[r * stride + i]] * xt[i];
+            y[t * ldy + r] = acc;
+        }
+    }
 }

@@ -97,5 +97,7 @@ typedef struct {
 int ops_attention(const kern_isa *K, const float *q, const float *sinks, double scale, int64_t T, int64_t H,
                   int64_t D, const attn_seg *segs, int64_t nseg, int64_t nmax, float *out, int threads);
 uint64_t ops_read_sum(const uint64_t *p, int64_t n);
+void run_f16_seq(const uint16_t *W, ptrdiff_t stride, int64_t n_rows, int64_t n_in, const float *x, int64_t T,
+                 float *y, int max_threads);
 
 #endif

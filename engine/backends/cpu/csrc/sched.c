@@ -360,3 +360,14 @@ void run_dequant(const kern_isa *K, int type, const uint8_t *W, ptrdiff_t stride
         for (int64_t r = a; r < b; r++) dq(W + r * stride, out + r * n_in, n_in);
     }
 }
+
+void run_f16_seq(const uint16_t *W, ptrdiff_t stride, int64_t n_rows, int64_t n_in, const float *x, int64_t T,
+                 float *y, int max_threads) {
+    const int nt = thread_count(n_rows, n_rows * n_in * (T > 0 ? T : 1), 64 * 1024, max_threads);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t a, b;
+        split_rows(n_rows, 8, OMP_TID(), OMP_NTH(), &a, &b);
+        kern_f16_seq(W, stride, n_in, a, b, x, T, y, n_rows);
+    }
+}
