@@ -216,8 +216,11 @@ class NumpyOps:
         forward rotation of per-head rows ([T, H, D], the queries) at YaRN angles takes the query
         copy's blend (rope_thetas_ds4)."""
         q = getattr(self, "_q_thetas", None)
-        if q is not None and not inverse and x.ndim == 3 and thetas.ndim == 3 and thetas.base is q[0]:
-            thetas = q[1].reshape(thetas.shape)
+        if q is not None and not inverse and x.ndim == 3 and np.ndim(thetas) == 3:
+            # the angles of the last YaRN rope_thetas call, by value (a view of them, or a copy)
+            b = thetas.base if isinstance(thetas, np.ndarray) and thetas.base is not None else np.asarray(thetas)
+            if b.shape == q[0].shape and np.array_equal(b, q[0]):
+                thetas = q[1].reshape(np.shape(thetas))
         return N.apply_rope(x, thetas, inverse=inverse, libm=True)
 
     # -- attention -----------------------------------------------------------------------------
