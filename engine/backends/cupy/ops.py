@@ -56,7 +56,8 @@ class CupyOps:
         self.k = kernels
         self.progress = progress
         self._uploaded: dict = {}     # id(host object) -> (object, device copy): host inputs met in a call
-        self._rot: dict = {}          # id(thetas) -> (thetas, cos, sin): this pass's rotations
+        self._rot: dict = {}          # id(thetas) -> (thetas, cos, sin, query's (cos, sin) | None): this pass's rotations
+        self._q_last = None           # the last YaRN table (ds4 numerics: its query blend is kept beside it)
         # the attention kernel reads the indexer's picks in place (segments (keys, mask, idx))
         self.attention_index = kernels is not None and kernels.has("attn_segment")
         self.graphs = DecodeGraphs(xp) if kernels is not None and graphs_enabled() else None
@@ -203,31 +204,60 @@ class CupyOps:
     # -- RoPE ----------------------------------------------------------------------------------
     def rope_thetas(self, pos, n_rot, base, yarn):
         """The angle tables are built on the host (a few KB; the reference's exact float32
-        steps) and uploaded with their cosines and sines, kept for this pass's rotations."""
+        steps) and uploaded with their cosines and sines, kept for this pass's rotations. In ds4
+        numerics the cosines and sines are the C library's cosf / sinf (numerics.libm_cos_sin, as
+        ds4's rope_tail_ext_inplace calls them), and a YaRN table keeps beside them the query
+        copy's FMA-blend angles' (NumpyOps.rope_thetas_ds4: GCC compiled the two call sites
+        differently)."""
         f = N.rope_thetas_ds4 if self._ds4 else N.rope_thetas_exact
         th = f(np.asarray(pos), n_rot, base, yarn=yarn)
         out = self.xp.asarray(th)
-        t64 = np.asarray(th, np.float64)
-        self._rot[id(out)] = (out, self.xp.asarray(np.cos(t64).astype(_F32)), self.xp.asarray(np.sin(t64).astype(_F32)))
+        q = None
+        if self._ds4:
+            c, s = N.libm_cos_sin(th)
+            if yarn is not None:
+                q = N.libm_cos_sin(N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=True))
+                q = (self.xp.asarray(q[0]), self.xp.asarray(q[1]))
+                self._q_last = out
+        else:
+            t64 = np.asarray(th, np.float64)
+            c, s = np.cos(t64).astype(_F32), np.sin(t64).astype(_F32)
+        self._rot[id(out)] = (out, self.xp.asarray(c), self.xp.asarray(s), q)
         return out
 
-    def _cos_sin(self, thetas):
+    def _cos_sin(self, thetas, query: bool = False):
+        """cos, sin of a table rope_thetas made, or of a view of one (th[:, None, :]: the glue
+        passes the same view to every layer, so it is matched once a pass, by value as
+        NumpyOps.rope_ds4 does); `query`: a forward rotation of per-head rows, which takes the last
+        YaRN table's query blend in ds4 numerics."""
         hit = self._rot.get(id(thetas))
         if hit is None or hit[0] is not thetas:
-            # a view the glue made of a table (th[:, None, :]): its rotations once a pass
-            xp = self.xp
-            th = self._a(thetas)
-            t64 = th.astype(xp.float64)
-            hit = self._rot[id(thetas)] = (thetas, xp.cos(t64).astype(xp.float32), xp.sin(t64).astype(xp.float32))
-        return hit[1], hit[2]
+            hit = self._rot[id(thetas)] = self._rotations_of(thetas)
+        return hit[3] if query and hit[3] is not None else hit[1:3]
+
+    def _rotations_of(self, thetas) -> tuple:
+        xp = self.xp
+        last = self._rot.get(id(self._q_last)) if self._q_last is not None else None
+        if last is not None and last[0].size == thetas.size and bool(xp.array_equal(last[0].ravel(), thetas.ravel())):
+            shp = thetas.shape
+            return (thetas, last[1].reshape(shp), last[2].reshape(shp),
+                    (last[3][0].reshape(shp), last[3][1].reshape(shp)))
+        th = self._a(thetas)
+        if self._ds4:
+            c, s = N.libm_cos_sin(xp.asnumpy(th))
+            return thetas, xp.asarray(c), xp.asarray(s), None
+        t64 = th.astype(xp.float64)
+        return thetas, xp.cos(t64).astype(xp.float32), xp.sin(t64).astype(xp.float32), None
 
     def rope(self, x, thetas, inverse=False, inplace=False):
         """Rotate the last 2 * thetas.shape[-1] dims of x in interleaved pairs (numerics.apply_rope);
-        `inplace`: the caller drops x, so the kernel may rotate it where it lies."""
+        `inplace`: the caller drops x, so the kernel may rotate it where it lies. In ds4 numerics
+        the rotation takes the host's libm tables (a device's sincosf is not glibc's), so it runs
+        as array ops, not the kernel that computes its own."""
         x = self._a(x).astype(self.xp.float32)
-        if self.k is not None and self.k.has("rope"):
+        if not self._ds4 and self.k is not None and self.k.has("rope"):
             return self.k.rope(x, self._a(thetas), inverse, inplace)
-        c, s = self._cos_sin(thetas)
+        c, s = self._cos_sin(thetas, query=self._ds4 and not inverse and x.ndim == 3 and thetas.ndim == 3)
         return DN.apply_rope(self.xp, x, c, s, inverse)
 
     # -- attention -----------------------------------------------------------------------------
