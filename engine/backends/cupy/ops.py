@@ -57,7 +57,7 @@ class CupyOps:
         self.progress = progress
         self._uploaded: dict = {}     # id(host object) -> (object, device copy): host inputs met in a call
         self._rot: dict = {}          # id(thetas) -> (thetas, cos, sin, query's (cos, sin) | None): this pass's rotations
-        self._q_last = None           # the last YaRN table (ds4 numerics: its query blend is kept beside it)
+        self._q_tables: list = []      # this pass's YaRN tables (ds4 numerics: each keeps its query blend beside it)
         # the attention kernel reads the indexer's picks in place (segments (keys, mask, idx))
         self.attention_index = kernels is not None and kernels.has("attn_segment")
         self.graphs = DecodeGraphs(xp) if kernels is not None and graphs_enabled() else None
@@ -91,6 +91,7 @@ class CupyOps:
 
     def logits_to_host(self, logits) -> np.ndarray:
         self._rot.clear()                 # the pass is over: its rotations go
+        self._q_tables.clear()
         if isinstance(logits, np.ndarray):
             return logits.astype(np.float32, copy=False)
         return self.xp.asnumpy(logits).astype(np.float32, copy=False)
@@ -218,7 +219,7 @@ class CupyOps:
             if yarn is not None:
                 q = N.libm_cos_sin(N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=True))
                 q = (self.xp.asarray(q[0]), self.xp.asarray(q[1]))
-                self._q_last = out
+                self._q_tables.append(out)
         else:
             t64 = np.asarray(th, np.float64)
             c, s = np.cos(t64).astype(_F32), np.sin(t64).astype(_F32)
@@ -229,7 +230,7 @@ class CupyOps:
         """cos, sin of a table rope_thetas made, or of a view of one (th[:, None, :]: the glue
         passes the same view to every layer, so it is matched once a pass, by value as
         NumpyOps.rope_ds4 does); `query`: a forward rotation of per-head rows, which takes the last
-        YaRN table's query blend in ds4 numerics."""
+        YaRN table's query blend in ds4 numerics (any of the pass's YaRN tables, as the reference)."""
         hit = self._rot.get(id(thetas))
         if hit is None or hit[0] is not thetas:
             hit = self._rot[id(thetas)] = self._rotations_of(thetas)
@@ -237,11 +238,12 @@ class CupyOps:
 
     def _rotations_of(self, thetas) -> tuple:
         xp = self.xp
-        last = self._rot.get(id(self._q_last)) if self._q_last is not None else None
-        if last is not None and last[0].size == thetas.size and bool(xp.array_equal(last[0].ravel(), thetas.ravel())):
-            shp = thetas.shape
-            return (thetas, last[1].reshape(shp), last[2].reshape(shp),
-                    (last[3][0].reshape(shp), last[3][1].reshape(shp)))
+        for t in self._q_tables:
+            hit = self._rot.get(id(t))
+            if hit is not None and t.size == thetas.size and bool(xp.array_equal(t.ravel(), thetas.ravel())):
+                shp = thetas.shape
+                return (thetas, hit[1].reshape(shp), hit[2].reshape(shp),
+                        (hit[3][0].reshape(shp), hit[3][1].reshape(shp)))
         th = self._a(thetas)
         if self._ds4:
             c, s = N.libm_cos_sin(xp.asnumpy(th))

@@ -206,9 +206,8 @@ class MlxOps(Ds4RefOps):
         th = f(np.asarray(pos), n_rot, base, yarn=yarn)
         out = mx.array(th)
         self._keep_rot(out, th)
-        if self._ds4 and yarn is not None:   # (the latest YaRN table's only, as the reference keeps it)
-            self._q_angles = {th.tobytes(): N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn,
-                                                              fma_blend=True)}
+        if self._ds4 and yarn is not None:   # (every YaRN table of the pass, by value, as the reference keeps them)
+            self._q_angles[th.tobytes()] = N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=True)
         return out
 
     def _keep_rot(self, key, th_host, query=False):

@@ -208,19 +208,26 @@ class NumpyOps:
         FMA where the KV row's factors it: each copy of rope_tail_ext_inplace as GCC built it)."""
         th = N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn)
         if yarn is not None:
-            self._q_thetas = (th, N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=True))
+            # by value: a pass makes several YaRN tables (its rows' positions, a compressor's window
+            # start), and which one a rotation gets must not depend on the order they were made in
+            # (nor on the other rows of a batch); a few KB each, the newest 64 kept
+            q = self.__dict__.setdefault("_q_tables", {})
+            q[(th.shape, th.tobytes())] = N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=True)
+            while len(q) > 64:
+                del q[next(iter(q))]
         return th
 
     def rope_ds4(self, x, thetas, inverse=False, inplace=False):
         """ds4 numerics' RoPE: the C library's cosf / sinf of each angle (numerics.apply_rope); a
         forward rotation of per-head rows ([T, H, D], the queries) at YaRN angles takes the query
         copy's blend (rope_thetas_ds4)."""
-        q = getattr(self, "_q_thetas", None)
-        if q is not None and not inverse and x.ndim == 3 and np.ndim(thetas) == 3:
-            # the angles of the last YaRN rope_thetas call, by value (a view of them, or a copy)
+        q = getattr(self, "_q_tables", None)
+        if q and not inverse and x.ndim == 3 and np.ndim(thetas) == 3:
+            # the angles of a YaRN rope_thetas call, by value (a view of them, or a copy)
             b = thetas.base if isinstance(thetas, np.ndarray) and thetas.base is not None else np.asarray(thetas)
-            if b.shape == q[0].shape and np.array_equal(b, q[0]):
-                thetas = q[1].reshape(np.shape(thetas))
+            blend = q.get((b.shape, np.ascontiguousarray(b, dtype=np.float32).tobytes()))
+            if blend is not None:
+                thetas = blend.reshape(np.shape(thetas))
         return N.apply_rope(x, thetas, inverse=inverse, libm=True)
 
     # -- attention -----------------------------------------------------------------------------
