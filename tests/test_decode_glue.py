@@ -2,6 +2,11 @@
 form gives the bits of the form it replaces, and bad input still gets a ValueError."""
 from __future__ import annotations
 
+# In `exact` numerics: these C paths compute the forms exact numerics use (correctly rounded cos/sin,
+# the float32 HC and float matmul forms). ds4 numerics now follow ds4's compiled loops for these
+# ops (libm cosf/sinf, the query's YaRN blend, engine/model/ds4_float.py), which the cpu backend's
+# C paths do not yet compute: an open item of issue 33, pinned by the strict xfail of
+# test_cpu_f64.py::test_a_cpu_pass_is_the_references.
 import numpy as np
 import pytest
 
@@ -27,7 +32,7 @@ def _same(a, b):
 @pytest.mark.parametrize("shape, heads", [((3, 96), False), ((2, 5, 96), True), ((1, 8, 64), True)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_plan_equals_reference(shape, heads, inverse):
-    ops = CpuOps("ds4")
+    ops = CpuOps("exact")
     pos = np.arange(100, 100 + shape[0])
     th = ops.rope_thetas(pos, 32, 10000.0, None)
     th = th[:, None, :] if heads else th
@@ -50,7 +55,7 @@ def test_rope_plan_equals_reference(shape, heads, inverse):
 
 @needs_kernels
 def test_rope_plan_needs_the_same_table_object():
-    ops = CpuOps("ds4")
+    ops = CpuOps("exact")
     th = ops.rope_thetas(np.arange(4), 16, 10000.0, None)
     x = RNG.standard_normal((4, 40)).astype(np.float32)
     ops.rope(x, th)
@@ -83,7 +88,7 @@ def test_float_matmul_equals_kernels_matmul(tid, T):
     raw = Q.random_blocks(tid, RNG, rows * n_in // Q.FORMATS[tid].block_elems, 0.05).reshape(rows, -1)
     w = QTensor("w", tid, (n_in, rows), raw)
     x = RNG.standard_normal((T, n_in)).astype(np.float32)
-    ops = CpuOps("ds4")
+    ops = CpuOps("exact")
     _same(ops.linear(w, x), K.matmul(tid, raw, x))
     _same(ops.linear(w, x[0]), K.matmul(tid, raw, x[:1])[0])
     with pytest.raises(ValueError):
@@ -94,7 +99,7 @@ def test_float_matmul_equals_kernels_matmul(tid, T):
 @pytest.mark.parametrize("T", [1, 4])
 def test_hc_ops_equal_kernels_wrappers(T):
     n, E = 4, 96
-    ops = CpuOps("ds4")
+    ops = CpuOps("exact")
     mix = RNG.standard_normal((T, 2 * n + n * n)).astype(np.float32)
     scale = RNG.standard_normal(3).astype(np.float32)
     base = RNG.standard_normal(2 * n + n * n).astype(np.float32)

@@ -7,6 +7,11 @@ multiply left ~11 % of RoPE outputs one ulp away, and libm's expf 10-75 % of the
 """
 from __future__ import annotations
 
+# In `exact` numerics: these C paths compute the forms exact numerics use (correctly rounded cos/sin,
+# the float32 HC and float matmul forms). ds4 numerics now follow ds4's compiled loops for these
+# ops (libm cosf/sinf, the query's YaRN blend, engine/model/ds4_float.py), which the cpu backend's
+# C paths do not yet compute: an open item of issue 33, pinned by the strict xfail of
+# test_cpu_f64.py::test_a_cpu_pass_is_the_references.
 import numpy as np
 import pytest
 
@@ -15,12 +20,12 @@ from engine.backends.numpy.ops import NumpyOps
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="engine.backends.cpu._kernels is not built")
 
-REF = NumpyOps("ds4")
+REF = NumpyOps("exact")
 
 
 def _cpu():
     from engine.backends.cpu.ops import CpuOps
-    return CpuOps("ds4")
+    return CpuOps("exact")
 
 
 @pytest.mark.parametrize("xshape,tshape", [((5, 8, 128), (5, 1, 32)), ((5, 128), (5, 32)), ((7, 512), (7, 32)),
