@@ -188,6 +188,8 @@ def _dot128(q, k) -> np.ndarray:
 
 # elements of a [T, H, K, 16] lane block one attention chunk holds
 _ATT_CHUNK = 1 << 22
+# query rows attention takes at once (a block's keys: the union of what its rows see)
+_ATT_ROWS = 32
 
 
 def attention(q, segments, sinks, kq_scale) -> np.ndarray:
@@ -200,10 +202,30 @@ def attention(q, segments, sinks, kq_scale) -> np.ndarray:
     then compressed rows); sinks [H] -> [T, H, D]."""
     q, sinks, kq_scale = _f32(q), _f32(sinks), _F32(kq_scale)
     T, H, D = q.shape
-    keys = [np.broadcast_to(_f32(k)[None] if k.ndim == 2 else _f32(k), (T,) + k.shape[-2:]) for k, _ in segments]
-    mask = np.concatenate([np.broadcast_to(m, (T, k.shape[1])) for (_, m), k in zip(segments, keys)], axis=1)
-    keys = np.concatenate(keys, axis=1)                                         # [T, K, D]
+    segs = [(_f32(k), np.broadcast_to(m, (T, k.shape[-2]))) for k, m in segments]
+    o = np.empty((T, H, D), dtype=_F32)
+    # Rows in blocks, each over only the keys some row of the block sees (a prefill's causal and
+    # windowed masks leave most keys out): a key no row of the block sees has weight 0 there, and
+    # ds4 skips masked keys, so dropping it changes no bit (a +0 added to the positive denom, an
+    # fma(0, k, o) that returns o); the scores are elementwise, the same for any subset.
+    for t0 in range(0, T, _ATT_ROWS):
+        t1 = min(T, t0 + _ATT_ROWS)
+        ks, ms = [], []
+        for k, m in segs:
+            cols = np.flatnonzero(m[t0:t1].any(axis=0))
+            kk = k[cols] if k.ndim == 2 else k[t0:t1, cols]
+            ks.append(np.broadcast_to(kk, (t1 - t0,) + kk.shape[-2:]) if kk.ndim == 2 else kk)
+            ms.append(m[t0:t1, cols])
+        o[t0:t1] = _attend_rows(q[t0:t1], np.concatenate(ks, axis=1), np.concatenate(ms, axis=1), sinks, kq_scale)
+    return o
+
+
+def _attend_rows(q, keys, mask, sinks, kq_scale) -> np.ndarray:
+    """attention's work on a block of rows: q [b, H, D], keys [b, K, D], mask [b, K]."""
+    T, H, D = q.shape
     K = keys.shape[1]
+    if K == 0:                      # nothing visible: the sink alone, an output of zeros
+        return np.zeros((T, H, D), dtype=_F32)
     s = np.empty((T, H, K), dtype=_F32)
     step = max(1, _ATT_CHUNK // max(1, H * K * 16))
     for t0 in range(0, T, step):
