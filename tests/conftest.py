@@ -17,6 +17,10 @@ os.environ.setdefault("DS4_PAGING", "none")
 # core the other worker needs (libgomp reads this when the kernels' library loads, after this line)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # an xdist worker ignores SIGINT (the controller takes the terminal's Ctrl+C), and an ignored
+    # signal stays ignored across exec: the commands the Ctrl+C tests start would never see theirs
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from engine import Engine
 from engine.gguf.synth import config_for, write_synthetic
