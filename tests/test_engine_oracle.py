@@ -48,6 +48,9 @@ def _gguf(d):
     return next(iter(sorted(d.glob("*.gguf"))))
 
 
+# slow: every one of the 538 positions; test_ds4_oracles.py feeds this oracle's first 200 positions
+# to every backend in the default run
+@pytest.mark.slow
 def test_ds4_numerics_decode_matches_ds4(oracle, record_property):
     d, toks, ds4, _ = oracle
     with Engine.open(_gguf(d), numerics="ds4") as e:
