@@ -171,11 +171,6 @@ def test_greedy_with_speculation_is_plain_decoding_110_tokens(mtp_models, backen
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="a multi-row pass's row is not always bit for bit a one-row pass's in "
-                   "ds4 numerics (seen 2026-12-07 at 46-49 tokens: the logits after one kept token differ by "
-                   "1 ulp, from the layer-2 query's RoPE; NumpyOps.rope_ds4 picks the YaRN blend from the "
-                   "angle table, bb6225d): the state after such a step differs from plain decoding's "
-                   "in the logits until the next step; issue 37's note")
 @pytest.mark.parametrize("backend", _backends())
 def test_greedy_with_speculation_every_step_110_tokens(mtp_models, backend):
     main, mtp, _ = mtp_models
