@@ -148,7 +148,7 @@ def write_synthetic_mtp(path, cfg: ModelConfig, *, recipe: str = "q4", seed: int
 
     from ..atomic import atomic_path
     from .config import ARCH
-    from .synth import ALIGNMENT, RECIPES, _tensor_chunks
+    from .synth import ALIGNMENT, RECIPES, write_tensor_data
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r} (choose from {', '.join(RECIPES)})")
     gate_t, up_t, down_t = RECIPES[recipe]
@@ -175,11 +175,6 @@ def write_synthetic_mtp(path, cfg: ModelConfig, *, recipe: str = "q4", seed: int
         f = w.fout[0]
         f.flush()
         f.write(b"\0" * (-f.tell() % ALIGNMENT))
-        for s, t in plan:
-            n = 0
-            for chunk in _tensor_chunks(s, t, cfg, seed):
-                f.write(chunk)
-                n += len(chunk)
-            f.write(b"\0" * (-n % ALIGNMENT))
+        write_tensor_data(f, plan, cfg, seed)
         w.close()
     return path

@@ -145,6 +145,17 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
 
 
+def write_tensor_data(f, plan, cfg: ModelConfig, seed: int) -> None:
+    """Each (spec, type) of plan's seeded bytes, each tensor padded to ALIGNMENT (the data section
+    of a main model or an MTP file, from the file's current, aligned position)."""
+    for spec, t in plan:
+        n = 0
+        for chunk in _tensor_chunks(spec, t, cfg, seed):
+            f.write(chunk)
+            n += len(chunk)
+        f.write(b"\0" * (-n % ALIGNMENT))
+
+
 def _tensor_chunks(spec: TensorSpec, type_id: int, cfg: ModelConfig, seed: int):
     """Yield the tensor's bytes in order, at most ~CHUNK_BYTES at a time."""
     rng = _rng(seed, spec.name)
@@ -206,12 +217,7 @@ def write_synthetic(path, cfg: ModelConfig, *, recipe: str = "q2", vocab: int | 
             f.truncate(data_start + total)
         else:
             f.write(b"\0" * (data_start - f.tell()))
-            for spec, t in plan:
-                n = 0
-                for chunk in _tensor_chunks(spec, t, cfg, seed):
-                    f.write(chunk)
-                    n += len(chunk)
-                f.write(b"\0" * (-n % ALIGNMENT))
+            write_tensor_data(f, plan, cfg, seed)
         w.close()
     return SynthResult(path, cfg, recipe, len(plan), os.path.getsize(path), [s for s, _ in plan])
 
