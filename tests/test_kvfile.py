@@ -395,6 +395,10 @@ def _current_text(path):
     return read_info(path).text
 
 
+def _temps(tmp_path, path):
+    return [n for n in os.listdir(tmp_path) if n.startswith(path.name + ".tmp.")]
+
+
 def test_sigkill_during_write_never_leaves_a_torn_file(eng, ab, tmp_path):
     a, b = ab
     ta, tb = token_text(eng, a.tokens), token_text(eng, b.tokens)
@@ -407,7 +411,9 @@ def test_sigkill_during_write_never_leaves_a_torn_file(eng, ab, tmp_path):
     rng = np.random.default_rng(7)
     fork = multiprocessing.get_context("fork")
     seen, polls = set(), 0
-    for k in range(25):
+    for k in range(35):
+        if k >= 25 and _temps(tmp_path, path):
+            break                    # extra rounds only until one kill has landed inside a write
         # B first: one finished write changes the version the file holds
         p = fork.Process(target=_writer_loop, args=(str(path), [(b, tb), (a, ta)], PAD), daemon=True)
         p.start()
@@ -416,13 +422,20 @@ def test_sigkill_during_write_never_leaves_a_torn_file(eng, ab, tmp_path):
             # every 5th kill waits for a version change first, so both versions are checked even
             # when a loaded machine makes the writer slower than the first timed write
             wait_for = (tb if _current_text(path) == ta else ta) if k % 5 == 4 else None
+            # every 5th kill (and every late one while no kill has landed in a write yet) waits
+            # for the writer's temp file: on a loaded machine the forked writer may not reach
+            # its first write before a random deadline, and then no kill would test a torn write
+            wait_tmp = k % 5 == 2 or (k >= 25 and not _temps(tmp_path, path))
             hard_stop = time.perf_counter() + 30
-            while time.perf_counter() < deadline or (wait_for is not None and time.perf_counter() < hard_stop):
+            while time.perf_counter() < deadline or (
+                    (wait_for is not None or wait_tmp) and time.perf_counter() < hard_stop):
                 info = read_info(path)   # a concurrent reader never sees a torn file
                 assert info.text in expect and info.tool_map["call_pad"] == PAD
                 polls += 1
                 if wait_for is not None and info.text == wait_for:
                     break            # kill right after the change: the file holds that version
+                if wait_tmp and _temps(tmp_path, path):
+                    break            # kill while a write is under way
                 time.sleep(0.001)
         finally:
             os.kill(p.pid, signal.SIGKILL)
