@@ -356,11 +356,10 @@ def _main(argv) -> int:
 
 def _write_outputs(a, sweeps: dict[str, tuple[list[dict], list[list[int]]]], with_peer: bool):
     """The CSV (stdout or --csv), the plot and the token dump, of full or interrupted sweeps."""
-    from .atomic import atomic_path
+    from .atomic import atomic_write
 
     def write(path: str, text: str):
-        with atomic_path(path) as tmp:
-            Path(tmp).write_text(text)
+        atomic_write(path, [text.encode("utf-8")])
 
     rows = {name: r for name, (r, _) in sweeps.items()}
     first_rows, first_probes = next(iter(sweeps.values()))

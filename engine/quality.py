@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .atomic import atomic_path
+from .atomic import atomic_open
 
 BASE_SCHEMA = "ds4-agent-kl-base-v1"
 ROW_BLOCK = 64          # rows of float64 log-softmax at a time (a real vocabulary row is 1 MB)
@@ -166,7 +166,7 @@ def save_base(path, meta: dict, scores: Scores):
     buf = io.BytesIO()
     np.savez_compressed(buf, meta=np.frombuffer(blob, np.uint8), pos=a["pos"], token_lp=a["token_lp"],
                         top_ids=a["top_ids"], top_lp=a["top_lp"])
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with atomic_open(path) as f:
         f.write(buf.getvalue())
 
 

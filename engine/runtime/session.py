@@ -479,8 +479,8 @@ class LogitsDump:
         self.rows.append(session.logits.copy())
 
     def save(self, path):
-        from ..atomic import atomic_path
-        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        from ..atomic import atomic_open
+        with atomic_open(path) as f:
             np.save(f, np.array(self.rows, np.float32).reshape(len(self.rows), -1))
 
 
