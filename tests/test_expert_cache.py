@@ -16,19 +16,13 @@ from engine.gguf import expert_cache as X
 from engine.gguf.expert_reader import ALIGN, ExpertReader, Span, direct_read_speed
 from engine.options import EngineOptions
 from engine.runtime.session import Engine, Session
+from helpers_decode import greedy
 
 PROMPT = list(range(3, 15))
 
 
 def _greedy(e, n=3, toks=PROMPT):
-    s = Session(e, 64)
-    s.sync(toks)
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(s.logits))
-        out.append(t)
-        s.eval(t)
-    return out, np.array(s.logits, copy=True)
+    return greedy(e, toks, n)
 
 
 def _open(path, backend, cache, **kw):

@@ -13,6 +13,7 @@ from engine.backends.cpu import kernels
 from engine.gguf import prefetch as P
 from engine.gguf.gguf_file import GGUFFile
 from engine.runtime.session import Engine, Session
+from helpers_decode import greedy
 
 PAGE = mmap.PAGESIZE
 
@@ -110,17 +111,6 @@ def test_prefetcher_drops_what_an_earlier_step_left_queued(tiny_q2, monkeypatch)
 
 
 # -- the engine ----------------------------------------------------------------------------------
-def _greedy(e, toks, n):
-    s = Session(e, 64)
-    s.sync(toks)
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(s.logits))
-        s.eval(t)
-        out.append(t)
-    return out, np.array(s.logits, copy=True)
-
-
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 def test_lowmem_with_prefetch_gives_the_resident_tokens(small_model, backend):
     """Greedy tokens and the last logits of lowmem (prefetch thread, per-step expert advice) are
@@ -130,7 +120,7 @@ def test_lowmem_with_prefetch_gives_the_resident_tokens(small_model, backend):
         pytest.skip("the C kernels are not built")
     toks = list(range(3, 3 + P.EXPERT_HINT_TOKENS + 2))        # a long chunk first
     with Engine.open(small_model, backend=backend, paging="resident") as e:
-        ref = _greedy(e, toks, 3)
+        ref = greedy(e, toks, 3)
     with Engine.open(small_model, backend=backend, paging="lowmem") as e:
         g = e.file.gguf
         assert e.paging == "lowmem" and g.prefetcher is not None
