@@ -25,34 +25,64 @@ def _greedy(e, n=3, toks=PROMPT):
     return greedy(e, toks, n)
 
 
-def _open(path, backend, cache, **kw):
-    e = Engine.open(path, EngineOptions(backend=backend, paging="resident", expert_cache=cache))
-    if cache is not None:
-        for k, v in kw.items():
-            setattr(e.model.experts, k, v)
-    return e
+def _open(path, backend, cache):
+    # mlx: its default paging (it binds the other weights into its own memory; no second copy)
+    paging = "auto" if backend == "mlx" else "resident"
+    return Engine.open(path, EngineOptions(backend=backend, paging=paging, expert_cache=cache))
+
+
+def _mlx() -> bool:
+    try:
+        import mlx.core  # noqa: F401
+        return True
+    except Exception:
+        return False
 
 
 @pytest.fixture(scope="module")
 def reference(small_model):
     got = {}
-    for b in ("numpy", "cpu"):
-        if b == "cpu" and not kernels.available():
+    for b in ("numpy", "cpu", "mlx"):
+        if (b == "cpu" and not kernels.available()) or (b == "mlx" and not _mlx()):
             continue
         with _open(small_model, b, None) as e:
             got[b] = _greedy(e)
+            if b == "mlx":
+                got["mlx-bound"] = e.bind_report.bytes
     return got
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def _skip_unless(backend, reference):
+    if backend not in reference:
+        pytest.skip("the C kernels are not built" if backend == "cpu" else "mlx is not installed")
+
+
+def _slots_are_what_the_kernels_read(e, c):
+    """Nothing reads the experts whole: the host weights refuse `data`; mlx's expert weights are
+    the cache's slot arrays (one expert per row), and its bound weights leave the experts out."""
+    lw = e.model.w.layers[0]
+    if e.backend != "mlx":
+        with pytest.raises(RuntimeError, match="expert cache"):
+            lw.gate_exps.data
+        return
+    from engine.backends.mlx.expert_slots import SlotWeight
+    ws = [lw.gate_exps, lw.up_exps, lw.down_exps]
+    assert all(type(w) is SlotWeight and w.w is a for w, a in zip(ws, c.store.arrays))
+    assert all(w.w.shape[0] == c.n_slots for w in ws) and e.paging == "none"
+    assert sum(w.w.nbytes for w in ws) == c.nbytes
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "mlx"])
 @pytest.mark.parametrize("budget", ["zero", "one-more-slot", "larger-than-file"])
 def test_tokens_and_logits_equal_the_resident_run(small_model, reference, backend, budget):
     """Budget 0 (the working set: one token's experts of one layer; the 12-token prefill runs in
     row groups that fit it), one slot more than that (eviction on every layer), and more than
     the file (nothing evicted): the greedy tokens and last logits are the resident run's, bit for
-    bit, with the experts read from the file into the slots (the map's expert bytes unread)."""
-    if backend not in reference:
-        pytest.skip("the C kernels are not built")
+    bit, with the experts read from the file into the slots (the map's expert bytes unread).
+    mlx: the slots are MLX arrays its kernels index by slot; at budget 0 a prefill's row groups
+    refill the same slots within a layer, so a graph left unevaluated would read the next
+    group's experts (ExpertCache.moe settles each group's result first)."""
+    _skip_unless(backend, reference)
     with _open(small_model, backend, 0) as e:
         used, slot = e.config.n_expert_used, e.model.experts.slot_bytes
         size = os.path.getsize(small_model)
@@ -62,8 +92,9 @@ def test_tokens_and_logits_equal_the_resident_run(small_model, reference, backen
         assert c.n_slots == {"zero": used, "one-more-slot": used + 1}.get(budget, c.n_slots)
         toks, logits = _greedy(e)
         st = c.stats()
-        with pytest.raises(RuntimeError, match="expert cache"):
-            e.model.w.layers[0].gate_exps.data            # nothing reads the experts whole
+        _slots_are_what_the_kernels_read(e, c)
+        if backend == "mlx":        # MLX memory: the other weights, the experts left to the slots
+            assert e.bind_report.bytes + X.expert_bytes(e.file) <= reference["mlx-bound"]
     assert toks == reference[backend][0]
     assert np.array_equal(logits, reference[backend][1])
     assert st["misses"] > 0 and st["bytes_read"] >= st["misses"] * c.layers[0].bytes
@@ -74,6 +105,32 @@ def test_tokens_and_logits_equal_the_resident_run(small_model, reference, backen
         assert st["misses"] <= e.config.n_layer * e.config.n_expert and st["hits"] > 0
     else:
         assert st["hit_rate"] < 0.5
+
+
+def test_mlx_exact_numerics_reads_the_slots_too(small_model):
+    """mlx's float32 path (exact numerics here; ds4 numerics on a Mac's GPU): pairs grouped by
+    expert id, their gathered bytes taken from the slots (quant.gather_matmul's twin decode);
+    at budget 0 the tokens and logits are the resident run's, bit for bit."""
+    if not _mlx():
+        pytest.skip("mlx is not installed")
+    got = []
+    for cache in (None, 0):
+        with Engine.open(small_model, EngineOptions(backend="mlx", numerics="exact", expert_cache=cache)) as e:
+            got.append(_greedy(e))
+            if cache is not None:
+                assert e.model.experts.stats()["misses"] > 0
+    assert got[0][0] == got[1][0] and np.array_equal(got[0][1], got[1][1])
+
+
+def test_mlx_refuses_experts_it_would_repack(tmp_path):
+    """Q4_K experts are bound in MLX's own layout, not the file's bytes: one clear line."""
+    if not _mlx():
+        pytest.skip("mlx is not installed")
+    from engine.gguf.synth import config_for, write_synthetic
+    cfg, vocab = config_for("tiny", n_layer=2, ratios=[0, 4], vocab=300)
+    p = write_synthetic(tmp_path / "q4.gguf", cfg, recipe="q4", vocab=vocab, seed=1).path
+    with pytest.raises(ValueError, match="reads IQ2_XXS and Q2_K experts .* is Q4_K; use the cpu backend"):
+        Engine.open(p, EngineOptions(backend="mlx", expert_cache=0))
 
 
 def test_expert_cache_option_parses_and_refuses():
@@ -192,10 +249,12 @@ def _faulty(kind):
     return pread, state
 
 
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
 @pytest.mark.parametrize("kind", ["eio", "short"])
-def test_a_read_fault_ends_the_step_with_one_error(small_model, reference, kind, tmp_path):
+def test_a_read_fault_ends_the_step_with_one_error(small_model, reference, kind, backend):
+    _skip_unless(backend, reference)
     pread, state = _faulty(kind)
-    with _open(small_model, "numpy", 0) as e:
+    with _open(small_model, backend, 0) as e:
         state["on"] = False
         e.model.experts.reader.pread = pread
         s = Session(e, 64)
@@ -217,15 +276,18 @@ def test_a_read_fault_ends_the_step_with_one_error(small_model, reference, kind,
                 sess.eval(t)
             outs.append((out, np.array(sess.logits, copy=True)))
     for out, logits in outs:
-        assert out == reference["numpy"][0] and np.array_equal(logits, reference["numpy"][1])
+        assert out == reference[backend][0] and np.array_equal(logits, reference[backend][1])
 
 
-def test_a_file_truncated_under_the_engine_is_one_error(small_model, tmp_path):
-    """The file cut short while the engine runs (the other weights are in a resident copy; the
-    experts' reads are preads, which return short where a map's fault would be SIGBUS)."""
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
+def test_a_file_truncated_under_the_engine_is_one_error(small_model, reference, tmp_path, backend):
+    """The file cut short while the engine runs (the other weights are in a resident copy, or
+    mlx's own memory with its host tables copied; the experts' reads are preads, which return
+    short where a map's fault would be SIGBUS)."""
+    _skip_unless(backend, reference)
     p = tmp_path / "m.gguf"
     shutil.copyfile(small_model, p)
-    with _open(p, "numpy", 0) as e:
+    with _open(p, backend, 0) as e:
         s = Session(e, 64)
         s.sync(PROMPT[:4])
         first = e.model.experts.layers[0].spans[0][0]

@@ -174,22 +174,31 @@ class _Layer:
 
 class ExpertCache:
     """n_slots slots of routed experts read from `path` (see the module doc). `trace`: a list to
-    record [(layer, experts)] into (replay's input)."""
+    record [(layer, experts)] into (replay's input). `store`: slots a backend's kernels read in
+    its own memory (the mlx backend's arrays: engine/backends/mlx/expert_slots.py) in place of
+    the host slots; it lays out the reads (`reads`), owns the buffers (`allocate`) and makes a
+    layer's results final before its slots may be read into again (`settle`)."""
 
     def __init__(self, path: str, layers: list, infos: list, n_slots: int, n_used: int, *,
-                 policy: str = POLICY, direct: bool = True, depth: int = DEPTH, pread=None):
+                 policy: str = POLICY, direct: bool = True, depth: int = DEPTH, pread=None, store=None):
         region = [max(region_bytes(ti[m].nbytes // lw_t[m].dims[2]) for lw_t, ti in zip(layers, infos))
                   for m in range(3)]
-        self.slot_bytes = sum(region)
+        self.store = store
+        self.slot_bytes = sum(region) if store is None else store.slot_bytes
         self.layers = [_Layer(t, ti, region) for t, ti in zip(layers, infos)]
         self.n_used = n_used
         self.n_slots = max(int(n_slots), n_used)
-        # slots are memory once read into: a cache sized beyond the memory (more than the file's
-        # experts asked for) reserves nothing up front (the overcommit check would refuse it)
-        self._mem = mmap.mmap(-1, self.n_slots * self.slot_bytes,
-                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
-        self.buf = np.frombuffer(self._mem, dtype=np.uint8)
-        self.reader = ExpertReader(path, memoryview(self._mem), direct=direct, depth=depth, pread=pread)
+        self._mem = self.buf = None
+        if store is None:
+            # slots are memory once read into: a cache sized beyond the memory (more than the
+            # file's experts asked for) reserves nothing up front (the overcommit check would refuse it)
+            self._mem = mmap.mmap(-1, self.n_slots * self.slot_bytes,
+                                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+            self.buf = np.frombuffer(self._mem, dtype=np.uint8)
+            bufs = memoryview(self._mem)
+        else:
+            bufs, direct = store.allocate(self.n_slots), direct and store.direct
+        self.reader = ExpertReader(path, bufs, direct=direct, depth=depth, pread=pread)
         self.policy = POLICIES[policy](self.n_slots)
         self.where: dict = {}                 # (layer, expert) -> slot
         self.pending: dict = {}               # (layer, expert) -> Future of its reads
@@ -243,7 +252,9 @@ class ExpertCache:
         self.where[key] = s
         self.policy.insert(key)
         self.fresh.add(key)
-        self.pending[key] = self.reader.submit(self.layers[key[0]].reads(key[1], s * self.slot_bytes))
+        lay = self.layers[key[0]]
+        spans = lay.reads(key[1], s * self.slot_bytes) if self.store is None else self.store.reads(lay, key[1], s)
+        self.pending[key] = self.reader.submit(spans)
         return True
 
     def _wait(self, f, key) -> None:
@@ -374,12 +385,18 @@ class ExpertCache:
                     out.append(ops.moe(lw, u, sel, wsel, limit))
                 else:
                     out.append(ops.moe(lw, u[rows], sel[rows], wsel[rows], limit))
+                if self.store is not None:
+                    # a lazy backend's result is computed now, while its experts are held: a
+                    # later read into those slots must not land under a graph not yet run
+                    self.store.settle(out[-1])
             finally:
                 self.release()
-        return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+        return out[0] if len(out) == 1 else getattr(ops, "xp", np).concatenate(out, axis=0)
 
     def close(self) -> None:
         self.reader.close()
+        if self.store is not None:
+            self.store.close()
 
 
 def _row_groups(sel: np.ndarray, n_slots: int) -> list:
@@ -468,28 +485,32 @@ def auto_size(model_file, budget: int | None) -> int:
 
 
 def attach(model, model_file, size, **kw) -> ExpertCache:
-    """Give `model` (host weights: the cpu and numpy backends) an ExpertCache of `size` bytes
-    ("auto": auto_size) reading model_file's routed experts; its weights' expert tensors become
-    SlotExperts. kw: ExpertCache's (policy, direct, depth, pread)."""
-    if model.xp is not np:
-        raise ValueError("--expert-cache works with the cpu and numpy backends (their kernels read "
-                         "the slots); this backend keeps its own copy of the experts")
+    """Give `model` an ExpertCache of `size` bytes ("auto": auto_size) reading model_file's
+    routed experts; its weights' expert tensors become SlotExperts (the cpu and numpy backends'
+    kernels read host slots), or the backend's own slot weights where its ops offer
+    `expert_slots` (mlx: its arrays are the slots; the experts were left unbound).
+    kw: ExpertCache's (policy, direct, depth, pread)."""
+    slots = getattr(model.ops, "expert_slots", None)
+    if model.xp is not np and slots is None:
+        raise ValueError("--expert-cache works with the cpu, numpy and mlx backends (their kernels "
+                         "read the slots); this backend keeps its own copy of the experts")
     if size == "auto":
         size = auto_size(model_file, memory_budget())
     layers = model.w.layers
     tensors = [[getattr(lw, k) for k in MATRICES] for lw in layers]
     infos = [[model_file.layout.present[t.name] for t in ts] for ts in tensors]
+    store = slots(tensors) if slots is not None else None       # (one clear line where it cannot)
     region = [max(region_bytes(ti[m].nbytes // ts[m].dims[2]) for ts, ti in zip(tensors, infos)) for m in range(3)]
-    probe = sum(region)
+    probe = sum(region) if store is None else store.slot_bytes
     n_slots = min(int(size) // probe, sum(ts[0].dims[2] for ts in tensors))
-    cache = ExpertCache(model_file.path, tensors, infos, n_slots, model.c.n_expert_used, **kw)
+    cache = ExpertCache(model_file.path, tensors, infos, n_slots, model.c.n_expert_used, store=store, **kw)
     for lw, ts in zip(layers, tensors):
         if lw.tid2eid is not None:
             # the hash table as a copy (3 MB a layer): a view of the map would fault (SIGBUS) if
             # the file were cut short, where the experts' preads only return short
             lw.tid2eid = np.array(lw.tid2eid)
         for m, (k, t) in enumerate(zip(MATRICES, ts)):
-            setattr(lw, k, SlotExperts(t, cache, lw.il, m))
+            setattr(lw, k, SlotExperts(t, cache, lw.il, m) if store is None else store.weight(cache, lw.il, m, t))
     model.experts = cache
     return cache
 
@@ -535,14 +556,17 @@ def expert_names(model_file) -> frozenset:
     return frozenset(n for n in model_file.layout.present if n.endswith("_exps.weight"))
 
 
-def paging_for(model_file, paging: str, avail: int | None) -> str:
+def paging_for(model_file, paging: str, avail: int | None, copies: bool = False) -> str:
     """The paging of the other weights under the expert cache: "auto" is a resident copy of
     them where they fit 80 % of the available memory (anonymous memory: a file cut short
-    under the engine cannot fault them, and nothing evicts them), else lowmem; "prefault" would
-    read the experts into the page cache, so it is refused."""
+    under the engine cannot fault them, and nothing evicts them), else lowmem; "none" for a
+    backend that `copies` them into its own memory at open (mlx: a second copy would be
+    waste); "prefault" would read the experts into the page cache, so it is refused."""
     if paging == "prefault":
         raise ValueError("paging 'prefault' reads the whole file, routed experts included: with "
                          "--expert-cache use auto, resident, lowmem or none")
+    if paging == "auto" and copies:
+        return "none"
     if paging == "auto":
         dense = model_file.gguf.size - expert_bytes(model_file)
         return "resident" if avail is None or dense <= 0.8 * avail else "lowmem"

@@ -35,10 +35,12 @@ def region_bytes(n: int) -> int:
 
 @dataclass(frozen=True)
 class Span:
-    """One read: `n` bytes of the file at `off` wanted at slot byte `dst + skip`."""
+    """One read: `n` bytes of the file at `off` wanted at byte `dst + skip` of the reader's
+    buffer `b` (one buffer for the host slots; the mlx slots are one array per matrix)."""
     off: int
     n: int
     dst: int
+    b: int = 0
 
     @property
     def skip(self) -> int:
@@ -52,9 +54,9 @@ def split(s: Span, piece: int) -> list:
     if piece <= 0 or s.skip + s.n <= piece:
         return [s]
     lo = s.off - s.skip
-    out = [Span(s.off, piece - s.skip, s.dst)]
+    out = [Span(s.off, piece - s.skip, s.dst, s.b)]
     for p in range(lo + piece, s.off + s.n, piece):
-        out.append(Span(p, min(piece, s.off + s.n - p), s.dst + (p - lo)))
+        out.append(Span(p, min(piece, s.off + s.n - p), s.dst + (p - lo), s.b))
     return out
 
 
@@ -63,12 +65,14 @@ def _pread(fd: int, view: memoryview, off: int) -> int:
 
 
 class ExpertReader:
-    """Reads Spans of one file into one writable buffer (the cache's slots) from a thread pool.
-    `pread(fd, view, offset) -> n` is the one system call, replaceable (fault-injection tests)."""
+    """Reads Spans of one file into writable buffers (the cache's slots) from a thread pool.
+    `buf`: one memoryview, or a list of them (a Span's `b` picks one). `pread(fd, view, offset)
+    -> n` is the one system call, replaceable (fault-injection tests)."""
 
-    def __init__(self, path: str, buf: memoryview, *, direct: bool = False, depth: int = DEPTH, pread=None):
+    def __init__(self, path: str, buf, *, direct: bool = False, depth: int = DEPTH, pread=None):
         self.path = str(path)
-        self.buf = buf
+        self.bufs = list(buf) if isinstance(buf, (list, tuple)) else [buf]
+        self.buf = self.bufs[0]
         self.direct = False
         self.fd = -1
         if direct and hasattr(os, "O_DIRECT"):
@@ -133,7 +137,7 @@ class ExpertReader:
         got = 0
         while got < want:
             try:
-                n = self.pread(self.fd, self.buf[start + got:start + hi], lo + got)
+                n = self.pread(self.fd, self.bufs[s.b][start + got:start + hi], lo + got)
             except OSError as e:
                 raise ModelFileError(self.path, f"cannot read the routed expert at byte {s.off:,}: "
                                                 f"{e.strerror or e}") from None

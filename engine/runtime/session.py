@@ -95,7 +95,10 @@ class Engine:
             skip = frozenset()
             if o.expert_cache is not None:      # (the routed experts left to the cache: issue 39)
                 from ..gguf.expert_cache import expert_names, paging_for
-                paging, skip = paging_for(m, paging, avail), expert_names(m)
+                copies = hasattr(ops, "unbound")      # (mlx: binds the others into its own memory)
+                paging, skip = paging_for(m, paging, avail, copies), expert_names(m)
+                if copies:
+                    ops.unbound = skip                 # (its slots are the experts' arrays)
             else:
                 paging = _paging_mode(m, paging, backend, avail)
             eng = cls(m, backend, numerics, threads, ops)

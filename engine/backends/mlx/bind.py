@@ -21,11 +21,18 @@ from . import quant
 HOST_FIELDS = frozenset({"ape", "tid2eid"})
 
 
-def bind_mlx(model_file) -> tuple:
-    """(ModelWeights with mx arrays and MxWeights, bytes held in MLX memory)."""
+def bind_mlx(model_file, skip: frozenset = frozenset()) -> tuple:
+    """(ModelWeights with mx arrays and MxWeights, bytes held in MLX memory). `skip`: tensor
+    names left as host QTensors (the routed experts under the expert cache: never read whole)."""
     total = [0]
 
     def conv(name, v):
+        if isinstance(v, QTensor) and v.name in skip:
+            return v
+        if skip and name in HOST_FIELDS and isinstance(v, np.ndarray):
+            # a copy: under the expert cache the file may be cut short under the engine, and a
+            # map view would fault (SIGBUS) where the experts' preads return short
+            return np.array(v)
         if isinstance(v, QTensor):
             w = quant.repack(v)
             mx.eval(*[a for a in (w.w, w.scales, w.biases) if a is not None])

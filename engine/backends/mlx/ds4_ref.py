@@ -163,6 +163,9 @@ class Ds4RefOps:
         Each pair gathers its expert's raw rows (no host sync, no per-expert loop)."""
         T, k = sel.shape
         experts = sel.reshape(-1).astype(mx.int32)
+        slots = getattr(gate, "slot_rows", None)          # (the expert cache: its slots hold them)
+        if slots is not None:
+            experts = slots(experts)
         toks = mx.repeat(mx.arange(T, dtype=mx.int32), k)
         q, d = MN.q8_k_codes(u)
         qp, dp = q[toks], d[toks]

@@ -69,6 +69,9 @@ class MlxOps(Ds4RefOps):
         self._states = weakref.WeakSet()     # evaluated with every logits_to_host
         self._states_lock = threading.Lock()  # (sessions on several threads add to it)
         self._repacked: dict = {}            # id(QTensor) -> (QTensor, MxWeight): host weights met in a call
+        # tensors bind_weights leaves on the map: the routed experts under --expert-cache (the
+        # cache's slots are their arrays: expert_slots); set by Engine.open before the bind
+        self.unbound: frozenset = frozenset()
         self._rot: dict = {}                 # (id(thetas), query) -> (thetas, cos, sin): this pass's rotations
         self._q_angles: dict = {}            # a YaRN table's bytes -> the query rotation's angles (ds4)
         self.metal = _metal()
@@ -85,7 +88,7 @@ class MlxOps(Ds4RefOps):
     def bind_weights(self, model_file):
         """Every matrix repacked into MLX memory (quant.repack), the small vectors uploaded."""
         t0 = time.perf_counter()
-        weights, nbytes = bind_mlx(model_file)
+        weights, nbytes = bind_mlx(model_file, self.unbound)
         return weights, BindReport(time.perf_counter() - t0, nbytes)
 
     def new_state(self, config, ctx: int, rewind_cap: int) -> KVState:
@@ -297,12 +300,19 @@ class MlxOps(Ds4RefOps):
 
     def _gmm(self, w, x, experts, toks):
         if self.metal is not None and w.kind in _METAL_KINDS:
-            return self.metal.gather_matvec(w.kind, w.w, x, experts, toks)
+            slots = getattr(w, "slot_rows", None)       # (the expert cache: its slots hold them)
+            return self.metal.gather_matvec(w.kind, w.w, x, experts if slots is None else slots(experts), toks)
         return quant.gather_matmul(w, x, experts, toks, check_sorted=False)      # (moe sorts them)
 
     @staticmethod
     def _swiglu(g, v, limit):
         return _swiglu(g, v, mx.array(limit, dtype=mx.float32))
+
+    @staticmethod
+    def expert_slots(tensors):
+        """The expert cache's slots as MLX arrays (expert_slots.py; engine/gguf/expert_cache.attach)."""
+        from .expert_slots import MlxSlots
+        return MlxSlots(tensors)
 
     def moe(self, lw, u, sel, wsel, limit):
         """The routed experts (tokens grouped by expert, one gathered matmul per matrix) plus the

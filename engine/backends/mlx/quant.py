@@ -298,7 +298,8 @@ def gather_matmul(w: MxWeight, x: mx.array, experts: mx.array, toks: mx.array,
     if experts.shape[0] == 0:
         return mx.zeros((0, w.n_out), dtype=mx.float32)
     if w.kind in ("iq2_xxs", "q2_k"):
-        return twin_gather_matmul(w.type_id, w.w, w.n_in, x, e_np, toks)
+        # (the expert cache's slot weights: the experts' bytes are the rows of their slots)
+        return twin_gather_matmul(w.type_id, w.w, w.n_in, x, e_np, toks, getattr(w, "slot_rows", None))
     if host:   # float16 / bfloat16 experts: upcast only the experts that occur
         return gather_by_expert(lambda sel: w.w[sel].astype(mx.float32), w.n_out, w.n_in, x, e_np, toks)
     e = experts.astype(mx.uint32)

@@ -116,13 +116,15 @@ def twin_matmul(type_id: int, raw: mx.array, n_in: int, x: mx.array) -> mx.array
 
 
 def twin_gather_matmul(type_id: int, raw: mx.array, n_in: int, x: mx.array,
-                       experts: np.ndarray, toks: mx.array) -> mx.array:
+                       experts: np.ndarray, toks: mx.array, slots=None) -> mx.array:
     """out[p] = decode(raw[experts[p]]) @ x[toks[p]] -> [P, n_out] float32.
 
     raw: uint8 [n_expert, n_out, row_bytes]; experts: host int array [P], sorted (the caller checked).
     Only the experts that occur are gathered and decoded, a bounded number of them per step.
+    slots: experts -> the rows of raw that hold them (the expert cache's slots), else the ids.
     """
-    decode = lambda sel: decode_rows(type_id, raw[sel], n_in)   # noqa: E731 (one use, two call sites)
+    rows = (lambda sel: sel) if slots is None else slots      # noqa: E731
+    decode = lambda sel: decode_rows(type_id, raw[rows(sel)], n_in)   # noqa: E731 (one use, two call sites)
     return gather_by_expert(decode, raw.shape[1], n_in, x, experts, toks)
 
 
