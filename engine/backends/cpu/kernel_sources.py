@@ -18,6 +18,7 @@ SOURCES = [
     "engine/backends/cpu/csrc/kern_avx2.c",
     "engine/backends/cpu/csrc/kern_avx512.c",
     "engine/backends/cpu/csrc/kern_q8.c",
+    "engine/backends/cpu/csrc/mrow_f16.c",
 ]
 DEPENDS = [
     "engine/backends/cpu/csrc/module.h",

@@ -368,6 +368,7 @@ void run_f16_seq(const uint16_t *W, ptrdiff_t stride, int64_t n_rows, int64_t n_
     {
         int64_t a, b;
         split_rows(n_rows, 8, OMP_TID(), OMP_NTH(), &a, &b);
-        kern_f16_seq(W, stride, n_in, a, b, x, T, y, n_rows);
+        if (!mrow_f16_seq(W, stride, n_in, a, b, x, T, y, n_rows)) /* mrow_f16.c: the SIMD form */
+            kern_f16_seq(W, stride, n_in, a, b, x, T, y, n_rows);
     }
 }

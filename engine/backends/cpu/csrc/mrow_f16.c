@@ -1,0 +1,103 @@
+/* ds4 numerics' F16 matvec (kern_f16_seq's function) for several tokens at once: the multi-token
+ * step's (MTP verify, batched decode, prefill) hyper-connection mixes, routers and output HC.
+ *
+ * kern_f16_seq (kern_q8.c, the portable form) runs token by token: every token re-decodes the
+ * weights through a 256 KB table, one scalar product and add per weight, so a T-token step paid T
+ * times a one-token step's cost for these matrices (9.75 % of a 2-token verify step's CPU time on
+ * the real-width 4-layer file against 6.6 % of a one-token step's: issue 37).  Here 8 rows are one
+ * ymm: 8 halves of each row are converted with vcvtph2ps (exact, as the table) and transposed, so a
+ * column of 8 rows' weights is one register, shared by up to MR_NT tokens whose sums run as
+ * independent chains.  Every (row, token) sum is still the float32 sum in index order of the
+ * float32 products fl(w * x) (this file is compiled with -ffp-contract=off: mul, then add, never an
+ * FMA): bit for bit kern_f16_seq and ds4_float.f16_matvec, whatever T.  A last group of fewer than 8
+ * rows repeats its last row in the spare lanes and stores only its own. */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "module.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define MR_T __attribute__((target("avx2,f16c")))
+#define MR_NT 4 /* tokens a pass: 4 accumulators + 8 weight columns + temporaries fit 16 ymm */
+
+/* 8 ymm rows -> 8 ymm columns: c[j] lane k = r[k] lane j */
+MR_T static inline void mr_transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/* rows r..r+nr-1 (nr <= 8) for tokens t0..t0+nt-1 (nt <= MR_NT): y[t * ldy + row] */
+MR_T static inline __attribute__((always_inline)) void mr_f16_group(const uint16_t *W, ptrdiff_t stride, int64_t n, int64_t r, int nr, const float *x,
+                              int64_t t0, int nt, float *y, int64_t ldy) {
+    const uint16_t *row[8];
+    for (int k = 0; k < 8; k++) row[k] = W + (r + (k < nr ? k : nr - 1)) * stride;
+    __m256 acc[MR_NT];
+    for (int t = 0; t < MR_NT; t++) acc[t] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 c[8];
+        for (int k = 0; k < 8; k++) c[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row[k] + i)));
+        mr_transpose8(c);
+        for (int j = 0; j < 8; j++)
+            for (int t = 0; t < nt; t++)
+                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(c[j], _mm256_set1_ps(x[(t0 + t) * n + i + j])));
+    }
+    for (; i < n; i++) { /* the last n % 8 columns, still in index order */
+        float w8[8];
+        for (int k = 0; k < 8; k++) w8[k] = _cvtsh_ss(row[k][i]);
+        const __m256 cw = _mm256_loadu_ps(w8);
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(cw, _mm256_set1_ps(x[(t0 + t) * n + i])));
+    }
+    for (int t = 0; t < nt; t++) {
+        float o[8];
+        _mm256_storeu_ps(o, acc[t]);
+        for (int k = 0; k < nr; k++) y[(t0 + t) * ldy + r + k] = o[k];
+    }
+}
+
+MR_T static void mr_f16_rows(const uint16_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const float *x,
+                             int64_t T, float *y, int64_t ldy) {
+    for (int64_t r = r0; r < r1; r += 8) {
+        const int nr = r1 - r < 8 ? (int)(r1 - r) : 8;
+        for (int64_t t0 = 0; t0 < T; t0 += MR_NT) {
+            const int nt = T - t0 < MR_NT ? (int)(T - t0) : MR_NT;
+            switch (nt) { /* constant token counts: the compiler keeps the accumulators in registers */
+            case 1: mr_f16_group(W, stride, n, r, nr, x, t0, 1, y, ldy); break;
+            case 2: mr_f16_group(W, stride, n, r, nr, x, t0, 2, y, ldy); break;
+            case 3: mr_f16_group(W, stride, n, r, nr, x, t0, 3, y, ldy); break;
+            default: mr_f16_group(W, stride, n, r, nr, x, t0, MR_NT, y, ldy); break;
+            }
+        }
+    }
+}
+
+int mrow_f16_seq(const uint16_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const float *x, int64_t T,
+                 float *y, int64_t ldy) {
+    if (g_cur == ISA_GENERIC || !g_have[ISA_AVX2]) return 0; /* the portable build: kern_f16_seq */
+    mr_f16_rows(W, stride, n, r0, r1, x, T, y, ldy);
+    return 1;
+}
+#else
+int mrow_f16_seq(const uint16_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const float *x, int64_t T,
+                 float *y, int64_t ldy) {
+    (void)W, (void)stride, (void)n, (void)r0, (void)r1, (void)x, (void)T, (void)y, (void)ldy;
+    return 0;
+}
+#endif
