@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -105,6 +106,29 @@ def test_tokens_and_logits_equal_the_resident_run(small_model, reference, backen
         assert st["misses"] <= e.config.n_layer * e.config.n_expert and st["hits"] > 0
     else:
         assert st["hit_rate"] < 0.5
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_the_shared_expert_computes_while_the_layers_reads_run(small_model, reference, backend):
+    """A routed layer's missing experts are read while its shared expert computes (the host
+    backends' moe is routed + shared_expert: the same bits apart, so the tokens and logits stay
+    the resident run's). Each read takes 5 ms longer here, so they are still in flight."""
+    _skip_unless(backend, reference)
+    with _open(small_model, backend, 0) as e:
+        c, ops = e.model.experts, e.model.ops
+        seen, real = [], ops.shared_expert
+
+        def shared(lw, u, limit):
+            seen.append(any(k[0] == lw.il and not f.done() for k, f in c.pending.items()))
+            return real(lw, u, limit)
+
+        def pread(fd, view, off):
+            time.sleep(0.005)
+            return os.preadv(fd, [view], off)
+        ops.shared_expert, c.reader.pread = shared, pread
+        toks, logits = _greedy(e)
+    assert any(seen)
+    assert toks == reference[backend][0] and np.array_equal(logits, reference[backend][1])
 
 
 def test_mlx_exact_numerics_reads_the_slots_too(small_model):

@@ -6,7 +6,8 @@ Every weight but the routed experts stays where paging puts it (resident, or the
 compute the same products as from the map. The forward pass asks the cache for a layer's experts
 (`ExpertCache.moe`) as soon as routing has picked them, and for every hash layer's at the step's
 start (a hash layer routes by token id: known before any layer runs); the reads run in a thread
-pool (expert_reader.py) while the layers before them compute.
+pool (expert_reader.py) while the layers before them compute, and a routed layer's while its
+shared expert computes (the host backends' moe is routed + shared_expert: apart, the same bits).
 
 A slot holds one expert of one layer: its gate, up and down matrices. The cache holds
 `n_slots`, at least `n_expert_used` (one token's experts of one layer: the working set of a
@@ -295,6 +296,11 @@ class ExpertCache:
     def hold(self, il: int, experts) -> None:
         """Make these experts of layer il readable (expert_data) until release: reads start for
         all the missing ones at once, then this waits for them."""
+        self.wait_held(self.claim(il, experts))
+
+    def claim(self, il: int, experts) -> list:
+        """hold's first half: count the hits and misses, start the missing reads, mark the keys
+        held (no eviction takes them); returns the keys for wait_held."""
         keys = [(il, int(e)) for e in experts]
         if self.pending:
             self._sweep()
@@ -311,6 +317,11 @@ class ExpertCache:
             if not self._start(k, set(keys)):
                 raise RuntimeError(f"expert cache: {len(keys)} experts asked at once, {self.n_slots} slots")
             self.held.add(k)
+        return keys
+
+    def wait_held(self, keys: list) -> None:
+        """hold's second half: wait for the claimed keys' reads (a failed one: the keys let go,
+        every read in flight ended, the error raised)."""
         try:
             for k in keys:
                 f = self.pending.pop(k, None)
@@ -379,9 +390,20 @@ class ExpertCache:
         out = []
         for rows in groups:
             s = sel_h if rows is None else sel_h[rows]
-            self.hold(lw.il, np.unique(s))
+            keys = self.claim(lw.il, np.unique(s))
             try:
-                if rows is None:
+                sh = None
+                if rows is None and self.store is None and any(k in self.pending for k in keys) \
+                        and hasattr(ops, "routed") and hasattr(ops, "shared_expert"):
+                    # reads in flight: the shared expert computes meanwhile. The host backends'
+                    # moe is routed + shared_expert, the same bits as apart (the cpu kernels
+                    # compute each product's rows whole, whatever else shares the call; each
+                    # product's input is quantized by row; the sum is routed, then + shared)
+                    sh = ops.shared_expert(lw, u, limit)
+                self.wait_held(keys)
+                if sh is not None:
+                    out.append(ops.routed(lw, u, sel, wsel, limit) + sh)
+                elif rows is None:
                     out.append(ops.moe(lw, u, sel, wsel, limit))
                 else:
                     out.append(ops.moe(lw, u[rows], sel[rows], wsel[rows], limit))
