@@ -205,7 +205,10 @@ def test_emulated_logits_within_the_oracle_thresholds_short(emulate, two_layers)
     # attention, the norms (not the rope kernel: in ds4 numerics a rotation takes the host's libm
     # cosf/sinf tables, ops.rope, where the kernel would compute the device's own)
     assert launches.get("rope", 0) == 0, launches
-    for name in ("ds4_matvec_q2_k", "ds4_matvec_iq2_xxs", "attn_segment", "attn_finish", "ds4_matvec_q8_0"):
+    # the compressors' pooling too (compress_pool, through Model._compress_store's ops hook: the
+    # ratio-4 layer closes windows at positions 3 and 7)
+    for name in ("ds4_matvec_q2_k", "ds4_matvec_iq2_xxs", "attn_segment", "attn_finish", "ds4_matvec_q8_0",
+                 "compress_pool"):
         assert launches.get(name, 0) > 0, (name, launches)
 
 
@@ -218,4 +221,5 @@ def test_emulated_logits_within_the_oracle_thresholds(emulate, tmp_path, seed):
     st, launches = _token_by_token(_synth(tmp_path, seed, ratios=(0, 4, 128)), 300, emulate)
     print(f"emulated cupy vs numpy, seed {seed}, 300 tokens:", st, "launches:", sum(launches.values()))
     assert launches.get("indexer_scores", 0) > 0 and launches.get("topk", 0) > 0
+    assert launches.get("compress_pool", 0) > 0
     assert all(st[k] <= v for k, v in THRESHOLDS.items() if k != "top1") and st["top1"] >= THRESHOLDS["top1"]

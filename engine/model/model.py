@@ -157,17 +157,22 @@ class Model:
         return self.ops.hc_post(y, X, post, C)
 
     # -- attention sublayer (§3.4) -------------------------------------------------------------
-    def _thetas(self, ratio: int, pos: np.ndarray, n_rot: int, heads: bool = False):
+    def _thetas(self, ratio: int, pos: np.ndarray, n_rot: int, heads: bool = False, query: bool = False):
         # the same positions recur in every layer of a forward pass (two kinds: plain and
         # compressed-layer YaRN angles): computed once per pass; `heads`: the [T, 1, n_rot/2]
         # view that broadcasts over heads, also kept, so every layer passes the same array
-        # objects (a backend may keep what it derives from its tables: the cpu backend's rotations)
+        # objects (a backend may keep what it derives from its tables: the cpu backend's rotations).
+        # `query`: the angles of the queries' rotation (attention's and the indexer's), which ds4
+        # numerics blend differently with YaRN (rope_thetas(query=True)); plain angles have one form
         c = self.c
-        key = (ratio != 0, n_rot, pos.tobytes())
+        query = query and ratio != 0
+        key = (ratio != 0, n_rot, pos.tobytes(), query)
         th = self._theta_cache.get(key)
         if th is None:
             if ratio == 0:
                 th = self.ops.rope_thetas(pos, n_rot, c.rope_base, None)
+            elif query:
+                th = self.ops.rope_thetas(pos, n_rot, c.compress_rope_base, self.yarn, query=True)
             else:
                 th = self.ops.rope_thetas(pos, n_rot, c.compress_rope_base, self.yarn)
             self._theta_cache[key] = th
@@ -190,7 +195,7 @@ class Model:
         kv = ops.rmsnorm(kv, lw.kv_norm, c.rms_eps)
         th = self._thetas(lw.ratio, pos, c.n_rot)                                  # [N, n_rot/2]
         th_h = self._thetas(lw.ratio, pos, c.n_rot, heads=True)                   # [N, 1, n_rot/2]
-        q = ops.rope(q, th_h, inplace=True)
+        q = ops.rope(q, self._thetas(lw.ratio, pos, c.n_rot, heads=True, query=True), inplace=True)
         kv = ops.store_kv(ops.rope(kv, th), c.n_nope)
         comp = self._compress_proj(lw.comp, h, pos) if lw.ratio else None
         icomp = iproj = None
@@ -231,7 +236,7 @@ class Model:
             self._compress_store(lw.indexer.comp, ls, *icomp, pos0, index=True)
             if iproj is not None:
                 sel = self._indexer_select(lw, ls, *iproj, pos,
-                                           th_fn=lambda p: self._thetas(CSA_RATIO, p, c.n_rot, heads=True))
+                                           th_fn=lambda p: self._thetas(CSA_RATIO, p, c.n_rot, heads=True, query=True))
 
         o = []
         scale = 1.0 / np.sqrt(c.head_dim)
@@ -262,7 +267,6 @@ class Model:
         """Put a segment's projections (positions pos0..) into the frontier and emit a row for
         every window they close."""
         c, ops = self.c, self.ops
-        xp = self.xp
         r, hd = cw.ratio, cw.hd
         T = kvp.shape[0]
         pos = np.arange(pos0, pos0 + T)                                            # host
@@ -274,21 +278,13 @@ class Model:
         if len(ends) == 0:
             return
         ws = ends + 1 - r                                                          # window starts
-        cur = ws[:, None] + np.arange(r)[None, :] - lo                             # [n, r] rows of all_*
-        if r == CSA_RATIO:
-            # overlapping windows: previous window's first half + this window's second half
-            cur_x = xp.asarray(cur)
-            kv_c, sc_c = all_kv[cur_x][:, :, hd:], all_sc[cur_x][:, :, hd:]
-            prev = xp.asarray(np.maximum(cur - r, 0))
-            has_prev = xp.asarray((ws >= r)[:, None, None])
-            kv_p = xp.where(has_prev, all_kv[prev][:, :, :hd], 0.0)
-            sc_p = xp.where(has_prev, all_sc[prev][:, :, :hd], -np.inf)
-            kvs, scs = xp.concatenate([kv_p, kv_c], axis=1), xp.concatenate([sc_p, sc_c], axis=1)
-        else:
-            cur_x = xp.asarray(cur)
-            kvs, scs = all_kv[cur_x], all_sc[cur_x]
-        a = ops.softmax(scs, axis=1)
-        pooled = (a * kvs).sum(axis=1)                                             # [n, hd] float32
+        # a backend's own pooling (the cupy backend's compress_pool kernel): the same softmax and
+        # weighted sum from the frontier's rows, given each window's first row and whether a
+        # previous window exists (overlap); None: the array-op form
+        pool = getattr(ops, "compress_pool", None)
+        pooled = None if pool is None else pool(all_kv, all_sc, ws - lo, ws >= r, r, hd, r == CSA_RATIO)
+        if pooled is None:
+            pooled = self._pool_arrays(all_kv, all_sc, ws, lo, r, hd)
         # (x * scale) * w: ds4's compressor norms inline (compressor_decode_one), where every other
         # norm is rms_norm_weight's (x * w) * scale in ds4 numerics (docs/numerics.md, rule 12)
         rows = ops.rmsnorm(pooled, None, c.rms_eps) * cw.norm
@@ -304,6 +300,26 @@ class Model:
             rows = ops.store_kv(rows, hd - c.n_rot)
             ls.comp[i0:i0 + len(rows)] = rows
             ls.n_comp = i0 + len(rows)
+
+    def _pool_arrays(self, all_kv, all_sc, ws: np.ndarray, lo: int, r: int, hd: int):
+        """The closed windows (starting at positions ws) pooled [n, hd] float32: a softmax of the
+        scores over each window's rows weighting its values, column by column."""
+        xp = self.xp
+        cur = ws[:, None] + np.arange(r)[None, :] - lo                             # [n, r] rows of all_*
+        if r == CSA_RATIO:
+            # overlapping windows: previous window's first half + this window's second half
+            cur_x = xp.asarray(cur)
+            kv_c, sc_c = all_kv[cur_x][:, :, hd:], all_sc[cur_x][:, :, hd:]
+            prev = xp.asarray(np.maximum(cur - r, 0))
+            has_prev = xp.asarray((ws >= r)[:, None, None])
+            kv_p = xp.where(has_prev, all_kv[prev][:, :, :hd], 0.0)
+            sc_p = xp.where(has_prev, all_sc[prev][:, :, :hd], -np.inf)
+            kvs, scs = xp.concatenate([kv_p, kv_c], axis=1), xp.concatenate([sc_p, sc_c], axis=1)
+        else:
+            cur_x = xp.asarray(cur)
+            kvs, scs = all_kv[cur_x], all_sc[cur_x]
+        a = self.ops.softmax(scs, axis=1)
+        return (a * kvs).sum(axis=1)
 
     # -- indexer (§3.8) ------------------------------------------------------------------------
     def _indexer_proj(self, lw: LayerWeights, segs: list, h, qr) -> list:

@@ -145,6 +145,16 @@ class Kernels:
                                           i32(n_nope)))
         return out
 
+    def compress_pool(self, kv, sc, first, has_prev, r, hd, overlap):
+        """compress.cu: the compressor's closed windows pooled [n, hd] (Model._pool_arrays)."""
+        n = len(first)
+        win = np.ascontiguousarray(np.stack([first, has_prev], axis=1), dtype=i32)
+        out = _nan((n, hd))
+        self.fn("compress.cu", "compress_pool")((n, -(-hd // 128), 1), (128, 1, 1),
+                                                (np.ascontiguousarray(kv, dtype=f32), np.ascontiguousarray(sc, dtype=f32),
+                                                 win, out, i32(n), i32(kv.shape[1]), i32(r), i32(hd), i32(bool(overlap))))
+        return out
+
     def dequant_rows(self, fmt, raw2d, rows, n_in):
         out = _nan((len(rows), n_in))
         self.fn("matvec.cu", f"dequant_rows_{fmt}")((-(-(n_in // 32) // 128), len(rows), 1), (128, 1, 1),

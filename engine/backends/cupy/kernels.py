@@ -26,7 +26,7 @@ MMA_TILE_PAIRS = 32           # ds4_gemm_*: pairs a chunk (its tile: 64 rows x 3
 # which file holds a kernel, by name prefix (cuda_kernels/README.md)
 FILES = (("matvec_", "matvec.cu"), ("dequant_rows_", "matvec.cu"), ("gemm_experts_", "gemm.cu"),
          ("ds4_matvec_", "ds4_dot.cu"), ("ds4_gemm_", "ds4_mma.cu"), ("q8_", "quantize.cu"),
-         ("kv_store_ds4", "kv.cu"),
+         ("kv_store_ds4", "kv.cu"), ("compress_pool", "compress.cu"),
          ("attn_", "attention.cu"), ("rmsnorm", "norm_rope.cu"), ("rope", "norm_rope.cu"),
          ("hc_split", "hc_topk.cu"), ("topk", "hc_topk.cu"), ("indexer_scores", "hc_topk.cu"))
 _MODULES: dict = {}           # (id(xp), file) -> module or None: built once a process
@@ -221,6 +221,21 @@ class Kernels:
         self._launch("kv_store_ds4", (x2.shape[0], 1, 1), (64, 1, 1),
                      (x2, out, _I32(x2.shape[0]), _I32(x2.shape[1]), _I32(n_nope)))
         return out.reshape(rows.shape)
+
+    def compress_pool(self, kv, sc, first, has_prev, r: int, hd: int, overlap: bool):
+        """The compressor's closed windows pooled [n, hd] (compress.cu); kv, sc [rows, w] the
+        frontier's projections, first [n] (host) each window's first row in them, has_prev [n]
+        (host) whether a previous window exists (overlap only). None where the kernel is missing."""
+        xp = self.xp
+        if not self.has("compress_pool"):
+            return None
+        n = len(first)
+        win = xp.asarray(np.stack([np.asarray(first), np.asarray(has_prev)], axis=1).astype(np.int32))
+        kv, sc = self._c(kv, xp.float32), self._c(sc, xp.float32)
+        out = xp.empty((n, hd), dtype=xp.float32)
+        self._launch("compress_pool", (n, _cdiv(hd, 128), 1), BLOCK,
+                     (kv, sc, win, out, _I32(n), _I32(kv.shape[1]), _I32(r), _I32(hd), _I32(bool(overlap))))
+        return out
 
     def ds4_dense(self, w: DevTensor, xq, xd, rows=None):
         """A dense Q8_0 weight's ds4 product [T, n_sel]: one expert, the tokens as its pairs."""

@@ -56,8 +56,7 @@ class CupyOps:
         self.k = kernels
         self.progress = progress
         self._uploaded: dict = {}     # id(host object) -> (object, device copy): host inputs met in a call
-        self._rot: dict = {}          # id(thetas) -> (thetas, cos, sin, query's (cos, sin) | None): this pass's rotations
-        self._q_tables: list = []      # this pass's YaRN tables (ds4 numerics: each keeps its query blend beside it)
+        self._rot: dict = {}          # id(thetas) -> (thetas, cos, sin): this pass's rotations
         # the attention kernel reads the indexer's picks in place (segments (keys, mask, idx))
         self.attention_index = kernels is not None and kernels.has("attn_segment")
         self.graphs = DecodeGraphs(xp) if kernels is not None and graphs_enabled() else None
@@ -91,7 +90,6 @@ class CupyOps:
 
     def logits_to_host(self, logits) -> np.ndarray:
         self._rot.clear()                 # the pass is over: its rotations go
-        self._q_tables.clear()
         if isinstance(logits, np.ndarray):
             return logits.astype(np.float32, copy=False)
         return self.xp.asnumpy(logits).astype(np.float32, copy=False)
@@ -186,6 +184,13 @@ class CupyOps:
         e = xp.exp(x - m)
         return (e / xp.sum(e, axis=axis, keepdims=True)).astype(xp.float32)
 
+    def compress_pool(self, kv, sc, first, has_prev, r, hd, overlap):
+        """Model._compress_store's pooling of closed windows on the compress_pool kernel (None:
+        no kernel, the glue's array-op form serves)."""
+        if self.k is None:
+            return None
+        return self.k.compress_pool(self._a(kv), self._a(sc), first, has_prev, r, hd, overlap)
+
     # -- KV-row numerics -----------------------------------------------------------------------
     def store_kv(self, rows, n_nope):
         rows = self._a(rows)
@@ -203,53 +208,42 @@ class CupyOps:
         return DN.f16_round(self.xp, DN.indexer_qat(self.xp, rows)) if self._ds4 else rows
 
     # -- RoPE ----------------------------------------------------------------------------------
-    def rope_thetas(self, pos, n_rot, base, yarn):
+    def rope_thetas(self, pos, n_rot, base, yarn, query: bool = False):
         """The angle tables are built on the host (a few KB; the reference's exact float32
         steps) and uploaded with their cosines and sines, kept for this pass's rotations. In ds4
         numerics the cosines and sines are the C library's cosf / sinf (numerics.libm_cos_sin, as
-        ds4's rope_tail_ext_inplace calls them), and a YaRN table keeps beside them the query
-        copy's FMA-blend angles' (NumpyOps.rope_thetas_ds4: GCC compiled the two call sites
+        ds4's rope_tail_ext_inplace calls them), and a query's rotation (`query`) with YaRN takes
+        its own FMA-blend angles (NumpyOps.rope_thetas_ds4: GCC compiled the two call sites
         differently)."""
-        f = N.rope_thetas_ds4 if self._ds4 else N.rope_thetas_exact
-        th = f(np.asarray(pos), n_rot, base, yarn=yarn)
+        if self._ds4:
+            th = N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=query and yarn is not None)
+        else:
+            th = N.rope_thetas_exact(np.asarray(pos), n_rot, base, yarn=yarn)
         out = self.xp.asarray(th)
-        q = None
         if self._ds4:
             c, s = N.libm_cos_sin(th)
-            if yarn is not None:
-                q = N.libm_cos_sin(N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=True))
-                q = (self.xp.asarray(q[0]), self.xp.asarray(q[1]))
-                self._q_tables.append(out)
         else:
             t64 = np.asarray(th, np.float64)
             c, s = np.cos(t64).astype(_F32), np.sin(t64).astype(_F32)
-        self._rot[id(out)] = (out, self.xp.asarray(c), self.xp.asarray(s), q)
+        self._rot[id(out)] = (out, self.xp.asarray(c), self.xp.asarray(s))
         return out
 
-    def _cos_sin(self, thetas, query: bool = False):
+    def _cos_sin(self, thetas):
         """cos, sin of a table rope_thetas made, or of a view of one (th[:, None, :]: the glue
-        passes the same view to every layer, so it is matched once a pass, by value as
-        NumpyOps.rope_ds4 does); `query`: a forward rotation of per-head rows, which takes the last
-        YaRN table's query blend in ds4 numerics (any of the pass's YaRN tables, as the reference)."""
+        passes the same view to every layer, so it is derived once a pass)."""
         hit = self._rot.get(id(thetas))
         if hit is None or hit[0] is not thetas:
             hit = self._rot[id(thetas)] = self._rotations_of(thetas)
-        return hit[3] if query and hit[3] is not None else hit[1:3]
+        return hit[1:3]
 
     def _rotations_of(self, thetas) -> tuple:
         xp = self.xp
-        for t in self._q_tables:
-            hit = self._rot.get(id(t))
-            if hit is not None and t.size == thetas.size and bool(xp.array_equal(t.ravel(), thetas.ravel())):
-                shp = thetas.shape
-                return (thetas, hit[1].reshape(shp), hit[2].reshape(shp),
-                        (hit[3][0].reshape(shp), hit[3][1].reshape(shp)))
         th = self._a(thetas)
         if self._ds4:
             c, s = N.libm_cos_sin(xp.asnumpy(th))
-            return thetas, xp.asarray(c), xp.asarray(s), None
+            return thetas, xp.asarray(c), xp.asarray(s)
         t64 = th.astype(xp.float64)
-        return thetas, xp.cos(t64).astype(xp.float32), xp.sin(t64).astype(xp.float32), None
+        return thetas, xp.cos(t64).astype(xp.float32), xp.sin(t64).astype(xp.float32)
 
     def rope(self, x, thetas, inverse=False, inplace=False):
         """Rotate the last 2 * thetas.shape[-1] dims of x in interleaved pairs (numerics.apply_rope);
@@ -259,7 +253,7 @@ class CupyOps:
         x = self._a(x).astype(self.xp.float32)
         if not self._ds4 and self.k is not None and self.k.has("rope"):
             return self.k.rope(x, self._a(thetas), inverse, inplace)
-        c, s = self._cos_sin(thetas, query=self._ds4 and not inverse and x.ndim == 3 and thetas.ndim == 3)
+        c, s = self._cos_sin(thetas)
         return DN.apply_rope(self.xp, x, c, s, inverse)
 
     # -- attention -----------------------------------------------------------------------------
