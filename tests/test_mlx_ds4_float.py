@@ -139,13 +139,16 @@ def test_expert_weights_are_the_references(k, hashed):
 
 
 def test_query_rope_takes_the_yarn_query_angles():
-    """A YaRN table's forward rotation of per-head rows (the queries) takes the fma-blend angles,
-    the KV rows and the inverse the factored ones, as NumpyOps.rope_ds4 picks them."""
+    """A query's rotation (rope_thetas(query=True), as Model._attention asks for it) at YaRN
+    angles takes the fma-blend angles, the KV rows and the inverse the factored ones, as
+    NumpyOps.rope_thetas_ds4 makes them; the two tables differ (at the blended pairs)."""
     yarn = dict(factor=16.0, orig_ctx=64, beta_fast=32.0, beta_slow=1.0)
     pos = np.arange(3000, 3003)
     mo, no = MlxOps("ds4"), NumpyOps("ds4")
     tm, tn = mo.rope_thetas(pos, 64, 160000.0, yarn), no.rope_thetas(pos, 64, 160000.0, yarn)
+    qm, qn = mo.rope_thetas(pos, 64, 160000.0, yarn, query=True), no.rope_thetas(pos, 64, 160000.0, yarn, query=True)
+    assert not np.array_equal(qn, tn)
     q, kv = _wide(3, 8, 128), _wide(3, 128)
-    _same(mo.rope(q, tm[:, None, :]), no.rope(q, tn[:, None, :]))
+    _same(mo.rope(q, qm[:, None, :]), no.rope(q, qn[:, None, :]))
     _same(mo.rope(q, tm[:, None, :], inverse=True), no.rope(q, tn[:, None, :], inverse=True))
     _same(mo.rope(kv, tm), no.rope(kv, tn))

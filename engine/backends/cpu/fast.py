@@ -66,9 +66,9 @@ def _rotation(thetas, th, shape, inverse):
 
 class FastOps:
     # -- RoPE tables: the reference's values, in tables this backend owns ------------------------
-    def rope_thetas(self, pos, n_rot, base, yarn):
+    def rope_thetas(self, pos, n_rot, base, yarn, query=False):
         """The reference's angles, as a read-only table whose rotations `rope` may keep."""
-        return _own(super().rope_thetas(pos, n_rot, base, yarn))
+        return _own(super().rope_thetas(pos, n_rot, base, yarn, query))
 
     # -- norms ---------------------------------------------------------------------------------
     @staticmethod

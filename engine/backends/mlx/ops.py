@@ -72,8 +72,7 @@ class MlxOps(Ds4RefOps):
         # tensors bind_weights leaves on the map: the routed experts under --expert-cache (the
         # cache's slots are their arrays: expert_slots); set by Engine.open before the bind
         self.unbound: frozenset = frozenset()
-        self._rot: dict = {}                 # (id(thetas), query) -> (thetas, cos, sin): this pass's rotations
-        self._q_angles: dict = {}            # a YaRN table's bytes -> the query rotation's angles (ds4)
+        self._rot: dict = {}                 # id(thetas) -> (thetas, cos, sin): this pass's rotations
         self.metal = _metal()
         # ds4 numerics on the CPU device (no Metal): the reference's steps, float64 ones included
         # (ds4_ref.py); on a GPU the float32 forms below and the Metal kernels
@@ -123,7 +122,6 @@ class MlxOps(Ds4RefOps):
             states = list(self._states)
         mx.eval(logits, *[a for st in states for a in _state_arrays(st)])
         self._rot.clear()
-        self._q_angles.clear()
         return np.array(logits.astype(mx.float32), copy=False)
 
     # -- matmuls -------------------------------------------------------------------------------
@@ -200,43 +198,37 @@ class MlxOps(Ds4RefOps):
         return MN.f16_round(MN.indexer_qat(rows)) if self._ds4 else rows
 
     # -- RoPE ----------------------------------------------------------------------------------
-    def rope_thetas(self, pos, n_rot, base, yarn):
+    def rope_thetas(self, pos, n_rot, base, yarn, query: bool = False):
         """The angle tables are built on the host (a few KB; the exact float32 steps of the
-        reference), with their cosines and sines, kept for this pass's rotations. ds4 numerics
-        with YaRN: the query rotation's own angles too (NumpyOps.rope_thetas_ds4: ds4's q RoPE
-        call site compiles the blend with an FMA), found again by the table's bytes."""
-        f = N.rope_thetas_ds4 if self._ds4 else N.rope_thetas_exact
-        th = f(np.asarray(pos), n_rot, base, yarn=yarn)
+        reference), with their cosines and sines, kept for this pass's rotations; `query`: a
+        query rotation's angles (NumpyOps.rope_thetas_ds4: in ds4 numerics with YaRN, ds4's q RoPE
+        call site compiles the blend with an FMA)."""
+        if self._ds4:
+            th = N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=query and yarn is not None)
+        else:
+            th = N.rope_thetas_exact(np.asarray(pos), n_rot, base, yarn=yarn)
         out = mx.array(th)
         self._keep_rot(out, th)
-        if self._ds4 and yarn is not None:   # (every YaRN table of the pass, by value, as the reference keeps them)
-            self._q_angles[th.tobytes()] = N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=True)
         return out
 
-    def _keep_rot(self, key, th_host, query=False):
+    def _keep_rot(self, key, th_host):
         libm = getattr(N, "libm_cos_sin", None) if self._ds4 else None
         if libm is not None:      # ds4 numerics: the C library's cosf / sinf, as the reference (rope_ds4)
             c, s = libm(th_host)
         else:
             t64 = np.asarray(th_host, np.float64)
             c, s = np.cos(t64).astype(np.float32), np.sin(t64).astype(np.float32)
-        self._rot[id(key), query] = (key, mx.array(c), mx.array(s))
+        self._rot[id(key)] = (key, mx.array(c), mx.array(s))
 
     def rope(self, x, thetas, inverse=False, inplace=False):
-        """Rotate the last 2 * thetas.shape[-1] dims of x in interleaved pairs (numerics.apply_rope);
-        ds4 numerics: a forward rotation of per-head rows at YaRN angles takes the query's angles."""
+        """Rotate the last 2 * thetas.shape[-1] dims of x in interleaved pairs (numerics.apply_rope)."""
         x = _a(x)
-        qa = None
-        if self._ds4 and not inverse and x.ndim == 3 and len(thetas.shape) == 3 and self._q_angles:
-            qa = self._q_angles.get(np.asarray(thetas, np.float32).tobytes())
-        query = qa is not None
-        hit = self._rot.get((id(thetas), query))
+        hit = self._rot.get(id(thetas))
         if hit is None or hit[0] is not thetas:          # a view the glue made of a table: once a pass
             if not isinstance(thetas, mx.array):
                 thetas = mx.array(np.asarray(thetas, np.float32))
-            th = np.array(thetas)
-            self._keep_rot(thetas, th if qa is None else qa.reshape(th.shape), query)
-            hit = self._rot[id(thetas), query]
+            self._keep_rot(thetas, np.array(thetas))
+            hit = self._rot[id(thetas)]
         _, c, s = hit
         return N.rotate_pairs(mx, x, c, s, inverse)
 

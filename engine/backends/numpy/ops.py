@@ -193,7 +193,10 @@ class NumpyOps:
         return N.f16_round(N.indexer_qat(rows)) if self._ds4 else rows
 
     # -- RoPE ----------------------------------------------------------------------------------
-    def rope_thetas(self, pos: np.ndarray, n_rot: int, base: float, yarn: dict | None) -> np.ndarray:
+    def rope_thetas(self, pos: np.ndarray, n_rot: int, base: float, yarn: dict | None,
+                    query: bool = False) -> np.ndarray:
+        """The angles [T, n_rot / 2] at positions pos; `query`: those of a query's rotation (the
+        caller knows which rotation is the query's: Model._attention), the same in exact numerics."""
         f = N.rope_thetas_ds4 if self._ds4 else N.rope_thetas_exact
         return f(np.asarray(pos), n_rot, base, yarn=yarn)
 
@@ -202,32 +205,16 @@ class NumpyOps:
         """inplace: the caller drops x, so a backend may rotate it in place (the reference copies)."""
         return N.apply_rope(x, thetas, inverse=inverse)
 
-    def rope_thetas_ds4(self, pos, n_rot, base, yarn):
-        """ds4 numerics' angles (numerics.rope_thetas_ds4), and for YaRN the query rotation's own
-        blend kept beside them for rope_ds4 (ds4's q RoPE call site compiles the blend with an
-        FMA where the KV row's factors it: each copy of rope_tail_ext_inplace as GCC built it)."""
-        th = N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn)
-        if yarn is not None:
-            # by value: a pass makes several YaRN tables (its rows' positions, a compressor's window
-            # start), and which one a rotation gets must not depend on the order they were made in
-            # (nor on the other rows of a batch); a few KB each, the newest 64 kept
-            q = self.__dict__.setdefault("_q_tables", {})
-            q[(th.shape, th.tobytes())] = N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=True)
-            while len(q) > 64:
-                del q[next(iter(q))]
-        return th
+    @staticmethod
+    def rope_thetas_ds4(pos, n_rot, base, yarn, query: bool = False):
+        """ds4 numerics' angles (numerics.rope_thetas_ds4); with YaRN a query's rotation (`query`)
+        takes its own blend (ds4's q RoPE call site compiles it with an FMA where the KV row's
+        factors it: each copy of rope_tail_ext_inplace as GCC built it)."""
+        return N.rope_thetas_ds4(np.asarray(pos), n_rot, base, yarn=yarn, fma_blend=query and yarn is not None)
 
-    def rope_ds4(self, x, thetas, inverse=False, inplace=False):
-        """ds4 numerics' RoPE: the C library's cosf / sinf of each angle (numerics.apply_rope); a
-        forward rotation of per-head rows ([T, H, D], the queries) at YaRN angles takes the query
-        copy's blend (rope_thetas_ds4)."""
-        q = getattr(self, "_q_tables", None)
-        if q and not inverse and x.ndim == 3 and np.ndim(thetas) == 3:
-            # the angles of a YaRN rope_thetas call, by value (a view of them, or a copy)
-            b = thetas.base if isinstance(thetas, np.ndarray) and thetas.base is not None else np.asarray(thetas)
-            blend = q.get((b.shape, np.ascontiguousarray(b, dtype=np.float32).tobytes()))
-            if blend is not None:
-                thetas = blend.reshape(np.shape(thetas))
+    @staticmethod
+    def rope_ds4(x, thetas, inverse=False, inplace=False):
+        """ds4 numerics' RoPE: the C library's cosf / sinf of each angle (numerics.apply_rope)."""
         return N.apply_rope(x, thetas, inverse=inverse, libm=True)
 
     # -- attention -----------------------------------------------------------------------------
