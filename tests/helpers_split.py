@@ -9,6 +9,10 @@ rank 0 does MODE, the others serve inside Engine.open and never return.
   save    PROMPT_IDS CHUNK OUT: prefill, write the session payload to OUT
   resume  PAYLOAD N: load a payload, fork it; greedy N more on each, then rewind 5 and 4 more
   hang    PROMPT_IDS SAVED: prefill, save to SAVED, print `ready`, then decode until stopped
+  suite   SPEC.json: several runs in one launch (process start and imports are most of a small
+          run's time): each run opens its own model and backend on every rank, does its check on
+          rank 0 and closes; the workers serve one engine a run (`OneEngine`), then the next.
+          Rank 0 prints each run's lines prefixed with its tag.
 """
 from __future__ import annotations
 
@@ -82,7 +86,73 @@ def greedy(sess, n: int) -> list[str]:
     return out
 
 
+def stop_then_greedy(sess, ids, n) -> list[str]:
+    """A prefill stopped after its second chunk (progress says no), the logits there, then the
+    rest of the prompt and greedy n: a split run posts the first chunks and settles the logits."""
+    import hashlib
+    sess.sync(ids, progress=lambda done, total: done < 2 * sess.chunk)
+    out = [f"stopped {len(sess.tokens)} {int(sess.logits.argmax())} {hashlib.sha256(sess.logits.tobytes()).hexdigest()[:16]}"]
+    sess.sync(ids)
+    return out + greedy(sess, n)
+
+
+def _suite(spec_path) -> int:
+    import json as _json
+    from engine import Engine, EngineOptions, Session
+    from engine.runtime import distributed as D
+    spec = _json.loads(Path(spec_path).read_text())
+    link = D.shared_link(D.group())
+    opts = [EngineOptions(backend=r["backend"], layers=r.get("layers", "auto"), paging="none", threads=1)
+            for r in spec["runs"]]
+    if link.rank > 0:
+        from engine.runtime.split_worker import Worker, _quiet
+
+        class Next(BaseException):
+            pass
+
+        class OneEngine(Worker):
+            def _close(self, op, sid, a, parts):
+                self.link.send(*super()._close(op, sid, a, parts))
+                raise Next
+
+        _quiet()
+        for r, o in zip(spec["runs"], opts):
+            try:
+                OneEngine(link, r["model"], o, Engine).run()
+            except Next:
+                pass
+        return 0
+    ids = [int(x) for x in spec["ids"].split(",")]
+    for r, o in zip(spec["runs"], opts):
+        eng = Engine.open(r["model"], o)
+        tag = r["tag"]
+        if r["kind"] == "tokens":
+            sess = Session(eng, 256, chunk=r["chunk"])
+            st = link.stats
+            before = dict(st)
+            sess.sync(ids)
+            print(f"{tag} prefill posted {st['posted'] - before['posted']} rounds {st['rounds'] - before['rounds']}")
+            sess.reset()
+            print("\n".join(f"{tag} {ln}" for ln in stop_then_greedy(sess, ids, r["n"])), flush=True)
+        elif r["kind"] == "save":
+            sess = Session(eng, 256, chunk=r["chunk"])
+            sess.sync(ids)
+            Path(r["out"]).write_bytes(sess.snapshot())
+        elif r["kind"] == "resume":
+            sess = Session(eng, 256)
+            sess.restore(Path(r["src"]).read_bytes())
+            fork = sess.fork()
+            print("\n".join(f"{tag} {ln}" for ln in greedy(sess, r["n"])), flush=True)
+            print("\n".join(f"{tag} fork {ln}" for ln in greedy(fork, r["n"])), flush=True)
+            sess.rewind(5)                  # cut back in place on every rank, then on again
+            print("\n".join(f"{tag} rewound {ln}" for ln in greedy(sess, 4)), flush=True)
+        eng.close()
+    return 0
+
+
 def _main(argv) -> int:
+    if argv[0] == "suite":
+        return _suite(argv[1])
     from engine import Engine, EngineOptions, Session
     mode, model, layers, backend = argv[:4]
     rest = argv[4:]

@@ -4,6 +4,8 @@ backend, the environment mlx.launch sets, and one run through mlx.launch itself)
 token for token and byte for byte with one process."""
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import signal
@@ -18,7 +20,7 @@ import pytest
 from engine import Engine, EngineOptions, Session
 from engine.model import snapshot as snap
 from engine.model.layer_split import PartialKVState, SplitError, auto_plan, parse_ranges, plan
-from helpers_split import driver, finish, gen_lines, greedy, spawn
+from helpers_split import driver, finish, gen_lines, greedy, spawn, stop_then_greedy
 
 pytest.importorskip("mlx.core", reason="the split runs over mx.distributed (mlx[cpu] on Linux)")
 
@@ -82,60 +84,119 @@ def test_partial_states_load_and_pack_the_single_process_payload(small_engine):
 
 
 # -- real ranks ------------------------------------------------------------------------------------
-def _single_tokens(model, n, chunk=4, backend="numpy"):
-    with Engine.open(model, EngineOptions(backend=backend, paging="none", threads=1)) as eng:
-        sess = Session(eng, 256, chunk=chunk)
-        sess.sync(PROMPT)
-        return greedy(sess, n)
+# Each rank count is one launch running every check in turn (process start and imports cost more
+# than a small run): greedy 64 after a prefill of three chunks (stopped once after two) on two
+# 6-layer synthetic models and two backends, then a session saved and one resumed.
+BACKENDS = ("numpy", "cpu")
+N_GEN = 64
 
 
-def _split_tokens(tmp, model, n_ranks, backend, n=64):
-    # one compute thread a rank, waiting passively: ranks that take turns on 2 cores must not
-    # spin OpenMP threads at each other (the cpu backend ran 10x slower so)
-    procs = spawn(tmp, [driver("tokens", model, "auto", backend, IDS, n, 4)] * n_ranks,
-                  DS4_KERNEL_THREADS=1, OMP_WAIT_POLICY="PASSIVE")
-    res = finish(procs)
-    assert [r[0] for r in res] == [0] * n_ranks, res[0][2][-2000:]
-    assert all(not o and not e for _, o, e in res[1:]), "a worker printed something"
-    return gen_lines(res[0][1])
-
-
-def test_two_ranks_numpy_give_one_process_tokens(tiny_q2, tmp_path):
-    """Greedy, 64 tokens after a prefill crossing chunk boundaries, 6 layers split 3+3."""
-    assert _split_tokens(tmp_path, tiny_q2, 2, "numpy") == _single_tokens(tiny_q2, 64)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("n_ranks,backend", [(3, "numpy"), (2, "cpu"), (3, "cpu"), (2, "mlx")])
-def test_more_ranks_and_the_cpu_backend_give_one_process_tokens(tiny_q2, tmp_path, n_ranks, backend):
+def _backends():
     from engine.backends import registry
-    if backend not in registry.available_names():
-        pytest.skip(f"backend {backend} is not built here")
-    assert _split_tokens(tmp_path, tiny_q2, n_ranks, backend) == _single_tokens(tiny_q2, 64, backend=backend)
+    return [b for b in BACKENDS if b in registry.available_names()]
 
 
-def test_sessions_move_both_ways_between_split_and_single(small_model, tmp_path):
-    """A 2-rank run's payload is the single process's, byte for byte; a single process's payload
-    resumes in a 2-rank run to the same tokens, as does a fork of it, and a rewind on every rank."""
-    with Engine.open(small_model, EngineOptions(backend="numpy", paging="none")) as eng:
+@functools.lru_cache(maxsize=None)
+def _single_lines(model, backend, n=N_GEN, chunk=4):
+    with Engine.open(model, EngineOptions(backend=backend, paging="none", threads=1)) as eng:
+        return stop_then_greedy(Session(eng, 256, chunk=chunk), PROMPT, n)
+
+
+def _single_session(model):
+    with Engine.open(model, EngineOptions(backend="numpy", paging="none")) as eng:
         sess = Session(eng, 256, chunk=4)
         sess.sync(PROMPT)
         single = sess.snapshot()
         want = greedy(sess, 8)
         sess.rewind(5)
-        rewound = ["rewound " + ln for ln in greedy(sess, 4)]
-    out = tmp_path / "split.kv"
-    res = finish(spawn(tmp_path, [driver("save", small_model, "0:2,2:6", "numpy", IDS, 4, out)] * 2))
-    assert [r[0] for r in res] == [0, 0], res[0][2][-2000:]
-    assert out.read_bytes() == single
-    src = tmp_path / "single.kv"
-    src.write_bytes(single)
-    res = finish(spawn(tmp_path, [driver("resume", small_model, "0:3,3:6", "numpy", src, 8)] * 2))
-    assert [r[0] for r in res] == [0, 0], res[0][2][-2000:]
-    lines = res[0][1].splitlines()
-    assert gen_lines(res[0][1]) == want
+        return single, want, greedy(sess, 4)
+
+
+def _run_suite(tmp, n_ranks, models, backends, *, sessions=True, **env):
+    """One launch of n_ranks: rank 0's stdout lines by tag, and the workers' logs."""
+    runs = [dict(tag=f"{b}-{name}", kind="tokens", model=str(m), backend=b, chunk=4, n=N_GEN)
+            for b in backends for name, m in models.items()]
+    small = str(models["small"])
+    if sessions:
+        cut = ",".join(f"{a}:{b}" for a, b in auto_plan(6, n_ranks, free=[1] * (n_ranks - 1) + [2]))
+        runs += [dict(tag="save", kind="save", model=small, backend="numpy", layers=cut, chunk=4,
+                      out=str(tmp / "split.kv")),
+                 dict(tag="resume", kind="resume", model=small, backend="numpy", src=str(tmp / "single.kv"), n=8)]
+    spec = tmp / "suite.json"
+    spec.write_text(json.dumps({"ids": IDS, "runs": runs}))
+    log = tmp / "split-log"
+    procs = spawn(tmp, [driver("suite", spec)] * n_ranks, DS4_KERNEL_THREADS=1, DS4_SPLIT_LOG=log, **env)
+    res = finish(procs, timeout=600)
+    assert [r[0] for r in res] == [0] * n_ranks, res[0][2][-2000:]
+    assert all(not o and not e for _, o, e in res[1:]), "a worker printed something"
+    by = {}
+    for ln in res[0][1].splitlines():
+        tag, _, rest = ln.partition(" ")
+        by.setdefault(tag, []).append(rest)
+    logs = {r: (tmp / f"split-log.rank{r}").read_text().splitlines() for r in range(1, n_ranks)}
+    return by, logs
+
+
+@pytest.fixture(scope="module")
+def single_session(small_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("single")
+    single, want, rewound = _single_session(small_model)
+    (d / "single.kv").write_bytes(single)
+    return d / "single.kv", single, want, rewound
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def suite(request, tiny_q2, small_model, single_session, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"suite{request.param}")
+    shutil.copy(single_session[0], tmp / "single.kv")
+    models = {"tiny": tiny_q2, "small": small_model}
+    by, logs = _run_suite(tmp, request.param, models, _backends())
+    return request.param, models, by, logs, tmp
+
+
+def test_split_ranks_give_one_process_tokens(suite):
+    """2 and 3 ranks, numpy and cpu, two 6-layer models: greedy 64 after a prefill crossing chunk
+    boundaries (and stopped after two chunks once), as one process gives them."""
+    n_ranks, models, by, _, _ = suite
+    for b in _backends():
+        for name, m in models.items():
+            got = [ln for ln in by[f"{b}-{name}"] if not ln.startswith("prefill")]
+            assert got == _single_lines(m, b), (n_ranks, b, name)
+
+
+def test_a_split_prefill_is_pipelined(suite):
+    """A prefill of three chunks: the first two go on without an answer (rank 0 starts the next
+    chunk at once), only the last comes back; every worker ran the posted chunks in order."""
+    n_ranks, models, by, logs, _ = suite
+    assert by["numpy-tiny"][0] == "prefill posted 2 rounds 1"
+    from engine.runtime import distributed as D
+    for r, lines in logs.items():
+        ops = [int(ln.split()[1]) for ln in lines]
+        # each tokens run: HELLO, PLAN, NEW, the full prefill (POST, POST, FWD), RESET, the stopped one (POST, POST, TAIL) ...
+        i = ops.index(D.NEW)
+        assert ops[i + 1:i + 9] == [D.POST, D.POST, D.FWD, D.RESET, D.POST, D.POST, D.TAIL, D.FWD], (r, ops[:20])
+
+
+def test_sessions_move_both_ways_between_split_and_single(suite, single_session):
+    """A split run's payload is the single process's, byte for byte (a split other than auto's);
+    a single process's payload resumes split to the same tokens, as does a fork of it, and a
+    rewind on every rank."""
+    n_ranks, _, by, _, tmp = suite
+    _, single, want, rewound = single_session
+    assert (tmp / "split.kv").read_bytes() == single
+    lines = by["resume"]
+    assert [ln for ln in lines if ln.startswith("gen[")] == want
     assert [ln[5:] for ln in lines if ln.startswith("fork ")] == want
-    assert [ln for ln in lines if ln.startswith("rewound ")] == rewound
+    assert [ln[8:] for ln in lines if ln.startswith("rewound ")] == rewound
+
+
+@pytest.mark.slow
+def test_mlx_backend_split_gives_one_process_tokens(tiny_q2, small_model, tmp_path):
+    from engine.backends import registry
+    if "mlx" not in registry.available_names():
+        pytest.skip("backend mlx is not built here")
+    by, _ = _run_suite(tmp_path, 2, {"tiny": tiny_q2, "small": small_model}, ["mlx"], sessions=False)
+    assert [ln for ln in by["mlx-tiny"] if not ln.startswith("prefill")] == _single_lines(tiny_q2, "mlx")
 
 
 @pytest.mark.parametrize("sig,says", [(signal.SIGKILL, "rank 1 is gone"), (signal.SIGSTOP, "rank 1 did not answer within")])

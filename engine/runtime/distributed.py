@@ -2,9 +2,10 @@
 timeout on every wait (issue 38; docs/distributed.md).
 
 Every exchange is one trip round the ring: rank 0 sends a message to rank 1, each worker handles
-it and sends its result on, and the last rank's message comes back to rank 0. A message is a
-header (HEADER int64: op, session id, four arguments, and the kind and length of up to three
-payload arrays) and then its payloads, each its own send. Only neighbours talk, which is all the
+it and sends its result on, and the last rank's message comes back to rank 0; only a prefill's chunks before
+its last are posted one way (POST below), which pipelines the prefill. A message is a header
+(HEADER int64: op, session id, four arguments, and the kind and length of up to three payload
+arrays) and then one body holding its payloads. Only neighbours talk, which is all the
 ring backend needs to connect.
 
 Waits: rank 0 waits at most `round_timeout(tokens)` for a round to come back (HOP_TIMEOUT_S, plus
@@ -34,8 +35,14 @@ MAX_PARTS = 3
 KINDS = {1: np.uint8, 2: np.int64, 3: np.float32}
 KIND_OF = {np.dtype(v): k for k, v in KINDS.items()}
 
-# ops (every one travels the whole ring and comes back to rank 0)
-HELLO, PLAN, NEW, FREE, RESET, TRUNC, CANTRUNC, FWD, SAVE, LOAD, COPY, CLOSE, ERR = range(1, 14)
+# ops (every one travels the whole ring and comes back to rank 0, except POST)
+HELLO, PLAN, NEW, FREE, RESET, TRUNC, CANTRUNC, FWD, SAVE, LOAD, COPY, CLOSE, ERR, POST, TAIL = range(1, 16)
+# POST: a prefill chunk that is not the last of its prefill. It goes round the ring like FWD, but
+# the last rank keeps its final row instead of answering, so rank 0 computes the next chunk while
+# the workers compute this one (a pipeline). Nothing ever travels back to rank 0 while rank 0 may
+# be sending: the only message towards rank 0 is the answer to a round, and rank 0 sends nothing
+# while it waits for one. (MLX's ring sends block; two ranks sending each other large messages at
+# once deadlocked.) TAIL: the logits of a session's last posted row (a prefill stopped early).
 
 
 class HopError(ConnectionError):
@@ -138,7 +145,7 @@ class Link:
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.lock = threading.RLock()        # one round at a time (sessions on several threads)
         self.broken: HopError | None = None
-        self.stats = {"sent_bytes": 0, "messages": 0}
+        self.stats = {"sent_bytes": 0, "messages": 0, "rounds": 0, "posted": 0}
         self._jobs: Queue = Queue()
         threading.Thread(target=self._serve, name="ds4-ring", daemon=True).start()
         from ..console import threads_kept
@@ -192,6 +199,19 @@ class Link:
             at += _padded(nb)
         return h, parts
 
+    def post(self, op: int, sid: int = 0, args=(), parts=(), timeout: float | None = None):
+        """Rank 0's one-way message (POST): sent in the link thread, at most `timeout` s (the next
+        rank takes it once it has finished the chunk before). None, or the exception of a send
+        that failed."""
+        def go():
+            try:
+                self.send(op, sid, args, parts)
+            except BaseException as e:
+                return e
+            self.stats["posted"] += 1
+            return None
+        return self._call(go, timeout)
+
     def exchange(self, op: int, sid: int = 0, args=(), parts=(), timeout: float | None = None):
         """Rank 0's round: send to rank 1 and wait for the last rank's answer, in the link thread,
         at most `timeout` s. A failure comes back as (which, exception): "send" or "recv"."""
@@ -201,9 +221,11 @@ class Link:
             except BaseException as e:
                 return "send", e
             try:
-                return "ok", self.recv()
+                got = self.recv()
             except BaseException as e:
                 return "recv", e
+            self.stats["rounds"] += 1
+            return "ok", got
         return self._call(go, timeout)
 
     @staticmethod

@@ -310,14 +310,23 @@ class Session:
         b = self.engine.batcher
         if b.enabled and b.prefill_chunk:
             step = min(step, b.prefill_chunk)      # (the others' decode steps run between chunks)
-        for c0 in range(0, len(new), step):
-            part = new[c0:c0 + step]
-            out = self._forward(part, all_logits=keep_logits)
-            if keep_logits:
-                kept.append(out)
-            done += len(part)
-            if progress is not None and progress(done, len(new)) is False and done < len(new):
-                return False
+        # a model split across ranks pipelines a prefill: each chunk but the last goes on without
+        # waiting for its logits (SplitModel.post); `settle` fetches them if the prefill stops early
+        split = getattr(self.engine.model, "split", None)
+        pipe = split is not None and not keep_logits and not b.enabled
+        try:
+            for c0 in range(0, len(new), step):
+                part = new[c0:c0 + step]
+                out = self._forward(part, all_logits=keep_logits, post=pipe and c0 + step < len(new))
+                if keep_logits:
+                    kept.append(out)
+                done += len(part)
+                if progress is not None and progress(done, len(new)) is False and done < len(new):
+                    return False
+        finally:
+            if pipe and self._logits is None and self._tokens:
+                with self.engine.lock:
+                    self._logits = split.settle(self.state)
         return np.concatenate(kept) if keep_logits else True
 
     def reusable(self, tokens) -> int:
@@ -391,11 +400,15 @@ class Session:
         the batcher's window) instead of leaving it for the next one. A no-op for a direct Engine."""
         return self.engine.batcher.generating(self)
 
-    def _forward(self, part: list[int], all_logits: bool):
+    def _forward(self, part: list[int], all_logits: bool, post: bool = False):
         t0 = time.perf_counter()
         model = self.engine.model
         if self.engine.batcher.enabled:
             out = self.engine.batcher.run(self, part, all_logits)
+        elif post:                  # (a split run's prefill chunk whose logits nobody reads: sync)
+            with self.engine.lock:
+                model.split.post(np.asarray(part), len(self._tokens), self.state)
+            out = None
         else:
             with self.engine.lock:
                 out = model.ops.logits_to_host(model.forward(np.asarray(part), len(self._tokens), self.state,

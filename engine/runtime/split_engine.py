@@ -37,6 +37,7 @@ class Coordinator:
         self._sids = _SIDS
         self._freed: list[int] = []
         self._free_lock = threading.Lock()
+        self.inflight = 0         # tokens posted (D.POST) since the last round came back
 
     def new_sid(self) -> int:
         return next(self._sids)
@@ -51,9 +52,28 @@ class Coordinator:
                 sids, self._freed = self._freed, []
             if sids:
                 self._exchange(D.FREE, 0, (), [np.array(sids, np.int64)], D.round_timeout())
-            t = timeout if timeout is not None else D.round_timeout(tokens)
+            # (the answer comes after every chunk posted before it: those count in its wait)
+            t = timeout if timeout is not None else D.round_timeout(tokens + self.inflight)
             h, back = self._exchange(op, sid, args, parts, t)
+            self.inflight = 0
             return [int(x) for x in h[2:6]], back
+
+    def post(self, op, sid, args, parts, tokens: int):
+        """Send one message round the ring that nothing answers (D.POST). The send returns once
+        rank 1 has taken it, which it does when it has finished the chunk before: that wait, and
+        the ranks behind it, are within the round timeout of the tokens still in flight."""
+        link = self.link
+        with link.lock:
+            if link.broken is not None:
+                raise link.broken
+            t = D.round_timeout(tokens + self.inflight)
+            try:
+                err = link.post(op, sid, args, parts, timeout=t)
+            except TimeoutError as e:
+                raise self._fail(D.lost(e, link.next if link.size == 2 else f"1..{link.size - 1}", t)) from None
+            if err is not None:
+                raise self._fail(D.lost(err, link.next, t)) from None
+            self.inflight += tokens
 
     def _exchange(self, op, sid, args, parts, t):
         link = self.link
@@ -159,6 +179,25 @@ class SplitModel:
                                    tokens=len(tokens))
         logits = np.array(back[0], copy=False).reshape(-1, self.inner.c.n_vocab)
         return logits if all_logits else logits[0]
+
+    def post(self, tokens, pos0: int, state: SplitState):
+        """A prefill chunk that is not its prefill's last (Session.sync): its logits are never read,
+        so it goes on to rank 1 without waiting for an answer, and this rank goes on to the next
+        chunk while the workers compute this one. The workers' state stays in order: every later
+        message round the ring comes after it."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        r = self.runner
+        X = r.layers(r.embed(tokens), tokens, pos0, state)
+        X = self.inner.ops.logits_to_host(X)
+        self.coord.post(D.POST, state.sid, (pos0, len(tokens), 0), [tokens, X], tokens=len(tokens))
+
+    def settle(self, state: SplitState):
+        """The logits after the last chunk posted for `state` (a prefill that stopped before its
+        last chunk); None once the ring has failed (the failure is already on its way up)."""
+        if self.coord.link.broken is not None:
+            return None
+        _, back = self.coord.round(D.TAIL, state.sid)
+        return np.array(back[0], copy=True).reshape(-1)
 
     def forward_batch(self, tokens, positions, states):
         """One pass per session (each a trip round the ring): the rows a batched pass gives."""

@@ -23,7 +23,7 @@ from ..model import snapshot as snap
 from ..model.layer_split import Keep, LayerRunner, PartialKVState
 from . import distributed as D
 
-PROTOCOL = 1
+PROTOCOL = 2          # 2: prefill chunks posted one way (POST, TAIL)
 
 
 def file_identity(m) -> str:
@@ -73,6 +73,8 @@ class Worker:
         self.link, self.path, self.o, self.engine_cls = link, path, options, engine_cls
         self.m = self.eng = self.runner = self.keep = None
         self.states: dict = {}
+        self.tails: dict = {}           # the last rank: a session's last posted row (TAIL's input)
+        self.failed: str | None = None  # a posted pass that failed here: told at the next round
         log = os.environ.get("DS4_SPLIT_LOG")
         self.log = open(f"{log}.rank{link.rank}", "a") if log else None
 
@@ -85,10 +87,18 @@ class Worker:
                 self._exit(0)
             op = int(h[0])
             t0 = time.perf_counter()
-            try:
-                out = self.handle(op, h, parts)
-            except Exception as e:      # the failure goes to rank 0 as one line naming this rank
-                out = (D.ERR, 0, (), [pack_json(f"rank {link.rank}: {e}")])
+            if self.failed is not None and op != D.ERR:
+                # after a posted pass failed here: drop the posts behind it, and answer the next
+                # round with the failure (nothing goes towards rank 0 outside a round)
+                out = None if op == D.POST else (D.ERR, 0, (), [pack_json(self.failed)])
+                self.failed = self.failed if op == D.POST else None
+            else:
+                try:
+                    out = self.handle(op, h, parts)
+                except Exception as e:      # the failure goes to rank 0 as one line naming this rank
+                    msg = f"rank {link.rank}: {e}"
+                    out = None if op == D.POST else (D.ERR, 0, (), [pack_json(msg)])
+                    self.failed = msg if op == D.POST else None
             if self.log is not None:     # DS4_SPLIT_LOG: what this worker did, and how long each took
                 print(f"op {op} sid {int(h[1])} args {h[2:6].tolist()} {time.perf_counter() - t0:.3f} s"
                       + (f" -> {unpack_json(out[3][0])}" if out and out[0] == D.ERR else ""), file=self.log, flush=True)
@@ -111,13 +121,15 @@ class Worker:
         sid, a = int(h[1]), [int(x) for x in h[2:6]]
         fn = getattr(self, "_" + {D.HELLO: "hello", D.PLAN: "plan", D.NEW: "new", D.FREE: "free", D.RESET: "reset",
                                   D.TRUNC: "trunc", D.CANTRUNC: "cantrunc", D.FWD: "fwd", D.SAVE: "save",
-                                  D.LOAD: "load", D.COPY: "copy", D.CLOSE: "close", D.ERR: "err"}[op])
+                                  D.LOAD: "load", D.COPY: "copy", D.CLOSE: "close", D.ERR: "err", D.POST: "fwd",
+                                  D.TAIL: "tail"}[op])
         return fn(op, sid, a, parts)
 
     # -- start and end ---------------------------------------------------------------------------
     def _hello(self, op, sid, a, parts):
         from ..gguf.model_file import ModelFile
         infos = unpack_json(parts[0])
+        self.tails.clear()
         self.states.clear()             # (a new engine on rank 0: the last one's sessions are gone)
         me = {"rank": self.link.rank, "free": free_memory(), "protocol": PROTOCOL}
         try:
@@ -146,6 +158,7 @@ class Worker:
         return op, sid, a, [pack_json(info)]
 
     def _close(self, op, sid, a, parts):
+        self.tails.clear()
         self.states.clear()
         if self.eng is not None:
             self.eng.close()
@@ -167,6 +180,7 @@ class Worker:
     def _free(self, op, sid, a, parts):
         for s in np.array(parts[0], copy=False).tolist() if parts else [sid]:
             self.states.pop(int(s), None)
+            self.tails.pop(int(s), None)
         return op, sid, a, []
 
     def _reset(self, op, sid, a, parts):
@@ -216,10 +230,23 @@ class Worker:
         tokens = np.array(parts[0], copy=False)
         X = D.from_wire(model.xp, parts[1]).reshape(T, c.n_hc, c.n_embd)
         X = self.runner.layers(X, tokens, pos0, self.states[sid])
+        if self.last and op == D.POST:
+            # a chunk nobody waits for: keep its last row (TAIL), send nothing back (D.POST)
+            self.tails[sid] = np.array(model.ops.logits_to_host(X[-1:]), copy=True)
+            return None
         if self.last:
+            self.tails.pop(sid, None)
             return op, sid, a, [model.ops.logits_to_host(self.runner.head(X, all_logits))]
         # (logits_to_host: the backend's token boundary -- MLX evaluates the pass and every state)
         return op, sid, a, [tokens, model.ops.logits_to_host(X)]
+
+    def _tail(self, op, sid, a, parts):
+        """The logits of the last row posted for `sid` (the last rank makes them)."""
+        if not self.last:
+            return op, sid, a, []
+        model = self.eng.model
+        X = D.from_wire(model.xp, self.tails[sid])
+        return op, sid, a, [model.ops.logits_to_host(self.runner.head(X, False))]
 
 
 def worker_main(path, options, link: D.Link, engine_cls):
