@@ -31,7 +31,8 @@ Q8_TYPES = [Q.Q8_0, Q.IQ2_XXS, Q.Q2_K]
 NAMES = {t: Q.FORMATS[t].name for t in Q8_TYPES}
 # (rows, n_in, T): decode, a few tokens, the row kernels' 8-token pass, a prefill chunk, odd shapes
 # around the GEMM panels (AVX-512 16 / 32 rows, AVX2 8 / 16) and tiles (4 / 2 tokens)
-SHAPES = [(37, 4096, 1), (50, 1024, 3), (33, 2048, 8), (17, 512, 64), (1, 256, 5), (15, 768, 9), (300, 2048, 2)]
+SHAPES = [(37, 4096, 1), (50, 1024, 3), (33, 2048, 8), (17, 512, 64), (1, 256, 5), (15, 768, 9), (300, 2048, 2),
+          (5, 2560, 1)]
 
 
 def _reference(ref: NumpyOps, t: int, w: np.ndarray, x: np.ndarray) -> np.ndarray:

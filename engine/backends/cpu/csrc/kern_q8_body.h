@@ -259,14 +259,10 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
     for (int t = 0; t < nt; t++) out[t] = 0.125f * acc[t];
 }
 #else
-/* AVX2 form: a group's 4 grid rows are loads composed into a ymm, and so are its 4 sign fields, as
- * rows of +1 / -1 bytes (kern_iq2xxs_sign64) that vpsignb applies to the activations.  Zen 3 runs
- * this kernel at about 4 instructions a cycle (estimated from counts; no PMU in the VM): it is bound
- * by their count, so the sign rows come from a table (a load and a blend each, the indices shifted
- * out of the group's aux word) instead of
- * being spread from the block's sign bytes in vector registers (broadcast, shuffle, and, compare,
- * or).  Against that form it gains with several tokens and rows in L2; at one token streaming
- * from DRAM (a decode step's case) the gain is within the noise. */
+/* AVX2 form.  A group's 4 grid rows are loads composed into a ymm; its sign fields become rows of
+ * +1 / -1 bytes that vpsignb applies to the activations.  The GEMM form's row decoder
+ * (kern_gemm_avx2.h) looks the sign rows up in a table (kern_iq2xxs_sign64: a load and a blend each,
+ * iq2_group); the row kernel spreads a whole block's sign fields in vector registers (below). */
 KI __m256i KSUF(iq2_rows4)(const uint64_t *tab, uint64_t i0, uint64_t i1, uint64_t i2, uint64_t i3) {
     __m256i r = _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(tab + i0)));
     r = _mm256_blend_epi32(r, _mm256_set1_epi64x((long long)tab[i1]), 0x0C);
@@ -282,29 +278,128 @@ KI __m256i KSUF(iq2_group)(const uint8_t *q, uint32_t aux, __m256i *sv) {
                              (long long)kern_iq2xxs_grid64[q[1]], (long long)kern_iq2xxs_grid64[q[0]]);
 }
 
+/* The row kernel spreads a block's signs and scales in vector registers once per block
+ * (iq2_block_signs, ~20 ops), so a group's sign rows are 4 vector ops (shuffle, and, compare, or)
+ * and its scale one shuffle, against ~14 scalar and vector ops a group for the table rows
+ * (iq2_group): ~230 instructions a block against ~320.  The grid rows stay loads (a gather measured
+ * slower on Zen 3 and Zen 4). */
+/* the 8 groups' aux words (signs and scale) of a block: dwords [g0 g1 g4 g5 | g2 g3 g6 g7] */
+KI __m256i KSUF(iq2_aux8)(const uint8_t *qs) {
+    const __m256 a = _mm256_loadu_ps((const float *)qs), b = _mm256_loadu_ps((const float *)(qs + 32));
+    return _mm256_castps_si256(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* the block's 32 sign bytes (ksigns: the 7 bits of a field and their parity in bit 7), arranged
+ * for a per-group in-lane shuffle: the low lane holds fields 0 and 1 of all 8 groups, the high lane
+ * fields 2 and 3 (group g at byte pair 2 p(g), g = iq2_grp[p]), and *scb the 8 group scales 2 s + 1 as
+ * bytes p(g) of both lanes */
+KI __m256i KSUF(iq2_block_signs)(__m256i au, __m256i *scb) {
+    __m256i x = _mm256_and_si256(au, _mm256_set1_epi32(0x0FFFFFFF));
+    /* the 4 fields of 7 bits to bytes: each step moves the fields above a byte boundary up by one */
+    x = _mm256_add_epi32(x, _mm256_and_si256(x, _mm256_set1_epi32(0x0FFFFF80)));
+    x = _mm256_add_epi32(x, _mm256_and_si256(x, _mm256_set1_epi32(0x1FFF8000)));
+    x = _mm256_add_epi32(x, _mm256_and_si256(x, _mm256_set1_epi32(0x3F800000)));
+    /* bit 7 of a byte = the parity of its 7 bits: of the xor of its nibbles, from a 16-entry table */
+    const __m256i ptab = _mm256_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0, 0, -128,
+                                          -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0);
+    const __m256i nib = _mm256_and_si256(_mm256_xor_si256(x, _mm256_srli_epi16(x, 4)), _mm256_set1_epi8(15));
+    x = _mm256_or_si256(x, _mm256_shuffle_epi8(ptab, nib));
+    /* per lane: bytes 0, 1 of its 4 dwords, then bytes 2, 3; then the low qwords to the low lane */
+    const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2,
+                                          3, 6, 7, 10, 11, 14, 15);
+    const __m256i sg = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, pick), _MM_SHUFFLE(3, 1, 2, 0));
+    const __m256i sc = _mm256_or_si256(_mm256_srli_epi32(au, 27), _mm256_set1_epi32(1)); /* 2 (aux >> 28) + 1 */
+    const __m256i pk = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1,
+                                        -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    *scb = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(sc, pk), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    return sg;
+}
+
+/* a group's 32 grid bytes (q = block + 2 + 8 g): its 4 indices come from one 32-bit load, and the
+ * rows are 2 movq + 2 movhpd + an insert (the load ports, not the vector ALUs, bounded this kernel) */
+KI __m256i KSUF(iq2_grid4)(const uint8_t *q) {
+    const uint32_t ix = kern_rd32(q);
+    const uint64_t *t = kern_iq2xxs_grid64;
+    const __m128i lo = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(_mm_loadl_epi64((const __m128i *)(t + (ix & 255)))),
+                                                     (const double *)(t + ((ix >> 8) & 255))));
+    const __m128i hi = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(_mm_loadl_epi64((const __m128i *)(t + ((ix >> 16) & 255)))),
+                                                     (const double *)(t + (ix >> 24))));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* groups are taken in the order of their byte positions p in iq2_block_signs's lanes, so that the
+ * shuffle controls step by an add rather than a load each: group iq2_grp[p] sits at byte pair 2 p
+ * (signs) and byte p (scale) */
+static const int iq2_grp[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+
+/* one block's exact integer dots (int32 lanes, group scales applied) for nt tokens: is[t] */
+KI void KSUF(iq2_block)(const uint8_t *blk, __m256i sg, __m256i scb, const int8_t *xb, int64_t n, const int nt,
+                       __m256i *is) {
+    const __m256i bits = _mm256_set1_epi64x(0x8040201008040201LL), one = _mm256_set1_epi8(1);
+    for (int t = 0; t < nt; t++) is[t] = _mm256_setzero_si256();
+    __m256i cs = _mm256_set_epi64x(0x0101010101010101LL, 0, 0x0101010101010101LL, 0); /* byte pair 2 p (signs) */
+    __m256i cl = _mm256_set1_epi16((short)0xFF00);                                      /* byte p (scale) */
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++) {
+        const int g = iq2_grp[p];
+        const __m256i gv = KSUF(iq2_grid4)(blk + 2 + 8 * g);
+        const __m256i m = _mm256_and_si256(_mm256_shuffle_epi8(sg, cs), bits);
+        const __m256i sv = _mm256_or_si256(_mm256_cmpeq_epi8(m, bits), one); /* +1 / -1 */
+        const __m256i ls = _mm256_shuffle_epi8(scb, cl);
+        cs = _mm256_add_epi8(cs, _mm256_set1_epi8(2));
+        cl = _mm256_add_epi16(cl, _mm256_set1_epi16(1));
+        for (int t = 0; t < nt; t++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xb + t * n + 32 * g));
+            is[t] = q8_dot_scaled(is[t], gv, _mm256_sign_epi8(xv, sv), ls);
+        }
+    }
+}
+
+/* One token (decode): 8 blocks a step, whose int32 lanes are summed across registers as they come
+ * (q8_0_sum8_avx2's tree, a block pair at a time) and converted at once; then each block's
+ * (d * d_x) * (float)dot is added in block order.  A horizontal sum and a float32 step per block
+ * had put ~30 cycles of latency at the end of every block, and a block's ~230 instructions fill
+ * the out-of-order window: the kernel ran at the pace of that chain, not of its instructions.
+ * The next block's signs and scales are spread while this block's groups run (their ~25-cycle chain
+ * had started every block).  More tokens: a block at a time, the same float32 steps. */
 KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                              float *out, const int nt) {
     float acc[Q8_NT];
     for (int t = 0; t < nt; t++) acc[t] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
+    int64_t b = 0;
+    if (nt == 1) {
+        float a = 0.0f;
+        __m256i scb, sg = nb >= 8 ? KSUF(iq2_block_signs)(KSUF(iq2_aux8)(row + 2), &scb) : _mm256_setzero_si256();
+        for (; b + 8 <= nb; b += 8) {
+            __m256i h[4], prev = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k++) {
+                const uint8_t *blk = row + 66 * (b + k);
+                PF2(blk);
+                const __m256i sgk = sg, scbk = scb;
+                if (b + k + 1 < nb) sg = KSUF(iq2_block_signs)(KSUF(iq2_aux8)(blk + 66 + 2), &scb);
+                __m256i is;
+                KSUF(iq2_block)(blk, sgk, scbk, xq + 256 * (b + k), n, 1, &is);
+                if (k & 1)
+                    h[k >> 1] = _mm256_add_epi32(_mm256_unpacklo_epi32(prev, is), _mm256_unpackhi_epi32(prev, is));
+                else
+                    prev = is;
+            }
+            const __m256i b0 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[0], h[1]), _mm256_unpackhi_epi64(h[0], h[1]));
+            const __m256i b1 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[2], h[3]), _mm256_unpackhi_epi64(h[2], h[3]));
+            const __m256i s8 = _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+            float sv[8];
+            _mm256_storeu_ps(sv, _mm256_cvtepi32_ps(s8));
+            for (int k = 0; k < 8; k++) a += (KERN_F16(kern_rd16(row + 66 * (b + k))) * xd[b + k]) * sv[k];
+        }
+        acc[0] = a;
+    }
+    for (; b < nb; b++) {
         const uint8_t *blk = row + 66 * b;
         PF2(blk);
-        const float d = KERN_F16(kern_rd16(blk));
-        __m256i is[Q8_NT];
-        for (int t = 0; t < nt; t++) is[t] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int g = 0; g < 8; g++) {
-            const uint8_t *q = blk + 2 + 8 * g;
-            const uint32_t aux = kern_rd32(q + 4);
-            __m256i sv;
-            const __m256i gv = KSUF(iq2_group)(q, aux, &sv);
-            const __m256i ls = _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
-            for (int t = 0; t < nt; t++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + t * n + 256 * b + 32 * g));
-                is[t] = q8_dot_scaled(is[t], gv, _mm256_sign_epi8(xv, sv), ls);
-            }
-        }
-        for (int t = 0; t < nt; t++) acc[t] += (d * xd[t * (n / 256) + b]) * (float)q8_hsum(is[t]);
+        __m256i is[Q8_NT], scb;
+        const __m256i sg = KSUF(iq2_block_signs)(KSUF(iq2_aux8)(blk + 2), &scb);
+        KSUF(iq2_block)(blk, sg, scb, xq + 256 * b, n, nt, is);
+        for (int t = 0; t < nt; t++) acc[t] += (KERN_F16(kern_rd16(blk)) * xd[t * (n / 256) + b]) * (float)q8_hsum(is[t]);
     }
     for (int t = 0; t < nt; t++) out[t] = 0.125f * acc[t];
 }
