@@ -39,60 +39,74 @@ class TensorSpec:
     required: bool = True
 
 
+# what a block tensor is, for the type families a file allows it (block_tensors' callers map them:
+# the main file any float or block format, ds4's MTP file its own types)
+PROJ, VEC, HC_FN, ROUTER_W, EXPS, SHEXP, TABLE = "proj", "vec", "hc_fn", "router", "exps", "shexp", "table"
+MAIN_FAMILIES = {PROJ: MATRIX, VEC: FLOAT, HC_FN: FLOAT, ROUTER_W: FLOAT, EXPS: MATRIX, SHEXP: MATRIX,
+                 TABLE: INDEX}
+
+
+def block_tensors(c: ModelConfig, ratio: int, hash_layer: bool) -> list[tuple]:
+    """One V4 decoder block's tensors in the order ds4's quantizer writes them: (name suffix, dims,
+    kind, component, required). The main file's layers and the MTP file's block are both this."""
+    e, ff_sh = c.n_embd, c.n_ff_exp * c.n_expert_shared
+    out = []
+
+    def t(suffix, dims, kind, comp, required=True):
+        out.append((suffix, tuple(dims), kind, comp, required))
+
+    def hc(sub):
+        t(f"hc_{sub}_fn.weight", (c.hc_dim, c.hc_mix), HC_FN, HC)
+        t(f"hc_{sub}_scale.weight", (3,), VEC, HC)
+        t(f"hc_{sub}_base.weight", (c.hc_mix,), VEC, HC)
+
+    hc("attn")
+    t("attn_norm.weight", (e,), VEC, NORM)
+    t("attn_q_a.weight", (e, c.q_lora_rank), PROJ, ATTN)
+    t("attn_q_a_norm.weight", (c.q_lora_rank,), VEC, NORM)
+    t("attn_q_b.weight", (c.q_lora_rank, c.q_dim), PROJ, ATTN)
+    t("attn_kv.weight", (e, c.head_dim), PROJ, ATTN)
+    t("attn_kv_a_norm.weight", (c.head_dim,), VEC, NORM)
+    t("attn_sinks.weight", (c.n_head,), VEC, NORM)
+    t("attn_output_a.weight", (c.o_group_in, c.o_groups * c.o_lora_rank), PROJ, ATTN)
+    t("attn_output_b.weight", (c.o_groups * c.o_lora_rank, e), PROJ, ATTN)
+    if ratio:
+        w = c.head_dim * (2 if ratio == CSA_RATIO else 1)     # (config.compressor_width)
+        t("attn_compressor_ape.weight", (w, ratio), VEC, COMPRESSOR)
+        t("attn_compressor_kv.weight", (e, w), VEC, COMPRESSOR)
+        t("attn_compressor_gate.weight", (e, w), VEC, COMPRESSOR)
+        t("attn_compressor_norm.weight", (c.head_dim,), VEC, COMPRESSOR)
+    if ratio == CSA_RATIO:
+        iw = 2 * c.idx_head_dim  # the indexer's own compressor overlaps like CSA
+        t("indexer.attn_q_b.weight", (c.q_lora_rank, c.idx_n_head * c.idx_head_dim), VEC, INDEXER)
+        t("indexer.proj.weight", (e, c.idx_n_head), VEC, INDEXER)
+        t("indexer_compressor_ape.weight", (iw, ratio), VEC, INDEXER)
+        t("indexer_compressor_kv.weight", (e, iw), VEC, INDEXER)
+        t("indexer_compressor_gate.weight", (e, iw), VEC, INDEXER)
+        t("indexer_compressor_norm.weight", (c.idx_head_dim,), VEC, INDEXER)
+    hc("ffn")
+    t("ffn_norm.weight", (e,), VEC, NORM)
+    t("ffn_gate_inp.weight", (e, c.n_expert), ROUTER_W, ROUTER)
+    if hash_layer:
+        t("ffn_gate_tid2eid.weight", (c.n_expert_used, c.n_vocab), TABLE, HASH)
+    # ds4 binds the selection bias optionally; a file without it routes with zero bias.
+    t("exp_probs_b.bias", (c.n_expert,), VEC, ROUTER, False)
+    t("ffn_gate_exps.weight", (e, c.n_ff_exp, c.n_expert), EXPS, ROUTED)
+    t("ffn_up_exps.weight", (e, c.n_ff_exp, c.n_expert), EXPS, ROUTED)
+    t("ffn_down_exps.weight", (c.n_ff_exp, e, c.n_expert), EXPS, ROUTED)
+    t("ffn_gate_shexp.weight", (e, ff_sh), SHEXP, SHARED)
+    t("ffn_up_shexp.weight", (e, ff_sh), SHEXP, SHARED)
+    t("ffn_down_shexp.weight", (ff_sh, e), SHEXP, SHARED)
+    return out
+
+
 def expected_tensors(c: ModelConfig) -> list[TensorSpec]:
     e, v = c.n_embd, c.n_vocab
     # Order = the order ds4's quantizer writes (ds4-oracle): embedding, layers, output head.
     out = [TensorSpec("token_embd.weight", (e, v), MATRIX, EMBED)]
-    ff_sh = c.n_ff_exp * c.n_expert_shared
     for il in range(c.n_layer):
-        p = f"blk.{il}."
-
-        def t(suffix, dims, family, comp, required=True):
-            out.append(TensorSpec(p + suffix, tuple(dims), family, comp, il, required))
-
-        def hc(sub):
-            t(f"hc_{sub}_fn.weight", (c.hc_dim, c.hc_mix), FLOAT, HC)
-            t(f"hc_{sub}_scale.weight", (3,), FLOAT, HC)
-            t(f"hc_{sub}_base.weight", (c.hc_mix,), FLOAT, HC)
-
-        hc("attn")
-        t("attn_norm.weight", (e,), FLOAT, NORM)
-        t("attn_q_a.weight", (e, c.q_lora_rank), MATRIX, ATTN)
-        t("attn_q_a_norm.weight", (c.q_lora_rank,), FLOAT, NORM)
-        t("attn_q_b.weight", (c.q_lora_rank, c.q_dim), MATRIX, ATTN)
-        t("attn_kv.weight", (e, c.head_dim), MATRIX, ATTN)
-        t("attn_kv_a_norm.weight", (c.head_dim,), FLOAT, NORM)
-        t("attn_sinks.weight", (c.n_head,), FLOAT, NORM)
-        t("attn_output_a.weight", (c.o_group_in, c.o_groups * c.o_lora_rank), MATRIX, ATTN)
-        t("attn_output_b.weight", (c.o_groups * c.o_lora_rank, e), MATRIX, ATTN)
-        r = c.ratio(il)
-        if r:
-            w = c.compressor_width(il)
-            t("attn_compressor_ape.weight", (w, r), FLOAT, COMPRESSOR)
-            t("attn_compressor_kv.weight", (e, w), FLOAT, COMPRESSOR)
-            t("attn_compressor_gate.weight", (e, w), FLOAT, COMPRESSOR)
-            t("attn_compressor_norm.weight", (c.head_dim,), FLOAT, COMPRESSOR)
-        if r == CSA_RATIO:
-            iw = 2 * c.idx_head_dim  # the indexer's own compressor overlaps like CSA
-            t("indexer.attn_q_b.weight", (c.q_lora_rank, c.idx_n_head * c.idx_head_dim), FLOAT, INDEXER)
-            t("indexer.proj.weight", (e, c.idx_n_head), FLOAT, INDEXER)
-            t("indexer_compressor_ape.weight", (iw, r), FLOAT, INDEXER)
-            t("indexer_compressor_kv.weight", (e, iw), FLOAT, INDEXER)
-            t("indexer_compressor_gate.weight", (e, iw), FLOAT, INDEXER)
-            t("indexer_compressor_norm.weight", (c.idx_head_dim,), FLOAT, INDEXER)
-        hc("ffn")
-        t("ffn_norm.weight", (e,), FLOAT, NORM)
-        t("ffn_gate_inp.weight", (e, c.n_expert), FLOAT, ROUTER)
-        if c.is_hash_layer(il):
-            t("ffn_gate_tid2eid.weight", (c.n_expert_used, v), INDEX, HASH)
-        # ds4 binds the selection bias optionally; a file without it routes with zero bias.
-        t("exp_probs_b.bias", (c.n_expert,), FLOAT, ROUTER, required=False)
-        t("ffn_gate_exps.weight", (e, c.n_ff_exp, c.n_expert), MATRIX, ROUTED)
-        t("ffn_up_exps.weight", (e, c.n_ff_exp, c.n_expert), MATRIX, ROUTED)
-        t("ffn_down_exps.weight", (c.n_ff_exp, e, c.n_expert), MATRIX, ROUTED)
-        t("ffn_gate_shexp.weight", (e, ff_sh), MATRIX, SHARED)
-        t("ffn_up_shexp.weight", (e, ff_sh), MATRIX, SHARED)
-        t("ffn_down_shexp.weight", (ff_sh, e), MATRIX, SHARED)
+        out += [TensorSpec(f"blk.{il}.{suffix}", dims, MAIN_FAMILIES[kind], comp, il, req)
+                for suffix, dims, kind, comp, req in block_tensors(c, c.ratio(il), c.is_hash_layer(il))]
     out += [
         TensorSpec("output_hc_base.weight", (c.n_hc,), FLOAT, OUTPUT),
         TensorSpec("output_hc_fn.weight", (c.hc_dim, c.n_hc), FLOAT, OUTPUT),

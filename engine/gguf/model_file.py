@@ -78,7 +78,22 @@ class QTensor:
         return self.data.view(np.int32)
 
 
-class ModelFile:
+class MappedGGUF:
+    """A checked GGUF held open (self.gguf): closing it unmaps the file; a context manager closes
+    it. ModelFile and the MTP file (mtp_file.MTPFile) are both this."""
+    gguf: GGUFFile
+
+    def close(self):
+        self.gguf.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ModelFile(MappedGGUF):
     def __init__(self, g: GGUFFile, config: ModelConfig, layout: LayoutReport, tokenizer: dict):
         self.gguf, self.config, self.layout, self.tokenizer = g, config, layout, tokenizer
         self.path = g.path
@@ -138,12 +153,3 @@ class ModelFile:
                     qt = ref()
                     if qt is not None:
                         qt._rebase(self.gguf.tensor_bytes(name).reshape(qt.data.shape))
-
-    def close(self):
-        self.gguf.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

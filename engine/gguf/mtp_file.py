@@ -20,8 +20,9 @@ from . import quants as Q
 from ..errors import ModelFileError
 from .config import ModelConfig
 from .gguf_file import GGUFFile
-from .layout import ATTN, FLOAT, HC, MATRIX, NORM, OUTPUT, ROUTED, ROUTER, SHARED, TensorSpec
-from .model_file import QTensor
+from .layout import (ATTN, EXPS, FLOAT, HC, HC_FN, MATRIX, NORM, OUTPUT, PROJ, ROUTER_W, SHEXP, VEC,
+                     TensorSpec, block_tensors)
+from .model_file import MappedGGUF, QTensor
 
 PREFIX = "mtp.0."
 FILE_NAME = "DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf"
@@ -33,10 +34,15 @@ PLAIN = frozenset({Q.F16, Q.F32})
 EXPERTS = MATRIX - FLOAT
 
 
+MTP_FAMILIES = {PROJ: Q8, VEC: F32, HC_FN: PLAIN, ROUTER_W: PLAIN, EXPS: EXPERTS, SHEXP: Q8}
+
+
 def mtp_tensors(c: ModelConfig) -> list[TensorSpec]:
     """The 32 tensors an MTP file for a model of config `c` holds, with ds4's shapes and types
-    (ggml dim order: dims[0] = input width)."""
-    e, ff_sh = c.n_embd, c.n_ff_exp * c.n_expert_shared
+    (ggml dim order: dims[0] = input width): its own projections, norms and HC head, then a
+    ratio-0 decoder block (layout.block_tensors, its HC tensors first as ds4 writes them; the
+    selection bias required)."""
+    e = c.n_embd
     out = []
 
     def t(suffix, dims, family, comp):
@@ -49,28 +55,9 @@ def mtp_tensors(c: ModelConfig) -> list[TensorSpec]:
     t("hc_head_fn.weight", (c.hc_dim, c.n_hc), PLAIN, HC)
     t("hc_head_base.weight", (c.n_hc,), F32, OUTPUT)
     t("hc_head_scale.weight", (1,), F32, OUTPUT)
-    for sub in ("attn", "ffn"):
-        t(f"hc_{sub}_fn.weight", (c.hc_dim, c.hc_mix), PLAIN, HC)
-        t(f"hc_{sub}_scale.weight", (3,), F32, HC)
-        t(f"hc_{sub}_base.weight", (c.hc_mix,), F32, HC)
-    t("attn_norm.weight", (e,), F32, NORM)
-    t("attn_q_a.weight", (e, c.q_lora_rank), Q8, ATTN)
-    t("attn_q_a_norm.weight", (c.q_lora_rank,), F32, NORM)
-    t("attn_q_b.weight", (c.q_lora_rank, c.q_dim), Q8, ATTN)
-    t("attn_kv.weight", (e, c.head_dim), Q8, ATTN)
-    t("attn_kv_a_norm.weight", (c.head_dim,), F32, NORM)
-    t("attn_sinks.weight", (c.n_head,), F32, NORM)
-    t("attn_output_a.weight", (c.o_group_in, c.o_groups * c.o_lora_rank), Q8, ATTN)
-    t("attn_output_b.weight", (c.o_groups * c.o_lora_rank, e), Q8, ATTN)
-    t("ffn_norm.weight", (e,), F32, NORM)
-    t("ffn_gate_inp.weight", (e, c.n_expert), PLAIN, ROUTER)
-    t("exp_probs_b.bias", (c.n_expert,), F32, ROUTER)
-    t("ffn_gate_exps.weight", (e, c.n_ff_exp, c.n_expert), EXPERTS, ROUTED)
-    t("ffn_up_exps.weight", (e, c.n_ff_exp, c.n_expert), EXPERTS, ROUTED)
-    t("ffn_down_exps.weight", (c.n_ff_exp, e, c.n_expert), EXPERTS, ROUTED)
-    t("ffn_gate_shexp.weight", (e, ff_sh), Q8, SHARED)
-    t("ffn_up_shexp.weight", (e, ff_sh), Q8, SHARED)
-    t("ffn_down_shexp.weight", (ff_sh, e), Q8, SHARED)
+    block = block_tensors(c, 0, False)
+    for suffix, dims, kind, comp, _ in sorted(block, key=lambda b: not b[0].startswith("hc_")):
+        t(suffix, dims, MTP_FAMILIES[kind], comp)
     return out
 
 
@@ -101,7 +88,7 @@ def layout_problems(g: GGUFFile, c: ModelConfig) -> list[str]:
     return problems
 
 
-class MTPFile:
+class MTPFile(MappedGGUF):
     """An MTP GGUF mapped read-only and checked against the main model's config."""
 
     def __init__(self, g: GGUFFile, config: ModelConfig):
@@ -128,15 +115,6 @@ class MTPFile:
 
     def nbytes(self) -> int:
         return self.gguf.size
-
-    def close(self):
-        self.gguf.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def write_synthetic_mtp(path, cfg: ModelConfig, *, recipe: str = "q4", seed: int = 1,

@@ -8,6 +8,7 @@ same seed and logits the choice matches ds4's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,26 +49,33 @@ def argmax(logits: np.ndarray) -> int:
     return int(np.argmax(logits))  # first maximum = lowest id
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: Rng) -> int:
+class Candidates(NamedTuple):
+    """What sample() draws from after its filters: `w` float32 weights (unnormalised); `ids` the
+    ids they belong to in the order the draw walks them, or None when `w` covers the whole
+    vocabulary in id order (no top-k, no top-p: the min-p filter alone)."""
+    ids: np.ndarray | None
+    w: np.ndarray
+
+
+def candidates(logits: np.ndarray, params: SamplingParams) -> Candidates | None:
+    """sample()'s filters (temperature, top-k, min-p, top-p) without the draw; None where it takes
+    the argmax (temperature <= 0, or no finite logit). speculative.target_probs normalises the
+    same weights: the distribution the rejection rule compares drafts with is sample()'s own."""
     logits = np.asarray(logits, dtype=np.float32)
     T = float(params.temperature)
     if T <= 0:
-        return argmax(logits)
+        return None
     top_p = params.top_p if 0 < params.top_p <= 1 else 1.0
     min_p = max(0.0, float(params.min_p))
     finite = np.isfinite(logits)
     if not finite.any():
-        return argmax(logits)
+        return None
     k = min(int(params.top_k), TOP_K_CAP)
     if k <= 0 and top_p >= 1.0:
         # whole vocabulary in id order, relative-to-max filter
         mx = np.max(logits[finite])
         w = np.where(finite, np.exp((logits - mx) / np.float32(T)), 0.0).astype(np.float32)
-        w = np.where(w >= np.float32(min_p), w, 0.0).astype(np.float32)
-        r = np.float32(rng.f32()) * np.float32(w.sum(dtype=np.float32))
-        cum = np.cumsum(w, dtype=np.float32)
-        hit = np.nonzero((r - cum <= 0) & (w > 0))[0]
-        return int(hit[0]) if len(hit) else argmax(logits)
+        return Candidates(None, np.where(w >= np.float32(min_p), w, 0.0).astype(np.float32))
     ids = np.nonzero(finite)[0]
     order = ids[np.argsort(-logits[ids], kind="stable")]
     if k > 0:
@@ -80,13 +88,26 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: Rng) -> int:
     while keep < len(p) and cum < top_p and p[keep] >= p[0] * min_p:
         cum += p[keep]
         keep += 1
-    p = p[:keep]
+    return Candidates(order[:keep], p[:keep])
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: Rng) -> int:
+    c = candidates(logits, params)
+    if c is None:
+        return argmax(logits)
+    if c.ids is None:
+        w = c.w
+        r = np.float32(rng.f32()) * np.float32(w.sum(dtype=np.float32))
+        cum = np.cumsum(w, dtype=np.float32)
+        hit = np.nonzero((r - cum <= 0) & (w > 0))[0]
+        return int(hit[0]) if len(hit) else argmax(logits)
+    p = c.w
     r = np.float32(rng.f32()) * np.float32(p.sum(dtype=np.float32))
     for i, pi in enumerate(p):
         r -= pi
         if r <= 0:
-            return int(order[i])
-    return int(order[0])
+            return int(c.ids[i])
+    return int(c.ids[0])
 
 
 def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:

@@ -25,41 +25,23 @@ import time
 import numpy as np
 
 from ..mtp_options import MAX_DRAFT
-from .sampling import Rng, SamplingParams, TOP_K_CAP, argmax, sample
+from .sampling import Rng, SamplingParams, argmax, candidates, sample
 from .session import ContextFull, Session
 
 
 def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution sampling.sample draws from for these logits (float64 [vocab]); one-hot on
-    the argmax for temperature <= 0."""
+    """The distribution sampling.sample draws from for these logits (float64 [vocab]): its own
+    filters' weights (sampling.candidates), normalised; one-hot on the argmax for temperature <= 0."""
     logits = np.asarray(logits, dtype=np.float32)
-    V = logits.shape[0]
-    out = np.zeros(V, np.float64)
-    T = float(params.temperature)
-    finite = np.isfinite(logits)
-    if T <= 0 or not finite.any():
+    out = np.zeros(logits.shape[0], np.float64)
+    c = candidates(logits, params)
+    if c is None:
         out[argmax(logits)] = 1.0
         return out
-    top_p = params.top_p if 0 < params.top_p <= 1 else 1.0
-    min_p = max(0.0, float(params.min_p))
-    k = min(int(params.top_k), TOP_K_CAP)
-    if k <= 0 and top_p >= 1.0:
-        mx = np.max(logits[finite])
-        w = np.where(finite, np.exp((logits - mx) / np.float32(T)), 0.0).astype(np.float32)
-        w = np.where(w >= np.float32(min_p), w, 0.0).astype(np.float64)
+    if c.ids is None:
+        w = c.w.astype(np.float64)
         return w / w.sum()
-    ids = np.nonzero(finite)[0]
-    order = ids[np.argsort(-logits[ids], kind="stable")]
-    if k > 0:
-        order = order[:k]
-    lg = logits[order]
-    w = np.exp((lg - lg[0]) / np.float32(T)).astype(np.float32)
-    p = w / w.sum(dtype=np.float32)
-    keep, cum = 1, p[0]
-    while keep < len(p) and cum < top_p and p[keep] >= p[0] * min_p:
-        cum += p[keep]
-        keep += 1
-    out[order[:keep]] = p[:keep]
+    out[c.ids] = c.w
     return out / out.sum()
 
 
