@@ -43,21 +43,31 @@ match the stated number of times, else the script stops and says which edit fail
     intermediates.  A helper writes, when DS4_ORACLE_DUMP names a file, records (tag[16], pos,
     layer, n, float32[n]) for positions below DS4_ORACLE_DUMP_POS (default 4); calls to it are
     added (nothing else changes) in layer_forward_raw_swa_one (HC input, attn input after the HC
-    pre, post, comb, attn_norm, qr_norm, q and kv after RoPE/FP8, heads before the inverse RoPE,
+    pre, post, comb, attn_norm, qr and qr_norm, q and kv after RoPE/FP8, heads before the inverse RoPE,
     the attention output, the HC after attention), layer_ffn_one_decode_scratch (FFN input,
     post, comb, ffn_norm, routed and shared outputs, the layer's output HC) and
-    output_logits_one_decode_scratch (head weights, head embedding, its norm); and one accessor,
-    ds4_session_oracle_decode_first(), makes a fresh session's first token take the decode path
-    (ds4_session_sync's own checkpoint-extension loop), so every position is the same code.
-    The driver's `dump` command uses them; the reference's side is scripts/ds4_dump_compare.py.
+    output_logits_one_decode_scratch (head weights, head embedding, its norm); the same tags,
+    one record per row, in the batched prefill path's layer_attention_raw_swa_batch,
+    layer_ffn_shared_batch and output_logits_one (head embedding and norm).  The driver's `dump`
+    command feeds every token through the decode path (edit 8), `dump-prefill` syncs them in one
+    call (`dump --prefill`); the reference's side is scripts/ds4_dump_compare.py.
+ 8. One more accessor appended: `ds4_session_oracle_decode_first()` marks a fresh session's
+    (empty) checkpoint valid, so ds4_session_sync extends it token by token through its own
+    decode loop instead of its batched prefill: the first token takes the decode path like every
+    later one.  The driver uses it for the oracles' all-decode rows (below) and for `dump`.
 
 Checked: with these edits, ds4 8d576642c39b (the newest commit when this was written; the shared
 oracle's README names none) reproduces ../shared/ds4-oracle's decode and prefill logits bit for
 bit (`check-shared`), so the edits are the ones that oracle was made with.
 
-The driver writes, for the token ids: the logits after every id fed one at a time (the first
-through ds4_session_sync, the prefill path; the rest through ds4_session_eval, the decode path),
-and for a few positions p the last row of a fresh session synced to ids[0..p] in one call.
+The driver writes, for the token ids: the logits after every id fed one at a time, twice: the
+sync-first rows (the first id through ds4_session_sync, the prefill path, as a real prompt's first
+token; the rest through ds4_session_eval, the decode path) and the all-decode rows (edit 8: the
+first id through the decode path too; what a test that feeds every token through our decode path
+one at a time must be compared with); and for a few positions p the last row of a fresh session
+synced to ids[0..p] in one call.  `shared-decode` checks that the build reproduces
+../shared/ds4-oracle bit for bit and then writes that model's all-decode rows to
+tests/oracles/shared-decode/.
 
 Oracles (tests/oracles/<name>/, see ORACLES below): the model is regenerated from `ds4-gguf synth`
 arguments (ds4 loads what synth writes) and checked by sha256; the prompt is a chat rendered and
@@ -65,6 +75,7 @@ tokenized by ds4 itself (ds4_encode_chat_prompt, no thinking) from a text file o
 
     .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src make [NAME ...]
     .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src check-shared
+    .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src shared-decode
     .venv/bin/python scripts/build_ds4_oracle.py readmes     # README.md of each from its oracle.json
 """
 from __future__ import annotations
@@ -185,6 +196,14 @@ static void ds4_oracle_dump(const char *tag, uint32_t il, const float *x, size_t
     int32_t h[3] = {(int32_t)ds4_oracle_pos, (int32_t)il, (int32_t)n};
     fwrite(t, 1, 16, f); fwrite(h, 4, 3, f); fwrite(x, 4, n, f); fflush(f);
 }
+/* the prefill path's batched buffers: row t is position pos0 + t (pos0: the batch's first) */
+static uint32_t ds4_oracle_pos0;
+static void ds4_oracle_dump_rows(const char *tag, uint32_t il, const float *x, size_t n, uint32_t n_tok) {
+    for (uint32_t t = 0; t < n_tok; t++) {
+        ds4_oracle_pos = ds4_oracle_pos0 + t;
+        ds4_oracle_dump(tag, il, x + (size_t)t * n, n);
+    }
+}
 """
 D = "ds4_oracle_dump"
 HCE = "(size_t)DS4_N_HC * DS4_N_EMBD"
@@ -195,6 +214,7 @@ DUMP_EDITS = [   # (anchor, text before it, text after it)
      f"    {D}(\"attn_comb\", il, comb, DS4_N_HC * DS4_N_HC);\n",
      f"    {D}(\"attn_norm\", il, scratch->attn_norm, DS4_N_EMBD);\n"),
     ("    kv_cache_push_raw(cache, scratch->kv);\n",
+     f"    {D}(\"qr\", il, scratch->qr, DS4_N_LORA_Q);\n"
      f"    {D}(\"qr_norm\", il, scratch->qr_norm, DS4_N_LORA_Q);\n    {D}(\"q\", il, scratch->q, DS4_N_HEAD * DS4_N_HEAD_DIM);\n"
      f"    {D}(\"kv\", il, scratch->kv, DS4_N_HEAD_DIM);\n", ""),
     ("    rope_tail_layer_inplace(scratch->heads, DS4_N_HEAD, DS4_N_HEAD_DIM, DS4_N_ROT, pos, il, true);\n",
@@ -211,8 +231,40 @@ DUMP_EDITS = [   # (anchor, text before it, text after it)
     ("    matvec_q8_0_decode_scratch(logits, model, weights->output, scratch->output_norm, scratch);\n",
      f"    {D}(\"head_x\", 0, scratch->output_embd, DS4_N_EMBD);\n    {D}(\"head_norm\", 0, scratch->output_norm, DS4_N_EMBD);\n", ""),
 ]
-DUMP_ACCESSOR = ("\n/* oracle build (edit 7): a fresh session's first token through the decode path */\n"
-                 "void ds4_session_oracle_decode_first(ds4_session *s) { s->checkpoint_valid = true; }\n")
+R = "ds4_oracle_dump_rows"
+# edit 7, prefill: the same tags from ds4's batched prefill (layer_attention_raw_swa_batch,
+# layer_ffn_shared_batch, output_logits_one), one record per row; anchors as edit 3 left them
+DUMP_PREFILL_EDITS = [
+    ("    matmul_q8_0_batch(qr, model, layer->attn_q_a, attn_norm, n_tok);\n",
+     f"    ds4_oracle_pos0 = pos0;\n    {R}(\"hc_in\", il, inp_hc, hc_dim, n_tok);\n"
+     f"    {R}(\"attn_x\", il, attn_cur, DS4_N_EMBD, n_tok);\n    {R}(\"attn_post\", il, post, n_hc, n_tok);\n"
+     f"    {R}(\"attn_comb\", il, comb, n_hc * n_hc, n_tok);\n    {R}(\"attn_norm\", il, attn_norm, DS4_N_EMBD, n_tok);\n",
+     ""),
+    ("        kv_cache_push_raw(cache, kv_t);\n",
+     f"        ds4_oracle_pos = pos;\n        {D}(\"qr\", il, qr + (uint64_t)t * DS4_N_LORA_Q, DS4_N_LORA_Q);\n"
+     f"        {D}(\"qr_norm\", il, qr_norm + (uint64_t)t * DS4_N_LORA_Q, DS4_N_LORA_Q);\n"
+     f"        {D}(\"q\", il, q_t, q_dim);\n        {D}(\"kv\", il, kv_t, DS4_N_HEAD_DIM);\n", ""),
+    ("        if (!prefix_batch_attn) {\n            tx = profile ? now_sec() : 0.0;\n"
+     "            rope_tail_layer_inplace(heads + (uint64_t)t * q_dim,\n",
+     f"        ds4_oracle_pos = pos;\n        {D}(\"heads\", il, heads + (uint64_t)t * q_dim, q_dim);\n", ""),
+    ("    hc_post_batch(after_attn_hc,\n                  attn_out,\n                  attn_residual,\n",
+     f"    {R}(\"attn_out\", il, attn_out, DS4_N_EMBD, n_tok);\n", ""),
+    ("    if (profile) t_out = now_sec() - t0;\n\n    if (profile) {\n        fprintf(stderr,\n"
+     "                \"ds4: prefill detail layer %u attn hc_norm",
+     f"    {R}(\"after_attn\", il, after_attn_hc, hc_dim, n_tok);\n", ""),
+    ("    if (routed_token_parallel) {\n        layer_routed_moe_tokens_parallel(moe, model, layer, norm, token_ids, n_tok, il);",
+     f"    {R}(\"ffn_x\", il, ffn_cur, DS4_N_EMBD, n_tok);\n    {R}(\"ffn_post\", il, post, n_hc, n_tok);\n"
+     f"    {R}(\"ffn_comb\", il, comb, n_hc * n_hc, n_tok);\n    {R}(\"ffn_norm\", il, norm, DS4_N_EMBD, n_tok);\n", ""),
+    ("    layer_shared_ffn_batch(shared, model, layer, norm, n_tok);\n    if (profile) t_shared = now_sec() - t0;\n", "",
+     f"    {R}(\"ffn_moe\", il, moe, DS4_N_EMBD, n_tok);\n    {R}(\"ffn_shared\", il, shared, DS4_N_EMBD, n_tok);\n"),
+    ("    if (profile) t_post = now_sec() - t0;\n\n    if (profile) {\n        fprintf(stderr,\n"
+     "                \"ds4: prefill detail layer %u ffn hc_norm=%.3f routed",
+     f"    {R}(\"out_hc\", il, out_hc, (size_t)n_hc * DS4_N_EMBD, n_tok);\n", ""),
+    ("    matvec_q8_0(logits, model, weights->output, norm);\n",
+     f"    {D}(\"head_x\", 0, embd, DS4_N_EMBD);\n    {D}(\"head_norm\", 0, norm, DS4_N_EMBD);\n", ""),
+]
+DECODE_FIRST = ("\n/* oracle build (edit 8): a fresh session's first token through the decode path */\n"
+                "void ds4_session_oracle_decode_first(ds4_session *s) { s->checkpoint_valid = true; }\n")
 ACCESSOR = "\n/* oracle build: the session's logits */\nconst float *ds4_session_logits_oracle(ds4_session *s) { return s->logits; }\n"
 
 
@@ -243,10 +295,9 @@ def edit_source(text: str, cfg, q4k: bool = False, dump: bool = False) -> str:
             text = replace(text, old, new, count, f"6 {old}")
     if dump:                                                                   # 7
         text = replace(text, INDEXER_HELPER, INDEXER_HELPER + DUMP_HELPER, 1, "7 dump helper")
-        for anchor, before, after in DUMP_EDITS:
+        for anchor, before, after in DUMP_EDITS + DUMP_PREFILL_EDITS:
             text = replace(text, anchor, before + anchor + after, 1, f"7 {anchor.strip()[:40]}")
-        text += DUMP_ACCESSOR
-    return text + ACCESSOR                                                     # 5
+    return text + ACCESSOR + DECODE_FIRST                                      # 5, 8
 
 
 def model_config(gguf: Path):
@@ -298,12 +349,14 @@ def driver_env(work: Path) -> dict:
 
 
 def ds4_logits(driver: Path, gguf: Path, ids, positions, n_vocab: int, work: Path, threads: int = 2):
-    """(decode [n_ids, n_vocab], prefill [len(positions), n_vocab]) float32 from the driver."""
+    """(sync-first decode [n_ids, n_vocab], all-decode [n_ids, n_vocab], prefill [len(positions),
+    n_vocab]) float32 from the driver."""
     (work / "ids.txt").write_text("".join(f"{int(t)}\n" for t in ids))
-    dec, pre = work / "decode.f32", work / "prefill.f32"
-    run([driver, "logits", gguf, work / "ids.txt", n_vocab, threads, dec, pre, *positions], work,
+    dec, alldec, pre = work / "decode.f32", work / "all_decode.f32", work / "prefill.f32"
+    run([driver, "logits", gguf, work / "ids.txt", n_vocab, threads, dec, alldec, pre, *positions], work,
         driver_env(work))
     return (np.fromfile(dec, np.float32).reshape(len(ids), n_vocab),
+            np.fromfile(alldec, np.float32).reshape(len(ids), n_vocab),
             np.fromfile(pre, np.float32).reshape(len(positions), n_vocab))
 
 
@@ -336,6 +389,8 @@ ORACLES = {
                             system="You are a coding agent.", text=("docs/sessions.md", 0, 2600)),
 }
 DECODE_KEEP = 300                     # every decode row below this position is kept
+ALL_DECODE = "ds4_logits_all_decode.npz"   # the all-decode rows (edit 8), beside ds4_logits.npz
+SHARED_DECODE = OUT_ROOT / "shared-decode"  # ../shared/ds4-oracle's model's all-decode rows
 CHECKPOINTS = [0, 15, 16, 17, 63, 127, 128, 199, 255, 256, 383, 384, 511, 512, 639, 640, 767, 768,
                1023, 1024]
 
@@ -368,18 +423,19 @@ def make_oracle(name: str, src: Path, keep: bool) -> dict:
         ids = ds4_tokenize(driver, gguf, system, user, work)
         last = len(ids) - 1
         prefill_at = [p for p in CHECKPOINTS if p < last] + [last]
-        dec, pre = ds4_logits(driver, gguf, ids, prefill_at, cfg.n_vocab, work)
+        dec, alldec, pre = ds4_logits(driver, gguf, ids, prefill_at, cfg.n_vocab, work)
         rows = sorted(set(range(min(DECODE_KEEP, len(ids)))) | set(prefill_at))
         out = OUT_ROOT / name
         out.mkdir(parents=True, exist_ok=True)
         _write_npz(out / "ds4_logits.npz", decode_positions=np.array(rows, np.int32),
                    decode_logits=dec[rows], prefill_positions=np.array(prefill_at, np.int32),
                    prefill_logits=pre, token_ids=np.array(ids, np.int32))
+        _write_npz(out / ALL_DECODE, decode_positions=np.array(rows, np.int32), decode_logits=alldec[rows])
         meta = dict(name=name, synth=spec["synth"], gguf_sha256=sha256(gguf), n_vocab=cfg.n_vocab,
                     compress_ratios=list(cfg.compress_ratios), ds4_commit=ds4_commit(src),
                     machine=machine(), system=system, user=user, token_ids=ids,
                     decode_positions=rows, prefill_positions=prefill_at,
-                    self_check=self_check(dec, pre, prefill_at))
+                    self_check=self_check(dec, pre, prefill_at), all_decode_vs_sync_first=drift(alldec[rows], dec[rows]))
         _write_text(out / "oracle.json", json.dumps(meta, indent=1) + "\n")
         _write_text(out / "README.md", readme(meta, spec, q4k=routed_q4k(gguf)))
         return meta
@@ -413,18 +469,54 @@ by `scripts/build_ds4_oracle.py`, whose docstring lists every edit) on a synthet
 
 - `oracle.json`: `synth` (the model's arguments), `gguf_sha256`, `token_ids`, `system`, `user`,
   `decode_positions`, `prefill_positions`, `ds4_commit`, `machine`, `self_check`.
-- `ds4_logits.npz` (float32): `decode_logits` [{len(meta['decode_positions'])}, vocab], the logits
-  after the token at each of `decode_positions` (every position below 300 and the prefill
-  checkpoints), all tokens fed one at a time (the first through `ds4_session_sync`, the prefill
-  path; the rest through `ds4_session_eval`, the decode path); `prefill_logits`
-  [{len(meta['prefill_positions'])}, vocab], for each of `prefill_positions` a fresh session synced to
-  tokens[0..p] in one call, the last row; also `token_ids`. Row i is the distribution of the
-  token after position i.
+- `ds4_logits.npz` (float32): `decode_logits` [{len(meta['decode_positions'])}, vocab], the sync-first
+  rows: the logits after the token at each of `decode_positions` (every position below 300 and
+  the prefill checkpoints), all tokens fed one at a time, the first through `ds4_session_sync` (the
+  prefill path, as a real prompt's first token) and the rest through `ds4_session_eval` (the
+  decode path); `prefill_logits` [{len(meta['prefill_positions'])}, vocab], for each of
+  `prefill_positions` a fresh session synced to tokens[0..p] in one call, the last row; also
+  `token_ids`. Row i is the distribution of the token after position i.
+- `ds4_logits_all_decode.npz` (float32): `decode_positions` and `decode_logits`, the all-decode
+  rows: the same, but the first token takes ds4's decode path too (build edit 8). The tests feed
+  every token through our decode path one at a time, so these rows judge them; the sync-first
+  rows are printed beside them. ds4's two row sets differ by {drift_text(meta)}.
 
 ## Regenerate
 
     git clone https://github.com/antirez/ds4 /tmp/ds4-src && git -C /tmp/ds4-src checkout {meta['ds4_commit'][:12]}
     .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src make {meta['name']}
+"""
+
+
+def drift_text(meta: dict) -> str:
+    d = meta["all_decode_vs_sync_first"]
+    return (f"max-abs {d['pos0']} at position 0, median {d['median']}, p90 {d['p90']} "
+            f"(top-1 agreement {d['top1']:.1%})")
+
+
+def shared_readme(meta: dict) -> str:
+    n = len(meta["decode_positions"])
+    return f"""# ds4 all-decode rows for ../shared/ds4-oracle's model
+
+`ds4_logits_all_decode.npz` (float32): `decode_positions` [{n}] (every position below
+{DECODE_KEEP} and the shared oracle's prefill checkpoints) and `decode_logits` [{n}, 4096], the
+logits ds4's CPU path gives after each token of `../shared/ds4-oracle/tokens.json` when every
+token, the first included, is fed one at a time through its decode path (build edit 8 of
+`scripts/build_ds4_oracle.py`). The shared oracle's own `decode_logits_all` feed the first token
+through `ds4_session_sync` (the prefill path); `tests/test_ds4_oracles.py` feeds every token
+through our decode path, so these rows judge it and the shared rows are printed beside them.
+
+- Made with antirez/ds4 {meta['ds4_commit'][:12]} on {meta['machine']}; 2 threads.
+- The same build first reproduced the shared oracle's decode and prefill logits bit for bit (the
+  command writes nothing otherwise). The model is `../shared/ds4-oracle/ds4-tiny-q2.gguf`
+  (sha256 `{meta['gguf_sha256']}`, checked by the test before it uses these rows).
+- ds4's two row sets differ by {drift_text(meta)}.
+- `oracle_decode.json`: the positions, the model's sha256, the ds4 commit, the machine, the drift.
+
+## Regenerate
+
+    git clone https://github.com/antirez/ds4 /tmp/ds4-src && git -C /tmp/ds4-src checkout {meta['ds4_commit'][:12]}
+    .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src shared-decode
 """
 
 
@@ -435,7 +527,22 @@ def self_check(dec, pre, positions) -> dict:
             "decode_vs_prefill_max": round(float(d.max()), 4)}
 
 
+def drift(a: np.ndarray, b: np.ndarray) -> dict:
+    """How far ds4's all-decode rows are from its sync-first rows: the seed the first row plants."""
+    d = np.abs(a - b).max(axis=1)
+    top = float((a.argmax(axis=1) == b.argmax(axis=1)).mean())
+    return {"pos0": round(float(d[0]), 4), "median": round(float(np.median(d)), 4),
+            "p90": round(float(np.quantile(d, 0.9)), 4), "top1": round(top, 4)}
+
+
 def _write_npz(path: Path, **arrays) -> None:
+    """Written to a temp name and renamed; left alone when it already holds these arrays (a zip's
+    timestamps would make a reproduced oracle a new blob in git)."""
+    if path.exists():
+        with np.load(path) as old:
+            if set(old.files) == set(arrays) and all(
+                    old[k].dtype == np.asarray(v).dtype and np.array_equal(old[k], v) for k, v in arrays.items()):
+                return
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez_compressed(tmp, **arrays)
     os.replace(tmp, path)
@@ -469,8 +576,10 @@ def machine() -> str:
     return f"{os.uname().machine} {' '.join(isa)}; {' '.join(cc)}; -O3 -ffast-math -march=native"
 
 
-def check_shared(src: Path, keep: bool) -> None:
-    """Rebuild ../shared/ds4-oracle's logits with these edits and say how far they are."""
+def check_shared(src: Path, keep: bool, write: bool = False) -> None:
+    """Rebuild ../shared/ds4-oracle's logits with these edits and say how far they are; with
+    `write`, when they are bit for bit the same, write that model's all-decode rows (edit 8) to
+    tests/oracles/shared-decode/."""
     work = Path(tempfile.mkdtemp(prefix="ds4-oracle-shared-"))
     try:
         gguf = SHARED / "ds4-tiny-q2.gguf"
@@ -478,17 +587,33 @@ def check_shared(src: Path, keep: bool) -> None:
         ref = np.load(SHARED / "ds4_logits.npz")
         ids = json.loads((SHARED / "tokens.json").read_text())["token_ids"]
         pos = [int(p) for p in ref["positions"]]
-        dec, pre = ds4_logits(driver, gguf, ids, pos, 4096, work)
-        print("decode max |diff|:", float(np.abs(dec - ref["decode_logits_all"]).max()),
-              " prefill max |diff|:", float(np.abs(pre - ref["prefill_logits_at_positions"]).max()))
+        dec, alldec, pre = ds4_logits(driver, gguf, ids, pos, 4096, work)
+        d_dec = float(np.abs(dec - ref["decode_logits_all"]).max())
+        d_pre = float(np.abs(pre - ref["prefill_logits_at_positions"]).max())
+        print("decode max |diff|:", d_dec, " prefill max |diff|:", d_pre)
+        if write:
+            if d_dec != 0.0 or d_pre != 0.0:
+                raise SystemExit("the build does not reproduce ../shared/ds4-oracle bit for bit: nothing written")
+            rows = sorted(set(range(min(DECODE_KEEP, len(ids)))) | set(pos))
+            SHARED_DECODE.mkdir(parents=True, exist_ok=True)
+            _write_npz(SHARED_DECODE / ALL_DECODE, decode_positions=np.array(rows, np.int32),
+                       decode_logits=alldec[rows])
+            meta = dict(of="../shared/ds4-oracle", gguf_sha256=sha256(gguf), ds4_commit=ds4_commit(src),
+                        machine=machine(), decode_positions=rows,
+                        all_decode_vs_sync_first=drift(alldec[rows], dec[rows]))
+            _write_text(SHARED_DECODE / "oracle_decode.json", json.dumps(meta, indent=1) + "\n")
+            _write_text(SHARED_DECODE / "README.md", shared_readme(meta))
+            print("all-decode vs sync-first:", meta["all_decode_vs_sync_first"])
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def dump(name: str, src: Path, n_tokens: int, n_pos: int, out: Path) -> None:
+def dump(name: str, src: Path, n_tokens: int, n_pos: int, out: Path, prefill: bool = False) -> None:
     """Build edit 7 for oracle NAME's model and write its decode intermediates (positions below
-    n_pos) to out/NAME.dump and the logits of its first n_tokens ids, all decode, to out/NAME.f32."""
+    n_pos) to out/NAME.dump and the logits of its first n_tokens ids, all decode, to out/NAME.f32;
+    with `prefill`, the batched prefill path's intermediates of one sync of n_tokens ids to
+    out/NAME-prefill.dump and its last row's logits to out/NAME-prefill.f32."""
     spec = ORACLES[name]
     work = Path(tempfile.mkdtemp(prefix=f"ds4-dump-{name}-"))
     try:
@@ -497,8 +622,10 @@ def dump(name: str, src: Path, n_tokens: int, n_pos: int, out: Path) -> None:
         ids = json.loads((OUT_ROOT / name / "oracle.json").read_text())["token_ids"][:n_tokens]
         (work / "ids.txt").write_text("".join(f"{int(t)}\n" for t in ids))
         out.mkdir(parents=True, exist_ok=True)
-        env = dict(driver_env(work), DS4_ORACLE_DUMP=str(out / f"{name}.dump"), DS4_ORACLE_DUMP_POS=str(n_pos))
-        run([driver, "dump", gguf, work / "ids.txt", model_config(gguf).n_vocab, 1, out / f"{name}.f32"], work, env)
+        stem = f"{name}-prefill" if prefill else name
+        env = dict(driver_env(work), DS4_ORACLE_DUMP=str(out / f"{stem}.dump"), DS4_ORACLE_DUMP_POS=str(n_pos))
+        run([driver, "dump-prefill" if prefill else "dump", gguf, work / "ids.txt", model_config(gguf).n_vocab, 1,
+             out / f"{stem}.f32"], work, env)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -512,12 +639,16 @@ def main(argv=None) -> int:
     m = sub.add_parser("make", help="write tests/oracles/NAME (all when none named)")
     m.add_argument("names", nargs="*", metavar="NAME", help=", ".join(ORACLES))
     sub.add_parser("check-shared", help="rebuild ../shared/ds4-oracle's logits and compare")
+    sub.add_parser("shared-decode", help="check-shared, then (bit for bit only) write its model's "
+                   "all-decode rows to tests/oracles/shared-decode/")
     sub.add_parser("readmes", help="rewrite every oracle's README.md from its oracle.json")
     d = sub.add_parser("dump", help="a debug build (edit 7): NAME's decode intermediates into OUT")
     d.add_argument("name", metavar="NAME")
     d.add_argument("out", type=Path, metavar="OUT")
     d.add_argument("--tokens", type=int, default=8, help="ids fed, all through the decode path")
     d.add_argument("--positions", type=int, default=4, help="positions whose intermediates are written")
+    d.add_argument("--prefill", action="store_true", help="the batched prefill path instead: one sync of "
+                   "--tokens ids, the intermediates of its rows below --positions")
     a = p.parse_args(argv)
     if a.cmd != "readmes" and not (a.ds4_src and (a.ds4_src / "ds4.c").exists()):
         p.error(f"--ds4-src {a.ds4_src} is not a ds4 source tree (no ds4.c)")
@@ -531,14 +662,17 @@ def main(argv=None) -> int:
                 meta = json.loads(meta_path.read_text())
                 q4k = "q4" in meta["synth"]
                 _write_text(OUT_ROOT / name / "README.md", readme(meta, spec, q4k))
+        if (SHARED_DECODE / "oracle_decode.json").exists():
+            meta = json.loads((SHARED_DECODE / "oracle_decode.json").read_text())
+            _write_text(SHARED_DECODE / "README.md", shared_readme(meta))
         return 0
     if a.cmd == "dump":
         if a.name not in ORACLES:
             p.error(f"unknown oracle {a.name!r}; known: {', '.join(ORACLES)}")
-        dump(a.name, a.ds4_src, a.tokens, a.positions, a.out)
+        dump(a.name, a.ds4_src, a.tokens, a.positions, a.out, a.prefill)
         return 0
-    if a.cmd == "check-shared":
-        check_shared(a.ds4_src, a.keep)
+    if a.cmd in ("check-shared", "shared-decode"):
+        check_shared(a.ds4_src, a.keep, write=a.cmd == "shared-decode")
         return 0
     for name in a.names or list(ORACLES):
         meta = make_oracle(name, a.ds4_src, a.keep)
