@@ -112,13 +112,54 @@ def test_moe_replays_the_eager_launches_and_results_and_a_new_shape_gets_its_own
     assert got_log[2] == got_log[0] != got_log[4]      # a replay launches what the eager call did
 
 
+def _decode(path, toks, dec, moe_only=False):
+    """Prefill toks, then decode dec one token a step on the emulated cupy backend (ds4
+    numerics): the logits, the engine, and per step what the stand-in counted (xp.OPS)."""
+    from engine import Engine, Session
+    with Engine.open(path, backend="cupy", numerics="ds4") as e:
+        if moe_only:                    # Model._ffn_block finds no block graph: the MoE graphs alone
+            e.model.ops.decode_block = None
+        hashed = [lw.tid2eid is not None for lw in e.model.w.layers]
+        s = Session(e, 64)
+        s.sync(toks, keep_logits=True)
+        out, ops = [], []
+        for t in dec:
+            xp.OPS = {}
+            try:
+                out.append(s.eval(t).copy())
+                ops.append(xp.OPS)
+            finally:
+                xp.OPS = None
+        return np.array(out), e, ops, hashed
+
+
+@pytest.fixture(scope="module")
+def hash_and_topk(tmp_path_factory):
+    """two_layers' kinds (ratio 4 with the indexer, ratio 128), layer 0 routed by token id (a
+    hash layer), layer 1 by top-k: both routings inside a graph."""
+    from engine.gguf.synth import config_for, write_synthetic
+    cfg, vocab = config_for("tiny", n_layer=2, ratios=[4, 128], vocab=300, n_hash_layer=1)
+    return write_synthetic(tmp_path_factory.mktemp("graphs") / "h1.gguf", cfg, recipe="q2", vocab=vocab, seed=7).path
+
+
 @need_emulation
-def test_decode_logits_with_graphs_are_the_eager_ones(emulate, monkeypatch, two_layers):
-    toks, dec = list(range(3, 9)), [7, 11, 2, 5]
-    pre, got, e = _logits(two_layers, "cupy", toks, "ds4", decode=dec)
+def test_decode_logits_with_graphs_are_the_eager_ones(emulate, monkeypatch, hash_and_topk):
+    """Each layer's FFN sublayer (HC, norm, router, experts, HC) is one CUDA graph of a decode
+    step (ops.decode_block, the MoE graph inside it); logits bit for bit the eager ones, and the
+    ops issued per step from Python counted on the stand-in (printed: docs/cuda.md's figures)."""
+    toks, dec = list(range(3, 7)), [7, 11, 2]          # warm-up, capture, replay
+    got, e, ops, hashed = _decode(hash_and_topk, toks, dec)
+    assert hashed == [True, False]
     g = e.model.ops.graphs
     assert g is not None and g.captures == 2 and g.replays == 2 * (len(dec) - 1)     # 2 layers
+    moe, e1, ops_moe, _ = _decode(hash_and_topk, toks, dec, moe_only=True)
     monkeypatch.setenv(graphs.ENV, "0")
-    pre0, want, e0 = _logits(two_layers, "cupy", toks, "ds4", decode=dec)
+    want, e0, ops_eager, _ = _decode(hash_and_topk, toks, dec)
     assert e0.model.ops.graphs is None
-    assert got.tobytes() == want.tobytes() and pre.tobytes() == pre0.tobytes()
+    assert got.tobytes() == want.tobytes() == moe.tobytes()
+    # step 3 (a replay in both graph forms; no compressor window closes at position 6)
+    print("ops issued a decode step (2 layers): eager", ops_eager[2], "MoE graphs", ops_moe[2],
+          "FFN graphs", ops[2])
+    assert ops[2]["graphs"] == 2 and ops_moe[2]["graphs"] == 2 and "graphs" not in ops_eager[2]
+    assert ops[2]["issued"] < ops_moe[2]["issued"] < ops_eager[2]["issued"]
+    assert ops[2]["in_graphs"] > ops_moe[2]["in_graphs"]

@@ -113,7 +113,7 @@ class Model:
             if self.pager:
                 self.pager(self._dense[i + 1])
             X = self._attention(lw, i, X, segs, pos)
-            X = self._ffn(lw, X, tokens)
+            X = self._ffn_block(lw, X, tokens)
         if self.keep_hc:
             last = X[-self.keep_hc:]
             self.last_hc = last.copy() if hasattr(last, "copy") else last * 1
@@ -372,13 +372,28 @@ class Model:
         return idx, ok
 
     # -- FFN sublayer (§3.11) ------------------------------------------------------------------
-    def _ffn(self, lw: LayerWeights, X, tokens):
+    def _ffn_block(self, lw: LayerWeights, X, tokens):
+        """The FFN sublayer, through a backend's graph of it where it has one (ops.decode_block:
+        the cupy backend's CUDA graphs; the sublayer depends on no position, and a hash layer's
+        routing by token id comes in as device data). The paging hints and the expert cache act
+        on the host mid-sublayer: then it runs as it is."""
+        block = getattr(self.ops, "decode_block", None)
+        if block is None or self.pager or self.experts is not None:
+            return self._ffn(lw, X, tokens)
+        if lw.tid2eid is None:
+            return block(lw.hc_ffn, lambda X_: self._ffn(lw, X_, tokens), (X,))
+        hsel = self.xp.asarray(lw.tid2eid[tokens].astype(np.int64))
+        return block(lw.hc_ffn, lambda X_, h_: self._ffn(lw, X_, tokens, h_), (X, hsel))
+
+    def _ffn(self, lw: LayerWeights, X, tokens, hsel=None):
         c, ops = self.c, self.ops
         xp = self.xp
         x, post, C = self._hc_pre(lw.hc_ffn, X)
         u = ops.rmsnorm(x, lw.ffn_norm, c.rms_eps)
         p = xp.sqrt(ops.softplus(ops.linear(lw.gate_inp, u)))                     # [T, n_expert]
-        if lw.tid2eid is not None:
+        if hsel is not None:
+            sel = hsel                                                             # (device data: _ffn_block)
+        elif lw.tid2eid is not None:
             sel = xp.asarray(lw.tid2eid[tokens].astype(np.int64))                  # hash routing by token id (host table)
         else:
             biased = p + lw.bias if lw.bias is not None else p

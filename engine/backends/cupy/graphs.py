@@ -44,11 +44,14 @@ class DecodeGraphs:
         self.xp = xp
         self._g: dict = {}                  # key -> (owner, None) after the warm-up, or _Captured
         self._stream = None
+        self._inside = False        # a warm-up or capture of an outer block is running
         self.captures = self.replays = 0
 
     def run(self, owner, fn, inputs: tuple):
         """fn(*inputs) (device arrays -> one device array), from a graph keyed by owner (kept,
         and checked by identity) and the inputs' shapes and dtypes."""
+        if self._inside:            # a block inside one being warmed up or captured: part of it
+            return fn(*inputs)
         key = (id(owner),) + tuple((a.shape, str(a.dtype)) for a in inputs)
         hit = self._g.get(key)
         if hit is None or (hit[0] if isinstance(hit, tuple) else hit.owner) is not owner:
@@ -56,10 +59,18 @@ class DecodeGraphs:
             # allocations of the same sizes (no cudaMalloc while capturing)
             pool = self.xp.cuda.MemoryPool()
             self._g[key] = (owner, pool)
-            with self.xp.cuda.using_allocator(pool.malloc):
-                return fn(*inputs)
+            self._inside = True
+            try:
+                with self.xp.cuda.using_allocator(pool.malloc):
+                    return fn(*inputs)
+            finally:
+                self._inside = False
         if isinstance(hit, tuple):
-            hit = self._g[key] = self._capture(owner, fn, inputs, hit[1])
+            self._inside = True
+            try:
+                hit = self._g[key] = self._capture(owner, fn, inputs, hit[1])
+            finally:
+                self._inside = False
         for s, a in zip(hit.inputs, inputs):
             s[...] = a                              # device -> device, in stream order
         hit.graph.launch()

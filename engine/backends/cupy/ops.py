@@ -376,6 +376,26 @@ class CupyOps:
                                    (u, sel, wsel))
         return self._moe(lw, gate, up, down, u, sel, wsel, limit, kern)
 
+    def expert_weights(self, wsel, scale, hashed: bool):
+        """The routed weights normalized (Model._ffn's own form: the sum floored at 2^-14 in ds4
+        numerics, + 1e-20 in exact), with its constants as scalars of the kernel, not uploaded
+        0-d arrays: a host -> device copy cannot be part of the FFN's CUDA graph."""
+        xp = self.xp
+        wsel = self._a(wsel)
+        tot = wsel.sum(axis=1, keepdims=True)
+        tot = xp.maximum(tot, _F32(2.0 ** -14)) if self._ds4 else tot + _F32(1e-20)
+        return (wsel / tot * _F32(scale)).astype(xp.float32)
+
+    def decode_block(self, owner, fn, inputs: tuple):
+        """fn(*inputs) -> one device array, for a position-independent block of a one-token step
+        (Model._run: a layer's FFN sublayer): from a CUDA graph keyed by owner and the inputs'
+        shapes (graphs.py; the MoE graph inside it becomes part of it). Eager where graphs are off,
+        the kernels are missing or the rows are several (their MoE may plan on the host)."""
+        inputs = tuple(self._a(a) for a in inputs)
+        if self.graphs is None or inputs[0].shape[0] != 1:
+            return fn(*inputs)
+        return self.graphs.run(owner, fn, inputs)
+
     def _moe(self, lw, gate, up, down, u, sel, wsel, limit, kern):
         routed = (self._routed_kernels if kern else self._routed_arrays)(gate, up, down, u, sel, wsel, limit)
         sh = self._swiglu(self.xp, *self.linears([lw.sh_gate, lw.sh_up], u), limit)

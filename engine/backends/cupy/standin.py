@@ -89,9 +89,21 @@ def _capture_guard(what: str) -> None:
                            f"a graph cannot hold a transfer between host and device)")
 
 
+# a dict: counts what the backend issues (tests: launches per decode step). "issued": array ops,
+# kernel launches and graph launches run from Python (views and no-op checks included, which
+# launch nothing on a GPU); "graphs": graph launches; "in_graphs": the ops those replayed
+OPS: dict | None = None
+
+
+def _count(what: str, n: int = 1) -> None:
+    if OPS is not None and not _CAPTURING:
+        OPS[what] = OPS.get(what, 0) + n
+
+
 def _run(thunk):
     """thunk() -> a NumPy-level result, wrapped; recorded while a stream captures."""
     r = _wrap(thunk())
+    _count("issued")
     if _CAPTURING:
         _CAPTURING[-1].append((thunk, r))
     return r
@@ -100,6 +112,7 @@ def _run(thunk):
 def _mutate(thunk) -> None:
     """An in-place op (setitem, +=, out=, a kernel launch), recorded while a stream captures."""
     thunk()
+    _count("issued")
     if _CAPTURING:
         _CAPTURING[-1].append((thunk, None))
 
@@ -329,6 +342,7 @@ class Graph:
 
     def launch(self, stream=None):
         _capture_guard("launching a graph")
+        _count("issued"), _count("graphs"), _count("in_graphs", len(self._steps))
         _replay(self._steps)
 
     def upload(self, stream=None):
