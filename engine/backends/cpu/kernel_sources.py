@@ -19,6 +19,7 @@ SOURCES = [
     "engine/backends/cpu/csrc/kern_avx512.c",
     "engine/backends/cpu/csrc/kern_q8.c",
     "engine/backends/cpu/csrc/mrow_f16.c",
+    "engine/backends/cpu/csrc/mrow_q8.c",
 ]
 DEPENDS = [
     "engine/backends/cpu/csrc/module.h",

@@ -99,6 +99,8 @@ int ops_attention(const kern_isa *K, const float *q, const float *sinks, double 
 uint64_t ops_read_sum(const uint64_t *p, int64_t n);
 void run_f16_seq(const uint16_t *W, ptrdiff_t stride, int64_t n_rows, int64_t n_in, const float *x, int64_t T,
                  float *y, int max_threads);
+/* mrow_q8.c: build `isa`'s Q8_0 integer kernel for 2-8 tokens (its own kernel keeps one token) */
+void mrow_q8_install(int isa);
 /* mrow_f16.c: kern_f16_seq's function, 8 rows a vector and up to 4 tokens a pass; 0 where this
  * build has no SIMD form (the caller runs kern_f16_seq) */
 int mrow_f16_seq(const uint16_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const float *x, int64_t T,
