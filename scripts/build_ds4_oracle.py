@@ -468,7 +468,8 @@ by `scripts/build_ds4_oracle.py`, whose docstring lists every edit) on a synthet
 ## Files
 
 - `oracle.json`: `synth` (the model's arguments), `gguf_sha256`, `token_ids`, `system`, `user`,
-  `decode_positions`, `prefill_positions`, `ds4_commit`, `machine`, `self_check`.
+  `decode_positions`, `prefill_positions`, `ds4_commit`, `machine`, `self_check`,
+  `all_decode_vs_sync_first` (ds4's two token-by-token row sets: max-abs at position 0, median, p90, top-1).
 - `ds4_logits.npz` (float32): `decode_logits` [{len(meta['decode_positions'])}, vocab], the sync-first
   rows: the logits after the token at each of `decode_positions` (every position below 300 and
   the prefill checkpoints), all tokens fed one at a time, the first through `ds4_session_sync` (the
