@@ -4,7 +4,6 @@ backend, the environment mlx.launch sets, and one run through mlx.launch itself)
 token for token and byte for byte with one process."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -96,7 +95,6 @@ def _backends():
     return [b for b in BACKENDS if b in registry.available_names()]
 
 
-@functools.lru_cache(maxsize=None)
 def _single_lines(model, backend, n=N_GEN, chunk=4):
     with Engine.open(model, EngineOptions(backend=backend, paging="none", threads=1)) as eng:
         return stop_then_greedy(Session(eng, 256, chunk=chunk), PROMPT, n)
@@ -109,15 +107,34 @@ def _single_session(model):
         single = sess.snapshot()
         want = greedy(sess, 8)
         sess.rewind(5)
-        return single, want, greedy(sess, 4)
+        return {"kv": single.hex(), "want": want, "rewound": greedy(sess, 4)}
+
+
+def _shared(tmp_path_factory, name, make):
+    """`make()`'s value (JSON), made once for every pytest-xdist worker of this run: one worker
+    computes it under a lock, the others read its file (one process's runs are a third of these
+    tests' time)."""
+    import fcntl
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent              # (the run's folder, above each worker's own)
+    path = root / f"ds4-split-{name}"
+    with open(root / "ds4-split.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            value = make()
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(value))
+            tmp.rename(path)
+    return json.loads(path.read_text())
 
 
 def _run_suite(tmp, n_ranks, models, backends, *, sessions=True, **env):
     """One launch of n_ranks: rank 0's stdout lines by tag, and the workers' logs."""
     runs = [dict(tag=f"{b}-{name}", kind="tokens", model=str(m), backend=b, chunk=4, n=N_GEN)
             for b in backends for name, m in models.items()]
-    small = str(models["small"])
     if sessions:
+        small = str(models["small"])
         cut = ",".join(f"{a}:{b}" for a, b in auto_plan(6, n_ranks, free=[1] * (n_ranks - 1) + [2]))
         runs += [dict(tag="save", kind="save", model=small, backend="numpy", layers=cut, chunk=4,
                       out=str(tmp / "split.kv")),
@@ -137,53 +154,34 @@ def _run_suite(tmp, n_ranks, models, backends, *, sessions=True, **env):
     return by, logs
 
 
-@pytest.fixture(scope="module")
-def single_session(small_model, tmp_path_factory):
-    d = tmp_path_factory.mktemp("single")
-    single, want, rewound = _single_session(small_model)
-    (d / "single.kv").write_bytes(single)
-    return d / "single.kv", single, want, rewound
-
-
-@pytest.fixture(scope="module", params=[2, 3])
-def suite(request, tiny_q2, small_model, single_session, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"suite{request.param}")
-    shutil.copy(single_session[0], tmp / "single.kv")
+@pytest.mark.parametrize("n_ranks", [2, 3])
+def test_split_runs_match_one_process(n_ranks, tiny_q2, small_model, tmp_path, tmp_path_factory):
+    """One launch of 2 or 3 ranks (process start and imports cost more than a small run), each
+    check against one process:
+    - numpy and cpu, two 6-layer synthetic models: greedy 64 after a prefill of three chunks,
+      and the logits of a prefill stopped after its second chunk;
+    - the prefill is pipelined: its first two chunks go on without an answer (rank 0 starts the
+      next chunk at once), only the last comes back; every worker ran them in order;
+    - a split run's session payload is the single process's, byte for byte (a split other than
+      auto's); a single process's payload resumes split to the same tokens, as does a fork of
+      it, and a rewind on every rank."""
+    from engine.runtime import distributed as D
     models = {"tiny": tiny_q2, "small": small_model}
-    by, logs = _run_suite(tmp, request.param, models, _backends())
-    return request.param, models, by, logs, tmp
-
-
-def test_split_ranks_give_one_process_tokens(suite):
-    """2 and 3 ranks, numpy and cpu, two 6-layer models: greedy 64 after a prefill crossing chunk
-    boundaries (and stopped after two chunks once), as one process gives them."""
-    n_ranks, models, by, _, _ = suite
+    one = _shared(tmp_path_factory, "session.json", lambda: _single_session(small_model))
+    single, want, rewound = bytes.fromhex(one["kv"]), one["want"], one["rewound"]
+    (tmp_path / "single.kv").write_bytes(single)
+    by, logs = _run_suite(tmp_path, n_ranks, models, _backends())
     for b in _backends():
         for name, m in models.items():
-            got = [ln for ln in by[f"{b}-{name}"] if not ln.startswith("prefill")]
-            assert got == _single_lines(m, b), (n_ranks, b, name)
-
-
-def test_a_split_prefill_is_pipelined(suite):
-    """A prefill of three chunks: the first two go on without an answer (rank 0 starts the next
-    chunk at once), only the last comes back; every worker ran the posted chunks in order."""
-    n_ranks, models, by, logs, _ = suite
-    assert by["numpy-tiny"][0] == "prefill posted 2 rounds 1"
-    from engine.runtime import distributed as D
+            ref = _shared(tmp_path_factory, f"{b}-{name}.json", lambda: _single_lines(m, b))
+            assert by[f"{b}-{name}"][1:] == ref, (b, name)
+            assert by[f"{b}-{name}"][0] == "prefill posted 2 rounds 1"
     for r, lines in logs.items():
         ops = [int(ln.split()[1]) for ln in lines]
-        # each tokens run: HELLO, PLAN, NEW, the full prefill (POST, POST, FWD), RESET, the stopped one (POST, POST, TAIL) ...
+        # a tokens run: NEW, the prefill (POST, POST, FWD), RESET, the stopped one (POST, POST, TAIL), the rest
         i = ops.index(D.NEW)
         assert ops[i + 1:i + 9] == [D.POST, D.POST, D.FWD, D.RESET, D.POST, D.POST, D.TAIL, D.FWD], (r, ops[:20])
-
-
-def test_sessions_move_both_ways_between_split_and_single(suite, single_session):
-    """A split run's payload is the single process's, byte for byte (a split other than auto's);
-    a single process's payload resumes split to the same tokens, as does a fork of it, and a
-    rewind on every rank."""
-    n_ranks, _, by, _, tmp = suite
-    _, single, want, rewound = single_session
-    assert (tmp / "split.kv").read_bytes() == single
+    assert (tmp_path / "split.kv").read_bytes() == single
     lines = by["resume"]
     assert [ln for ln in lines if ln.startswith("gen[")] == want
     assert [ln[5:] for ln in lines if ln.startswith("fork ")] == want
@@ -191,12 +189,12 @@ def test_sessions_move_both_ways_between_split_and_single(suite, single_session)
 
 
 @pytest.mark.slow
-def test_mlx_backend_split_gives_one_process_tokens(tiny_q2, small_model, tmp_path):
+def test_mlx_backend_split_gives_one_process_tokens(tiny_q2, tmp_path):
     from engine.backends import registry
     if "mlx" not in registry.available_names():
         pytest.skip("backend mlx is not built here")
-    by, _ = _run_suite(tmp_path, 2, {"tiny": tiny_q2, "small": small_model}, ["mlx"], sessions=False)
-    assert [ln for ln in by["mlx-tiny"] if not ln.startswith("prefill")] == _single_lines(tiny_q2, "mlx")
+    by, _ = _run_suite(tmp_path, 2, {"tiny": tiny_q2}, ["mlx"], sessions=False)
+    assert by["mlx-tiny"] == ["prefill posted 2 rounds 1"] + _single_lines(tiny_q2, "mlx")
 
 
 @pytest.mark.parametrize("sig,says", [(signal.SIGKILL, "rank 1 is gone"), (signal.SIGSTOP, "rank 1 did not answer within")])
