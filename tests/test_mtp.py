@@ -381,10 +381,20 @@ def test_bench_mtp_prints_step_costs_and_speedups(mtp_models, capsys):
     main_path, mtp, _ = mtp_models
     args = ["-m", str(main_path), "--ctx-start", "16", "--gen-tokens", "3", "--mtp-reps", "1"]
     assert main(args + ["--mtp", str(mtp), "--mtp-draft", "1"]) == 0
-    out = capsys.readouterr().out
-    rows = [l for l in out.splitlines() if l[:2] in ("1,", "2,", "3,", "4,", "5,")]
-    assert [r.split(",")[0] for r in rows[:5]] == ["1", "2", "3", "4", "5"] and rows[0].endswith(",1.000")
-    assert "a=0.8" in out and "measured acceptance with --mtp-draft 1" in out
+    text = capsys.readouterr().out
+    assert "a=0.8" in text and "measured acceptance with --mtp-draft 1" in text
+    # wall and CPU time, the read floor; then the same steps with the rows sharing their experts
+    out = text.splitlines()
+    heads = [i for i, l in enumerate(out) if l == "tokens,ms,x_one_token,cpu_ms,x_cpu,floor_MB,x_floor"]
+    assert len(heads) == 2 and "sharing the first row's experts" in out[heads[1] - 1]
+    for h in heads:
+        assert [r.split(",")[0] for r in out[h + 1:h + 6]] == ["1", "2", "3", "4", "5"]
+        one = out[h + 1].split(",")
+        assert one[2] == one[4] == one[6] == "1.000" and len(out[h + 2].split(",")) == 7
+    # tokens per second with the true continuation as drafts, against plain decoding (N = 0)
+    at = out.index("N,tokens_per_s,x_plain")
+    assert [r.split(",")[0] for r in out[at + 1:at + 6]] == ["0", "1", "2", "3", "4"]
+    assert out[at + 1].endswith(",1.000") and all(float(r.split(",")[1]) > 0 for r in out[at + 1:at + 6])
     assert main(args + ["--mtp", str(main_path)]) == 1
     assert "not an MTP file" in capsys.readouterr().err
 
@@ -487,3 +497,25 @@ def test_corrupt_mtp_files_are_one_line_in_every_command(mtp_models, tmp_path, m
         ("ds4", ds4_main, ["-m", m, "-p", "hi", "-n", "2", "--nothink", "--ctx", "64", "--mtp", p]),
         ("ds4-bench", bench_main, ["-m", m, "--ctx-start", "8", "--gen-tokens", "2", "--mtp-reps", "1", "--mtp", p]),
         ("ds4-agent", agent_main, ["-m", m, "-p", "hi", "--ctx", "64", "--mtp", p])])
+
+
+def test_bench_mtp_read_floor_is_the_union_of_the_rows_experts(mtp_models):
+    """ds4-bench --mtp's read floor: the bytes a step must read, the routed experts counted once
+    per layer for all of the step's rows (their union); with the rows sharing the first row's
+    routing, a T-row step's floor is a one-row step's."""
+    from engine.bench_mtp import expert_bytes, step_costs
+    from engine.gguf.inspect import report
+    main, _, cfg = mtp_models
+    with Engine.open(main, backend="numpy") as eng:
+        s = Session(eng, 64)
+        s.sync(PROMPT[:20])
+        fixed, per = expert_bytes(eng.file)
+        one_token = report(eng.file)["bytes_per_token"]["short"]
+        own = step_costs(s, 1, sizes=(1, 3))
+        shared = step_costs(s, 1, sizes=(1, 3), share=True)
+    k = cfg.n_expert_used
+    assert fixed + k * sum(per) == one_token and own[1][2] <= one_token
+    assert shared[3][2] == shared[1][2] == own[1][2]
+    assert own[1][2] < own[3][2] <= fixed + 3 * k * sum(per)
+    assert all(c[0] > 0 and c[1] > 0 for c in own.values())
+
