@@ -1,9 +1,10 @@
 """Measure a split run (issue 38; docs/performance.md, docs/distributed.md).
 
-  hop:   the ring alone, under mlx.launch -n 2: rank 0 sends a decode step's HC state
-         (T x n_hc x n_embd float32) and gets a logits row (vocab float32) back, N times;
+  hop:   the ring alone, under mlx.launch -n 2 (or more): rank 0 sends a decode step's HC
+         state (T x n_hc x n_embd float32) and gets a logits row (vocab float32) back, N times;
          prints the mean round time through the link thread (what a split pass pays) and
-         with plain send/recv in the caller's thread, and the bytes each way.
+         with plain send/recv in the caller's thread, and the bytes each way; then N messages
+         posted one way and one round (a pipelined prefill's pattern): time a message, MB/s.
   model: one model, prefill P tokens then decode G, with --layers L (under mlx.launch) or
          without (one process); prints the rates and, split, the ring's messages and bytes.
 
@@ -28,28 +29,38 @@ def hop(a) -> int:
     x = np.ones(a.tokens * a.n_hc * a.n_embd, np.float32)
     back = np.ones(a.vocab, np.float32)
     n = a.n
-    if link.rank > 0:
-        for _ in range(2 * (n + 3)):
+    if link.rank > 0:                     # a worker: pass each message on; the last rank answers rounds only
+        while True:
             h, parts = link.recv()
-            link.send(int(h[0]), 0, (), [back] if link.rank == link.size - 1 else parts)
-        return 0
+            op = int(h[0])
+            if op == D.CLOSE or link.rank < link.size - 1:
+                link.send(op, 0, (), parts)
+            elif op == D.FWD:
+                link.send(op, 0, (), [back])
+            if op == D.CLOSE:
+                return 0
     for _ in range(3):                                       # (warm-up)
         link.exchange(D.FWD, 0, (), [x], timeout=60)
     t0 = time.perf_counter()
     for _ in range(n):
         link.exchange(D.FWD, 0, (), [x], timeout=60)
     t_thread = (time.perf_counter() - t0) / n
-    for _ in range(3):
-        link.send(D.FWD, 0, (), [x])
-        link.recv()
     t0 = time.perf_counter()
     for _ in range(n):
         link.send(D.FWD, 0, (), [x])
         link.recv()
     t_direct = (time.perf_counter() - t0) / n
+    # a pipelined prefill's messages: n posts one way (nothing comes back), then one round
+    t0 = time.perf_counter()
+    for _ in range(n):
+        link.post(D.POST, 0, (), [x], timeout=60)
+    link.exchange(D.FWD, 0, (), [x], timeout=60)
+    t_post = (time.perf_counter() - t0) / (n + 1)
+    link.exchange(D.CLOSE, 0, (), [], timeout=60)
     print(f"hop: {link.size} ranks, out {x.nbytes + 8 * D.HEADER:,} B (HC state of {a.tokens} token(s)), "
           f"back {back.nbytes + 8 * D.HEADER:,} B (logits of {a.vocab}); round {t_thread * 1e3:.2f} ms through "
-          f"the link thread, {t_direct * 1e3:.2f} ms direct (mean of {n}); load {os.getloadavg()[0]:.1f}")
+          f"the link thread, {t_direct * 1e3:.2f} ms direct; posted one way {t_post * 1e3:.2f} ms a message "
+          f"({x.nbytes / t_post / 1e6:.0f} MB/s) (means of {n}); load {os.getloadavg()[0]:.1f}")
     return 0
 
 
