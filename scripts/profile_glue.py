@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-GLUE = ("_attend", "_experts", "_experts_rows", "_swiglu_into", "swiglu", "ascontiguousarray", "astype",
+GLUE = ("_attend", "_experts", "_experts_rows", "_routed_mid", "swiglu", "ascontiguousarray", "astype",
         "repeat", "concatenate", "take", "grouped_linear", "_compress_store", "clip")
 
 

@@ -177,15 +177,11 @@ def test_cpu_ops_take_the_references_indexer_scores():
     assert got.dtype == np.float64 and np.array_equal(got, REF.indexer_scores(qi, keys, wts))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "since e41bbf3..4f37e74 (issue 33) the reference's ds4 numerics follow ds4's compiled float32 "
-    "loops outside the Q8 matmuls too (F16 matvecs in index order, attention, HC split/sums/post, "
-    "SwiGLU, the routed weights, RoPE's YaRN blend); the cpu backend's F16/attention kernels and "
-    "those ops do not yet (logits differ by ~0.05 on tiny models). Its Q8 matmuls do: a reference "
-    "pass with them is bit-identical (test_cpu_fidelity)."))
 def test_a_cpu_pass_is_the_references(tmp_path):
     """Every op of a cpu pass in ds4 numerics is the reference's to the bit (integer kernels with
-    ds4's float32 block sums, float kernels and attention in float64, the reference's indexer sums): the
+    ds4's float32 block sums, the F16 matvec in index order, ds4's float32 forms of attention, the
+    HC split / sums / post / head, RoPE with cosf / sinf and the query's YaRN blend, the SwiGLU
+    forms and the routed experts summed in slot order (csrc/ops_ds4.c), the reference's indexer sums): the
     logits of a 3-layer tiny model (a hash layer with the indexer, top-k routing, ratio-4 and
     ratio-128 compression) over 192 positions in chunks of 64 are identical, and so is every
     decision. (A build without the attention kernel runs the reference's own attention.)

@@ -2,11 +2,8 @@
 form gives the bits of the form it replaces, and bad input still gets a ValueError."""
 from __future__ import annotations
 
-# In `exact` numerics: these C paths compute the forms exact numerics use (correctly rounded cos/sin,
-# the float32 HC and float matmul forms). ds4 numerics now follow ds4's compiled loops for these
-# ops (libm cosf/sinf, the query's YaRN blend, engine/model/ds4_float.py), which the cpu backend's
-# C paths do not yet compute: an open item of issue 33, pinned by the strict xfail of
-# test_cpu_f64.py::test_a_cpu_pass_is_the_references.
+# Both numerics where the C path has a ds4 form (RoPE: cosf / sinf tables and the query's YaRN
+# blend; csrc/ops_ds4.c and tests/test_kernels_bitexact.py hold the rest of ds4's loops).
 import numpy as np
 import pytest
 
@@ -31,15 +28,16 @@ def _same(a, b):
 @needs_kernels
 @pytest.mark.parametrize("shape, heads", [((3, 96), False), ((2, 5, 96), True), ((1, 8, 64), True)])
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rope_plan_equals_reference(shape, heads, inverse):
-    ops = CpuOps("exact")
+@pytest.mark.parametrize("numerics", ["exact", "ds4"])
+def test_rope_plan_equals_reference(shape, heads, inverse, numerics):
+    ops, libm = CpuOps(numerics), numerics == "ds4"       # ds4: the C library's cosf / sinf
     pos = np.arange(100, 100 + shape[0])
     th = ops.rope_thetas(pos, 32, 10000.0, None)
     th = th[:, None, :] if heads else th
     x = RNG.standard_normal(shape).astype(np.float32)
-    want = N.apply_rope(x, th, inverse)
+    want = N.apply_rope(x, th, inverse, libm)
     first = ops.rope(x, th, inverse=inverse)              # makes the plan
-    assert (id(th), x.shape, inverse) in fast._PLANS
+    assert (id(th), x.shape, inverse, libm) in fast._PLANS
     second = ops.rope(x, th, inverse=inverse)             # takes it
     y = x.copy()
     third = ops.rope(y, th, inverse=inverse, inplace=True)
@@ -49,8 +47,8 @@ def test_rope_plan_equals_reference(shape, heads, inverse):
     # another x shape with the same table: its own plan, not the first one's
     if not heads:
         x2 = RNG.standard_normal((shape[0], 128)).astype(np.float32)
-        _same(ops.rope(x2, th, inverse=inverse), N.apply_rope(x2, th, inverse))
-        _same(ops.rope(x2, th, inverse=inverse), N.apply_rope(x2, th, inverse))
+        _same(ops.rope(x2, th, inverse=inverse), N.apply_rope(x2, th, inverse, libm))
+        _same(ops.rope(x2, th, inverse=inverse), N.apply_rope(x2, th, inverse, libm))
 
 
 @needs_kernels

@@ -5,7 +5,7 @@
 * CpuOps.query_block: the model hands the C kernel a whole chunk's queries in one call (no
   per-256-query blocks, no concatenation): a forward pass gives the logits of the 256-query blocks
   with the model's own gather, on layers of every ratio (0, 4 with the indexer picking, 128).
-* _swiglu_into: FastOps.swiglu in place, row chunk by row chunk.
+* the expert step's forms in ds4 numerics: the reference's (NumpyOps.moe / routed).
 * _experts_rows for a prefill chunk's rows (STACK_MIN and up): the expert-by-expert form's bits.
 """
 from __future__ import annotations
@@ -71,29 +71,30 @@ def test_attention_index_errors_are_one_line_value_errors():
         cpu_ops.CpuOps.attention(q, [(keys, ok, idx[:, :5])], sinks, 0.125)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")     # (the worker threads' inf * 0)
-def test_swiglu_into_equals_fastops_swiglu():
-    rng = np.random.default_rng(7)
-    limit = np.float32(7.0)
-    # (from 4 * SWIGLU_ROWS rows on the engine's threads share the rows)
-    for rows in (1, cpu_ops.SWIGLU_ROWS, cpu_ops.SWIGLU_ROWS + 3, 3 * cpu_ops.SWIGLU_ROWS - 1,
-                 4 * cpu_ops.SWIGLU_ROWS, 9 * cpu_ops.SWIGLU_ROWS + 5):
-        g = (rng.standard_normal((rows, 96)) * 30).astype(np.float32)
-        v = (rng.standard_normal((rows, 96)) * 30).astype(np.float32)
-        g[0, :4] = [-200.0, np.nan, np.inf, -np.inf]     # exp overflow, NaN, the clamps
-        v[0, 4:8] = [np.nan, -np.inf, np.inf, -0.0]
-        with np.errstate(invalid="ignore"):                 # inf * 0 and NaN: as the reference
-            want = FastOps.swiglu(g, v, limit)
-            got = cpu_ops._swiglu_into(g.copy(), v.copy(), limit)
-        assert np.array_equal(_bits(got), _bits(want)), rows
-        # with routing weights from row w0 on (the shared expert's rows first): m[w0:] *= w
-        for w0 in (0, 1, rows // 2, rows - 1):
-            w = rng.random(rows - w0).astype(np.float32)
-            want_w = want.copy()
-            want_w[w0:] *= w[:, None]
-            with np.errstate(invalid="ignore"):
-                got_w = cpu_ops._swiglu_into(g.copy(), v.copy(), limit, w, w0)
-            assert np.array_equal(_bits(got_w), _bits(want_w)), (rows, w0)
+def test_ds4_experts_are_the_references(tmp_path):
+    """Every form of the cpu backend's expert step in ds4 numerics (one token, a few rows, a
+    prefill chunk's stacked rows) is the reference's: ds4's SwiGLU for the shared expert, its
+    weighted one for the routed experts, each row's experts summed in slot order, then the shared
+    expert added (NumpyOps.moe / routed), bit for bit. Four experts a token: the order of two
+    float32 terms cannot show."""
+    from engine import Engine
+    from engine.gguf.synth import config_for, write_synthetic
+    cfg, vocab = config_for("tiny", n_layer=1, ratios=[0], n_hash_layer=0, n_expert_used=4, vocab=465)
+    path = write_synthetic(tmp_path / "k4.gguf", cfg, recipe="q2", vocab=vocab, seed=4).path
+    with Engine.open(path, backend="cpu", numerics="ds4") as e:
+        ops, c, ref = e.model.ops, e.config, NumpyOps("ds4")
+        lw = next(lw for lw in e.model.w.layers if lw.tid2eid is None)
+        if not ops._batched_experts(lw):
+            pytest.skip("the small model's experts have no integer kernel")
+        rng = np.random.default_rng(12)
+        limit = np.float32(c.swiglu_clamp[lw.il])
+        for T in (1, 3, cpu_ops.STACK_MIN + 2):
+            u = rng.standard_normal((T, c.n_embd)).astype(np.float32)
+            sel = np.stack([rng.choice(c.n_expert, c.n_expert_used, replace=False) for _ in range(T)])
+            wsel = rng.random(sel.shape).astype(np.float32)
+            for f in ("moe", "routed"):
+                got, want = getattr(ops, f)(lw, u, sel, wsel, limit), getattr(ref, f)(lw, u, sel, wsel, limit)
+                assert np.array_equal(_bits(got), _bits(want)), (f, T)
 
 
 def test_stacked_experts_equal_the_expert_by_expert_form(small_model, monkeypatch):

@@ -233,8 +233,13 @@ def test_rope_rotations_of_the_backends_own_tables_are_reused_and_right():
 
 def test_cpu_backend_uses_fast_ops():
     # (hc_pre_mix, hc_post, rmsnorm and attention have C forms of their own, tested above)
+    # in exact numerics; ds4 numerics take ds4's forms (csrc/ops_ds4.c, tests/test_kernels_bitexact.py)
     from engine.backends.cpu.ops import CpuOps
-    assert CpuOps.rope is FastOps.rope and CpuOps.swiglu is FastOps.swiglu
+    ops = CpuOps("exact")
+    assert CpuOps.rope is FastOps.rope and ops.rope is FastOps.rope
+    g, v = np.linspace(-30, 30, 64, dtype=np.float32).reshape(2, 32), np.ones((2, 32), np.float32)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(ops.swiglu(g, v, np.float32(7.0)), FastOps.swiglu(g, v, np.float32(7.0)))
 
 
 def test_a_tokens_result_does_not_depend_on_the_batch():

@@ -39,16 +39,19 @@ def _own(table: np.ndarray) -> np.ndarray:
     return table
 
 
-def _rotation(thetas, th, shape, inverse):
+def _rotation(thetas, th, shape, inverse, libm=False):
     entry = _ROTATIONS.get(id(thetas))
     if entry is not None and entry[0] is thetas:
-        cs = entry[1].get((shape, inverse))
+        cs = entry[1].get((shape, inverse, libm))
         if cs is not None:
             return cs
     t = th.reshape(shape).astype(np.float64)
     cs = np.empty(t.shape, dtype=np.complex64)
-    cs.real = np.cos(t)                                    # float64 cos/sin rounded to float32, as the reference
-    cs.imag = np.sin(t)
+    if libm:                                               # ds4 numerics: the C library's cosf / sinf
+        cs.real, cs.imag = N.libm_cos_sin(th.reshape(shape))
+    else:
+        cs.real = np.cos(t)                                # float64 cos/sin rounded to float32, as the reference
+        cs.imag = np.sin(t)
     if inverse:
         np.conjugate(cs, out=cs)                           # the negated angle: -sin
     root = thetas
@@ -60,7 +63,7 @@ def _rotation(thetas, th, shape, inverse):
                 _ROTATIONS.pop(next(iter(_ROTATIONS)), None)   # the oldest
             entry = _ROTATIONS[id(thetas)] = (thetas, {})
         cs.flags.writeable = False
-        entry[1][(shape, inverse)] = cs
+        entry[1][(shape, inverse, libm)] = cs
     return cs
 
 
@@ -87,15 +90,16 @@ class FastOps:
 
     # -- RoPE ----------------------------------------------------------------------------------
     @staticmethod
-    def rope(x, thetas, inverse=False, inplace=False):
+    def rope(x, thetas, inverse=False, inplace=False, libm=False):
         """N.apply_rope with the (cos, sin) of each angle table computed once (cached, see
         _rotation). With the C kernels (kernels.rope): the reference's float32 lanes, bit for bit
         (x0 c - x1 s and x0 s + x1 c, each product rounded), one pass. Without them: each (even,
         odd) pair of the tail viewed as one complex64 number and rotated by one multiply with
         cos + i sin, equal to the reference up to float32 rounding (NumPy's complex multiply
         differs in the last bit for ~11% of values: in ds4 numerics one ulp before a Q8 quantizer
-        flips a code now and then, and the cpu backend's pass drifts from the reference's)."""
-        plan = _PLANS.get((id(thetas), getattr(x, "shape", None), inverse))
+        flips a code now and then, and the cpu backend's pass drifts from the reference's).
+        libm: the C library's cosf / sinf (ds4 numerics, NumpyOps.rope_ds4), on the C kernel only."""
+        plan = _PLANS.get((id(thetas), getattr(x, "shape", None), inverse, libm))
         if plan is not None and plan[0] is thetas and type(x) is np.ndarray and x.dtype == _F32:
             return _rope_planned(x, plan, inplace)
         x = np.asarray(x, dtype=_F32)
@@ -104,10 +108,12 @@ class FastOps:
         lead_t, lead_x = th.shape[:-1], x.shape[:-1]
         if 2 * npair > x.shape[-1] or len(lead_t) > len(lead_x) or \
                 (lead_t != lead_x[:len(lead_t)] and any(a != b and a != 1 for a, b in zip(lead_t, lead_x))):
-            return N.apply_rope(x, thetas, inverse)        # raises the reference's error
-        got = _rope_c(x, thetas, th, inverse, inplace)
+            return N.apply_rope(x, thetas, inverse, libm)  # raises the reference's error
+        got = _rope_c(x, thetas, th, inverse, inplace, libm)
         if got is not None:
             return got
+        if libm:
+            return N.apply_rope(x, thetas, inverse, libm)
         if x.ndim == 0 or x.strides[-1] != 4:
             x = np.ascontiguousarray(x)                    # the complex view needs unit-stride lanes
         cs = _rotation(thetas, th, lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,), inverse)
@@ -251,7 +257,7 @@ class FastOps:
         return pre, post, np.ascontiguousarray(Cv.transpose(2, 0, 1))
 
 
-def _rope_c(x, thetas, th, inverse, inplace):
+def _rope_c(x, thetas, th, inverse, inplace, libm=False):
     """kernels.rope over x's rows with the cached (cos, sin) table; None without the kernels or
     where the angles do not line up with a prefix of x's leading axes ([T] with x [T, W], [T, 1]
     with x [T, H, W], ...): the complex64 form takes the rest."""
@@ -263,7 +269,7 @@ def _rope_c(x, thetas, th, inverse, inplace):
         lead = lead[:-1]                           # [T, 1] angles: every head of token t at row t
     if x.ndim == 0 or x.size == 0 or lead != lead_x[:len(lead)] or not kernels.available():
         return None
-    cs = _rotation(thetas, th, lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,), inverse)
+    cs = _rotation(thetas, th, lead_t + (1,) * (len(lead_x) - len(lead_t)) + (npair,), inverse, libm)
     per = int(np.prod(lead_x[len(lead):], dtype=np.int64))          # x rows per angle row
     W = x.shape[-1]
     if not cs.flags.writeable:
@@ -271,7 +277,7 @@ def _rope_c(x, thetas, th, inverse, inplace):
         # call with these angles and x's shape goes straight to the kernel (_rope_planned)
         while len(_PLANS) >= _PLAN_KEEP:
             _PLANS.pop(next(iter(_PLANS)), None)            # the oldest
-        _PLANS[(id(thetas), x.shape, inverse)] = (thetas, cs.reshape(-1, npair).view(_F32), per, W, kernels._K)
+        _PLANS[(id(thetas), x.shape, inverse, libm)] = (thetas, cs.reshape(-1, npair).view(_F32), per, W, kernels._K)
     if inplace and x.flags.writeable and x.flags.c_contiguous:
         kernels.rope(x.reshape(-1, W), cs.reshape(-1, npair), per, x.reshape(-1, W))
         return x                                   # (the caller drops x: no copy of the head dims)

@@ -13,6 +13,7 @@ SOURCES = [
     "engine/backends/cpu/csrc/binding.c",
     "engine/backends/cpu/csrc/sched.c",
     "engine/backends/cpu/csrc/ops.c",
+    "engine/backends/cpu/csrc/ops_ds4.c",
     "engine/backends/cpu/csrc/kern_tables.c",
     "engine/backends/cpu/csrc/kern_generic.c",
     "engine/backends/cpu/csrc/kern_avx2.c",

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import ds4_ops as D4
 from . import kernels as K
 from ...gguf import quants as Q
 from ...gguf.model_file import QTensor
+from ...model import ds4_float as F
 from ...model import numerics as N
-from .fast import FastOps, _query_pool, _threads
+from .fast import FastOps, _own
 from ..numpy.ops import NumpyOps
 
 #: queries per attention call where the C kernel runs it (the model's QUERY_BLOCK bounds the
@@ -34,9 +36,6 @@ ROWS_MAX = 16
 #: several per expert (a gather, a scatter-add and two copies each); between ROWS_MAX and this
 #: (none unless a test moves ROWS_MAX) the expert-by-expert form, which stays the definition
 STACK_MIN = ROWS_MAX + 1
-#: rows of the SwiGLU's in-place passes at a time (a few hundred KB per operand: the eight
-#: elementwise passes run from the cache instead of DRAM)
-SWIGLU_ROWS = 32
 #: rows of a chunk's expert sums at a time (the k terms of 16 rows: 256 KB a term at width 4096)
 SUM_ROWS = 16
 
@@ -56,6 +55,15 @@ def _rmsnorm_c(x, w, eps, *mode):
 
 class CpuOps(FastOps, NumpyOps):
     name = "cpu"
+
+    def __init__(self, numerics: str = N.DS4, q8_dot: str = "ds4"):
+        super().__init__(numerics, q8_dot)
+        if self._ds4 and D4.available():
+            # ds4 numerics: the reference's forms of ds4's float32 loops (NumpyOps installs them as
+            # instance attributes), in C (ds4_ops.py): the HC sums and post, the head's collapse,
+            # RoPE on the C kernel with the C library's cosf / sinf (tables this backend owns)
+            self.hc_pre_mix, self.hc_post, self.hc_head = D4.hc_sum4, D4.hc_post, D4.hc_head
+            self.rope, self.rope_thetas = self._rope_libm, self._rope_thetas_owned
 
     def _mm(self, w: QTensor, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
         data = w.data if rows is None else w.data[rows]
@@ -136,6 +144,26 @@ class CpuOps(FastOps, NumpyOps):
         got = _attention_c(q, segments, sinks, scale)
         return got if got is not None else NumpyOps.attention(q, segments, sinks, scale)
 
+    def attention_ds4(self, q, segments, sinks, scale):
+        """ds4 numerics' attention (ds4_float.attention, head dim 128) in C; other widths and
+        builds without the extension: the reference's (NumpyOps.attention_ds4)."""
+        got = _attention_c(q, segments, sinks, scale, ds4=True) if q.shape[-1] == 128 and D4.available() else None
+        return got if got is not None else NumpyOps.attention_ds4(self, q, segments, sinks, scale)
+
+    @staticmethod
+    def _rope_libm(x, thetas, inverse=False, inplace=False):
+        """ds4 numerics' RoPE (NumpyOps.rope_ds4): the C kernel with cosf / sinf tables."""
+        return FastOps.rope(x, thetas, inverse, inplace, libm=True)
+
+    def _rope_thetas_owned(self, pos, n_rot, base, yarn, query=False):
+        """NumpyOps.rope_thetas_ds4's angles as a table this backend owns (its rotations are kept)."""
+        return _own(NumpyOps.rope_thetas_ds4(pos, n_rot, base, yarn, query))
+
+    def swiglu(self, g, v, limit):
+        if self._ds4:     # ds4.c swiglu as compiled (ds4_float.swiglu), in C where built
+            return D4.swiglu(g, v, limit) if D4.available() else NumpyOps.swiglu(self, g, v, limit)
+        return FastOps.swiglu(g, v, limit)
+
     def store_kv(self, rows, n_nope):
         # in C, bit-identical to numerics' FP8 + F16 emulation (~15 NumPy calls a cached row,
         # four times a token at decode)
@@ -179,7 +207,11 @@ class CpuOps(FastOps, NumpyOps):
         # in C: at decode the NumPy form is ~90 calls on 4 x 4 arrays, twice a layer
         # (kernels.hc_split's work with the scale and base rows made once a weight: _hc_rows)
         ext = K._K
-        if ext is None or self._ds4:    # ds4 numerics: ds4's compiled split (model/ds4_float.py)
+        if self._ds4:    # ds4 numerics: ds4's compiled split (model/ds4_float.py), in C for 4 streams
+            if n != 4 or not D4.available():
+                return NumpyOps.hc_split(self, mix, n, scale, base, eps, iters)
+            return D4.hc_split(mix, *_hc_rows(self, scale, base), eps, iters)
+        if ext is None:
             return NumpyOps.hc_split(self, mix, n, scale, base, eps, iters)
         mix = np.ascontiguousarray(mix, dtype=np.float32)
         T = mix.shape[0]
@@ -291,17 +323,20 @@ class CpuOps(FastOps, NumpyOps):
             down.append((lw.sh_down.type_id, lw.sh_down.data, self.swiglu(gv[0], gv[1], limit)))
             gv = gv[2:]
         if picked:
-            # SwiGLU and the routing weight for all batched experts at once (rows stacked)
-            m = self.swiglu(np.concatenate(gv[0::2]), np.concatenate(gv[1::2]), limit)
-            m *= np.concatenate([wsel[rows, slot] for _, rows, slot in picked])[:, None]
+            # ds4's weighted SwiGLU (routed_mid) for all batched experts at once (rows stacked)
+            m = _routed_mid(np.concatenate(gv[0::2]), np.concatenate(gv[1::2]), limit,
+                            np.concatenate([wsel[rows, slot] for _, rows, slot in picked]))
             cuts = np.cumsum([len(rows) for _, rows, _ in picked])[:-1]
             down += [(de.type_id, de.expert_data(e), np.ascontiguousarray(p))
                      for (e, _, _), p in zip(picked, np.split(m, cuts))]
         ds = K.matmul_q8_mixed(*zip(*down))
         if shared:
             y_sh, ds = ds[0], ds[1:]
-        for (_, rows, _), d in zip(picked, ds):
-            out[rows] += d
+        # each row's experts added in slot order, as ds4 (NumpyOps.routed)
+        ys = np.zeros((u.shape[0], sel.shape[1], u.shape[1]), dtype=np.float32)
+        for (_, rows, slot), d in zip(picked, ds):
+            ys[rows, slot] = d
+        out = np.add.accumulate(ys, axis=1, dtype=np.float32)[:, -1] if picked else out
         return out + y_sh if shared else out
 
     def _experts_rows(self, lw, u, sel, wsel, limit, shared: bool):
@@ -343,16 +378,16 @@ class CpuOps(FastOps, NumpyOps):
             gx += (x, x)
             gy += (G[h + a:h + b], V[h + a:h + b])
         K.matmul_q8_into(gt, gw, gx, gy)
-        m = _swiglu_into(G, V, limit, wsel.reshape(-1)[order], h)
+        m = _routed_mid(G, V, limit, wsel.reshape(-1)[order], h, out=G)
         D = np.empty((h + len(es), n_out), dtype=np.float32)
         K.matmul_q8_into([w.type_id for w in sh[2:]] + [de.type_id] * len(spans),
                          [w.data for w in sh[2:]] + [de.expert_data(e) for e in experts],
                          ([m[:h]] if shared else []) + [m[h + a:h + b] for a, b in spans],
                          ([D[:h]] if shared else []) + [D[h + a:h + b] for a, b in spans])
-        # row i's pairs in ascending expert order: their places in the sorted pairs, sorted
+        # row i's pairs in slot order (ds4's sum, NumpyOps.routed): their places in the sorted pairs
         at = np.empty(len(es), dtype=np.int64)
         at[order] = np.arange(len(es))
-        at = np.sort(at.reshape(B, k), axis=1) + h
+        at = at.reshape(B, k) + h
         out = np.zeros_like(u)
         if B > ROWS_MAX:
             # SUM_ROWS rows at a time, each row's k terms and then its shared-expert row added
@@ -365,7 +400,7 @@ class CpuOps(FastOps, NumpyOps):
                 if shared:
                     o += D[r0:r0 + len(o)]
             return out
-        for j in range(k):                                # as out[rows] += d, expert by expert
+        for j in range(k):                                # slot by slot
             out += D[at[:, j]]
         return out + D[:h] if shared else out
 
@@ -398,12 +433,12 @@ class CpuOps(FastOps, NumpyOps):
         # the products in batch order, and with that order decode measured no faster in ds4-bench.)
         GV = np.empty((2 * k, n_ff), dtype=np.float32)
         K.matmul_q8_into(gu_t, gu_w, u, GV)
-        m = self.swiglu(GV[0::2], GV[1::2], limit)
-        m[h:] *= wsel[0][order][:, None]
+        m = _routed_mid(GV[0::2], GV[1::2], limit, wsel[0][order], h)
         D = np.empty((k, n_out), dtype=np.float32)
         K.matmul_q8_into([w.type_id for w in sh[2:]] + [de.type_id] * len(experts),
                          [w.data for w in sh[2:]] + [v[2] for v in ev], m, D)
-        out = np.add.reduce(D[h:], axis=0, keepdims=True)   # row by row, as out[rows] += d
+        # slot by slot, as ds4 (NumpyOps.routed): slot j's product is row h + (its place in order)
+        out = np.add.reduce(D[h + np.argsort(order)], axis=0, keepdims=True)
         return out + D[:1] if shared else out
 
 
@@ -463,48 +498,21 @@ def _expert_views(ops, lw, experts) -> list:
     return out
 
 
-def _swiglu_into(g: np.ndarray, v: np.ndarray, limit, w: np.ndarray | None = None, w0: int = 0) -> np.ndarray:
-    """FastOps.swiglu(g, v, limit) written into g (v is clobbered too), then with w rows w0.. of
-    it multiplied by w[row - w0] (the routing weights: m[w0:] *= w[:, None]): the same float32
-    operations in the same order, so bit-identical, with no [rows, n_ff] temporaries and
-    SWIGLU_ROWS rows at a time, each while in the cache (g and v are the caller's scratch). A
-    prefill chunk's rows are shared by the engine's threads (elementwise: the split changes no
-    bit; the kernels' threads are idle between their calls, and the exponentials and divisions
-    are most of the glue a layer's experts add)."""
-    wcol = None if w is None else np.asarray(w, dtype=np.float32)[:, None]
-    n = _threads() if len(g) >= 4 * SWIGLU_ROWS else 1
-    if n <= 1:
-        _swiglu_rows(g, v, limit, wcol, w0, 0, len(g))
-        return g
-    per = -(-len(g) // (n * SWIGLU_ROWS)) * SWIGLU_ROWS
-    cuts = [(r, min(len(g), r + per)) for r in range(0, len(g), per)]
-    list(_query_pool(n).map(lambda c: _swiglu_rows(g, v, limit, wcol, w0, *c), cuts))
-    return g
+def _routed_mid(g, v, limit, w, w0: int = 0, out=None) -> np.ndarray:
+    """ds4 numerics' SwiGLU of stacked expert rows: the shared expert's form (ds4_float.swiglu) on
+    rows < w0, the routed experts' weighted one (ds4_float.routed_mid) with routing weight
+    w[r - w0] on the rest; in C where built (out may be g), else the reference's forms."""
+    if D4.available():
+        return D4.swiglu(g, v, limit, w, w0, out)
+    w = np.asarray(w, dtype=np.float32)[:, None]
+    return np.concatenate([F.swiglu(g[:w0], v[:w0], limit), F.routed_mid(g[w0:], v[w0:], w, limit)])
 
 
-def _swiglu_rows(g, v, limit, wcol, w0: int, lo: int, hi: int) -> None:
-    t = np.empty((min(SWIGLU_ROWS, hi - lo), g.shape[1]), dtype=np.float32)
-    with np.errstate(over="ignore"):            # exp(-g) = inf for g < -88: sigmoid 0, as meant
-        for r0 in range(lo, hi, SWIGLU_ROWS):
-            gr, vr = g[r0:min(hi, r0 + SWIGLU_ROWS)], v[r0:min(hi, r0 + SWIGLU_ROWS)]
-            s = t[:len(gr)]
-            np.minimum(gr, limit, out=gr)
-            np.negative(gr, out=s)
-            np.exp(s, out=s)
-            s += 1.0
-            np.divide(1.0, s, out=s)            # sigmoid(g)
-            s *= gr                             # silu(g)
-            np.clip(vr, -limit, limit, out=vr)
-            np.multiply(s, vr, out=gr)
-            if wcol is not None and r0 + len(gr) > w0:
-                a = max(w0 - r0, 0)
-                gr[a:] *= wcol[r0 + a - w0:r0 + len(gr) - w0]
-
-
-def _attention_c(q, segments, sinks, scale):
+def _attention_c(q, segments, sinks, scale, ds4: bool = False):
     """kernels.attention with (keys, mask, idx) segments too (the kernel reads row idx[t, k] of
-    keys for query t's key k); None without the kernel."""
-    if K._K is None or not K._K.has_attention():
+    keys for query t's key k); None without the kernel. ds4: ds4 numerics' float32 form (head dim
+    128, ops_ds4.c; scale rounded to float32 as ds4's kq_scale)."""
+    if K._K is None or not (ds4 or K._K.has_attention()):
         return None
     q = np.asarray(q, dtype=np.float32)
     T, H, D = q.shape
@@ -520,7 +528,7 @@ def _attention_c(q, segments, sinks, scale):
             segs.append((keys.reshape(-1, D), mask.view(np.uint8), keys.ndim == 3))
     out = np.empty((T, H, D), np.float32)
     K._K.attention(np.ascontiguousarray(q).reshape(T * H, D), np.ascontiguousarray(sinks, dtype=np.float32).reshape(1, H),
-                   out.reshape(T * H, D), segs, float(scale))
+                   out.reshape(T * H, D), segs, float(scale), 0, ds4)
     return out
 
 

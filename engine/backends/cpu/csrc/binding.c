@@ -615,10 +615,10 @@ fail:
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     PyObject *qo, *so, *oo, *sl;
     double scale;
-    int threads = 0;
-    if (!PyArg_ParseTuple(args, "OOOOd|i", &qo, &so, &oo, &sl, &scale, &threads)) return NULL;
+    int threads = 0, ds4 = 0;  /* ds4: ds4 numerics' float32 form (ops_ds4.c, head dim 128) */
+    if (!PyArg_ParseTuple(args, "OOOOd|ip", &qo, &so, &oo, &sl, &scale, &threads, &ds4)) return NULL;
     const kern_isa *K = &g_isa[g_cur];
-    if (!K->attn) {
+    if (!K->attn && !ds4) {
         PyErr_SetString(PyExc_ValueError, "attention: no kernel in this build");
         return NULL;
     }
@@ -630,6 +630,12 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         return NULL;
     }
     const int64_t D = qb.shape[1], T = H > 0 ? qb.shape[0] / H : 0;
+    if (ds4 && D != 128) {
+        PyErr_SetString(PyExc_ValueError, "attention: ds4's form is the head dim 128 one");
+        PyBuffer_Release(&qb);
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
     PyObject *segf = NULL, *ret = NULL;
     Py_buffer *kb = NULL, *mb = NULL, *ib = NULL;
     attn_seg *segs = NULL;
@@ -665,8 +671,10 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     {
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = ops_attention(K, (const float *)qb.buf, (const float *)sb.buf, scale, T, H, D, segs, nseg, nmax,
-                           (float *)ob.buf, threads);
+        rc = ds4 ? ds4_attention((const float *)qb.buf, (const float *)sb.buf, (float)scale, T, H, segs, nseg, nmax,
+                                 (float *)ob.buf, threads)
+                 : ops_attention(K, (const float *)qb.buf, (const float *)sb.buf, scale, T, H, D, segs, nseg, nmax,
+                                 (float *)ob.buf, threads);
         Py_END_ALLOW_THREADS
         if (rc < 0) {
             PyErr_NoMemory();
@@ -867,7 +875,7 @@ static PyMethodDef methods[] = {
      "(types: one type id, or one per product)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(block, x) -> (codes, scales, sums) as bytes"},
     {"round_q8", py_round_q8, METH_VARARGS, "round_q8(block, x, out[, threads]): out = Q8_0/Q8_K-rounded x"},
-    {"attention", py_attention, METH_VARARGS, "attention(q, sinks, out, segments, scale[, threads]): per-query softmax attention, float64 inside"},
+    {"attention", py_attention, METH_VARARGS, "attention(q, sinks, out, segments, scale[, threads[, ds4]]): per-query softmax attention, float64 inside (ds4: ds4's float32 form)"},
     {"store_kv", py_store_kv, METH_VARARGS, "store_kv(rows, n_nope, out[, threads]): FP8 + F16 rounding of KV rows"},
     {"hc_post", py_hc_post, METH_VARARGS, "hc_post(y, X, post, C, out[, threads]): hyper-connection post mix"},
     {"hc_pre_mix", py_hc_pre_mix, METH_VARARGS, "hc_pre_mix(pre, X, out[, threads]): hyper-connection pre mix"},
@@ -908,6 +916,10 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #define DS4_KERNELS_SRC_HASH ""
 #endif
     PyModule_AddStringConstant(m, "source_hash", DS4_KERNELS_SRC_HASH);
+    if (ds4ops_register(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
 #ifdef _OPENMP
     PyModule_AddIntConstant(m, "openmp", 1);
 #else

@@ -97,6 +97,18 @@ typedef struct {
 int ops_attention(const kern_isa *K, const float *q, const float *sinks, double scale, int64_t T, int64_t H,
                   int64_t D, const attn_seg *segs, int64_t nseg, int64_t nmax, float *out, int threads);
 uint64_t ops_read_sum(const uint64_t *p, int64_t n);
+/* ops_ds4.c: ds4 numerics' float32 forms (engine/model/ds4_float.py), and their bindings */
+void ds4_hc_split(const float *mix, int64_t T, const float *sc, const float *base, float eps, int iters, float *pre,
+                  float *post, float *C);
+void ds4_hc_sum4(const float *w, const float *X, int64_t T, int64_t E, int head, float *out, int threads);
+void ds4_hc_post(const float *y, const float *X, const float *P, const float *Cm, int64_t T, int64_t E, float *out,
+                 int threads);
+void ds4_swiglu(const float *g, const float *u, int64_t R, int64_t n, float limit, const float *w, int64_t w0,
+                float *out, int threads);
+int ds4_attention(const float *q, const float *sinks, float kq_scale, int64_t T, int64_t H, const attn_seg *segs,
+                  int64_t nseg, int64_t nmax, float *out, int threads);
+struct _object;
+int ds4ops_register(struct _object *m); /* adds the ds4_* functions to the module */
 void run_f16_seq(const uint16_t *W, ptrdiff_t stride, int64_t n_rows, int64_t n_in, const float *x, int64_t T,
                  float *y, int max_threads);
 /* mrow_q8.c: build `isa`'s Q8_0 integer kernel for 2-8 tokens (its own kernel keeps one token) */
