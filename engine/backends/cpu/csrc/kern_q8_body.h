@@ -118,16 +118,26 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
     for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 #else
-/* the 8 int32 lanes of each of 8 blocks' dots p[0..7] -> one vector of the 8 block sums, in block
- * order (exact integer sums: unpacks pair the blocks' lanes, as q8_0_sum8 does in 512 bits) */
-KI __m256i q8_0_sum8_avx2(const __m256i *p) {
-    __m256i a[4];
-    for (int k = 0; k < 4; k++) /* per 128-bit half: [b2k b2k+1 b2k b2k+1] partial sums */
-        a[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2 * k], p[2 * k + 1]), _mm256_unpackhi_epi32(p[2 * k], p[2 * k + 1]));
+/* 8 blocks' int32 lanes -> one vector of the 8 block sums, in block order (exact integer sums:
+ * unpacks pair the blocks' lanes, as q8_0_sum8 does in 512 bits).  Fed one block k of 8 at a time
+ * (q8_sum8_add): block pairs are combined as they come, so only 4 partial vectors stay live;
+ * q8_sum8_end gives the sums */
+KI void q8_sum8_add(__m256i *h, __m256i *prev, int k, __m256i p) {
+    if (k & 1) /* per 128-bit half: [b2k b2k+1 b2k b2k+1] partial sums */
+        h[k >> 1] = _mm256_add_epi32(_mm256_unpacklo_epi32(*prev, p), _mm256_unpackhi_epi32(*prev, p));
+    else
+        *prev = p;
+}
+KI __m256i q8_sum8_end(const __m256i *h) {
     /* per half: [b0 b1 b2 b3] and [b4 b5 b6 b7] partial sums */
-    const __m256i b0 = _mm256_add_epi32(_mm256_unpacklo_epi64(a[0], a[1]), _mm256_unpackhi_epi64(a[0], a[1]));
-    const __m256i b1 = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2], a[3]), _mm256_unpackhi_epi64(a[2], a[3]));
+    const __m256i b0 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[0], h[1]), _mm256_unpackhi_epi64(h[0], h[1]));
+    const __m256i b1 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[2], h[3]), _mm256_unpackhi_epi64(h[2], h[3]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+KI __m256i q8_0_sum8_avx2(const __m256i *p) {
+    __m256i h[4], prev = p[0];
+    for (int k = 0; k < 8; k++) q8_sum8_add(h, &prev, k, p[k]);
+    return q8_sum8_end(h);
 }
 
 /* AVX2 form.  One token (decode), 8 blocks a step: a block's dot is |w| (unsigned) against x with
@@ -355,44 +365,10 @@ KI void KSUF(iq2_block)(const uint8_t *blk, __m256i sg, __m256i scb, const int8_
     }
 }
 
-/* One token (decode): 8 blocks a step, whose int32 lanes are summed across registers as they come
- * (q8_0_sum8_avx2's tree, a block pair at a time) and converted at once; then each block's
- * (d * d_x) * (float)dot is added in block order.  A horizontal sum and a float32 step per block
- * had put ~30 cycles of latency at the end of every block, and a block's ~230 instructions fill
- * the out-of-order window: the kernel ran at the pace of that chain, not of its instructions.
- * The next block's signs and scales are spread while this block's groups run (their ~25-cycle chain
- * had started every block).  More tokens: a block at a time, the same float32 steps. */
-KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
-                             float *out, const int nt) {
-    float acc[Q8_NT];
-    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
-    int64_t b = 0;
-    if (nt == 1) {
-        float a = 0.0f;
-        __m256i scb, sg = nb >= 8 ? KSUF(iq2_block_signs)(KSUF(iq2_aux8)(row + 2), &scb) : _mm256_setzero_si256();
-        for (; b + 8 <= nb; b += 8) {
-            __m256i h[4], prev = _mm256_setzero_si256();
-            for (int k = 0; k < 8; k++) {
-                const uint8_t *blk = row + 66 * (b + k);
-                PF2(blk);
-                const __m256i sgk = sg, scbk = scb;
-                if (b + k + 1 < nb) sg = KSUF(iq2_block_signs)(KSUF(iq2_aux8)(blk + 66 + 2), &scb);
-                __m256i is;
-                KSUF(iq2_block)(blk, sgk, scbk, xq + 256 * (b + k), n, 1, &is);
-                if (k & 1)
-                    h[k >> 1] = _mm256_add_epi32(_mm256_unpacklo_epi32(prev, is), _mm256_unpackhi_epi32(prev, is));
-                else
-                    prev = is;
-            }
-            const __m256i b0 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[0], h[1]), _mm256_unpackhi_epi64(h[0], h[1]));
-            const __m256i b1 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[2], h[3]), _mm256_unpackhi_epi64(h[2], h[3]));
-            const __m256i s8 = _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
-            float sv[8];
-            _mm256_storeu_ps(sv, _mm256_cvtepi32_ps(s8));
-            for (int k = 0; k < 8; k++) a += (KERN_F16(kern_rd16(row + 66 * (b + k))) * xd[b + k]) * sv[k];
-        }
-        acc[0] = a;
-    }
+/* blocks [b, nb) of a row one at a time into acc[0..nt) (ds4's float32 block steps; the 1/8 is
+ * applied by the caller): the general path, and the tail of the one-token form */
+KI void KSUF(iq2_blocks)(const uint8_t *row, int64_t b, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
+                         float *acc, const int nt) {
     for (; b < nb; b++) {
         const uint8_t *blk = row + 66 * b;
         PF2(blk);
@@ -401,6 +377,60 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
         KSUF(iq2_block)(blk, sg, scb, xq + 256 * b, n, nt, is);
         for (int t = 0; t < nt; t++) acc[t] += (KERN_F16(kern_rd16(blk)) * xd[t * (n / 256) + b]) * (float)q8_hsum(is[t]);
     }
+}
+
+/* One token (decode), NR rows (w, w + stride, ...) side by side, 8 blocks a step: a block's int32
+ * lanes are summed across registers as they come (q8_sum8_add / q8_sum8_end) and 8 blocks'
+ * converted at once, then each block's (d * d_x) * (float)dot is added in block order, each row on
+ * its own float32 chain (the one-block-at-a-time form's steps, bit for bit).  A block's sum and
+ * float32 step had put ~30 cycles of latency at the end of every block (horizontal sum, convert,
+ * multiply, add), and a block's ~230 instructions fill the out-of-order window: one row ran at the
+ * pace of that chain.  Summing 8 blocks at once took 1.19x; two rows side by side, both rows'
+ * signs spread before either's groups (independent chains, the activation codes loaded once),
+ * 1.27-1.30x of the old kernel (Zen 4, in L2 and from DRAM alike). */
+KI void KSUF(iq2_rows_t1)(const uint8_t *w, ptrdiff_t stride, int64_t nb, int64_t n, const int8_t *xq,
+                          const float *xd, float *out, const int NR) {
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256i h[4][4], prev[4];
+        for (int k = 0; k < 8; k++) {
+            __m256i sg[4], scb[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *blk = w + r * stride + 66 * (b + k);
+                PF2(blk);
+                sg[r] = KSUF(iq2_block_signs)(KSUF(iq2_aux8)(blk + 2), &scb[r]);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                __m256i is;
+                KSUF(iq2_block)(w + r * stride + 66 * (b + k), sg[r], scb[r], xq + 256 * (b + k), n, 1, &is);
+                q8_sum8_add(h[r], &prev[r], k, is);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            float sv[8];
+            _mm256_storeu_ps(sv, _mm256_cvtepi32_ps(q8_sum8_end(h[r])));
+            for (int k = 0; k < 8; k++) a[r] += (KERN_F16(kern_rd16(w + r * stride + 66 * (b + k))) * xd[b + k]) * sv[k];
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        KSUF(iq2_blocks)(w + r * stride, b, nb, n, xq, xd, &a[r], 1);
+        out[r] = 0.125f * a[r];
+    }
+}
+
+KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
+                             float *out, const int nt) {
+    if (nt == 1) {
+        KSUF(iq2_rows_t1)(row, 0, nb, n, xq, xd, out, 1);
+        return;
+    }
+    float acc[Q8_NT];
+    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
+    KSUF(iq2_blocks)(row, 0, nb, n, xq, xd, acc, nt);
     for (int t = 0; t < nt; t++) out[t] = 0.125f * acc[t];
 }
 
@@ -553,6 +583,17 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
 #define Q8_CALL_IQ2(k) KSUF(q8_iq2_xxs_row)(row, nb, n, xqt, xdt, out, k)
 Q8_KERNEL(q8_0, Q8_CALL_Q8_0)
 Q8_KERNEL(iq2_xxs, Q8_CALL_IQ2)
+#ifndef Q8_HAVE_512
+/* AVX2, one token: IQ2_RT rows a pass (iq2_rows_t1), the last row on its own (4 rows measured as
+ * fast as 2) */
+#define IQ2_RT 2
+static void KSUF(q8k_iq2_t1)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
+                             const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy) {
+    if (T == 1)
+        for (; r0 + IQ2_RT <= r1; r0 += IQ2_RT) KSUF(iq2_rows_t1)(W + r0 * stride, stride, n / 256, n, xq, xd, y + r0, IQ2_RT);
+    if (r0 < r1) KSUF(q8k_iq2_xxs)(W, stride, n, r0, r1, xq, xd, xs, T, y, ldy);
+}
+#endif
 #define Q8_CALL_Q2K(k) KSUF(q8_q2_k_row)(row, nb, n, xqt, xdt, xst, out, k)
 Q8_KERNEL(q2_k, Q8_CALL_Q2K)
 #ifdef Q8_HAVE_512
@@ -617,7 +658,11 @@ static void KSUF(fill_q8)(kern_isa *k) {
     k->q8_maxmag = KSUF(q8_maxmag);
     k->q8_codes = KSUF(q8_codes);
     k->q8[KT_Q8_0] = KSUF(q8k_q8_0);
+#ifdef Q8_HAVE_512
     k->q8[KT_IQ2_XXS] = KSUF(q8k_iq2_xxs);
+#else
+    k->q8[KT_IQ2_XXS] = KSUF(q8k_iq2_t1);
+#endif
     k->q8[KT_Q2_K] = KSUF(q8k_q2_k);
 #ifdef Q8_HAVE_512
     k->q8_arrange[KT_Q2_K] = KSUF(q2k_pair_x);
