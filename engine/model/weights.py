@@ -184,3 +184,22 @@ def dense_arrays(obj) -> list[np.ndarray]:
         elif dataclasses.is_dataclass(v):
             out += dense_arrays(v)
     return out
+
+
+def map_weights(obj, leaf):
+    """A copy of a weights dataclass (ModelWeights, a layer's) with every QTensor and NumPy array
+    in it, in nested dataclasses and lists too, replaced by leaf(field name, value) (a list's
+    items under the list's name); every other value kept. The backends' binders convert with it
+    (cupy's uploads, mlx's repacks)."""
+    def conv(name, v):
+        if isinstance(v, (QTensor, np.ndarray)):
+            return leaf(name, v)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return walk(v)
+        if isinstance(v, list):
+            return [conv(name, x) for x in v]
+        return v
+
+    def walk(o):
+        return dataclasses.replace(o, **{f.name: conv(f.name, getattr(o, f.name)) for f in dataclasses.fields(o)})
+    return walk(obj)

@@ -9,12 +9,10 @@ compressors' position biases (`ape`) and the hash layers' token -> expert tables
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from ...gguf.model_file import QTensor
-from ...model.weights import bind
+from ...model.weights import bind, map_weights
 from .quant import DevTensor
 
 HOST_FIELDS = frozenset({"ape", "tid2eid"})
@@ -54,18 +52,17 @@ class Uploader:
         return dev
 
 
-def _sizes(obj) -> int:
-    total = 0
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        for x in (v if isinstance(v, list) else [v]):
-            if isinstance(x, QTensor):
-                total += x.data.nbytes
-            elif isinstance(x, np.ndarray) and f.name not in HOST_FIELDS:
-                total += x.size * 4
-            elif dataclasses.is_dataclass(x):
-                total += _sizes(x)
-    return total
+def _sizes(host) -> int:
+    total = [0]
+
+    def count(name, v):
+        if isinstance(v, QTensor):
+            total[0] += v.data.nbytes
+        elif name not in HOST_FIELDS:
+            total[0] += v.size * 4
+        return v
+    map_weights(host, count)
+    return total[0]
 
 
 def bind_device(xp, model_file, progress=None) -> tuple:
@@ -78,17 +75,8 @@ def bind_device(xp, model_file, progress=None) -> tuple:
             t = DevTensor(v.name, v.type_id, tuple(v.dims), up.upload(np.asarray(v.data)))
             model_file.gguf.dontneed([v.data])      # copied: the map's pages need not stay ours
             return t
-        if isinstance(v, np.ndarray) and name not in HOST_FIELDS:
-            return up.upload(np.asarray(v, np.float32) if v.dtype.kind == "f" else v)
-        if dataclasses.is_dataclass(v):
-            return walk(v)
-        if isinstance(v, list):
-            return [conv(name, x) for x in v]
-        return v
+        if name in HOST_FIELDS:
+            return v
+        return up.upload(np.asarray(v, np.float32) if v.dtype.kind == "f" else v)
 
-    def walk(obj):
-        return dataclasses.replace(obj, **{f.name: conv(f.name, getattr(obj, f.name))
-                                           for f in dataclasses.fields(obj)})
-
-    weights = walk(host)
-    return weights, up.done
+    return map_weights(host, conv), up.done

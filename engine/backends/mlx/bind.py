@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...gguf.model_file import QTensor
-from ...model.weights import bind
+from ...model.weights import bind, map_weights
 from . import quant
 
 HOST_FIELDS = frozenset({"ape", "tid2eid"})
@@ -39,22 +39,14 @@ def bind_mlx(model_file, skip: frozenset = frozenset()) -> tuple:
             model_file.gguf.dontneed([v.data])          # copied: the map's pages need not stay ours
             total[0] += w.nbytes()
             return w
-        if isinstance(v, np.ndarray) and name not in HOST_FIELDS:
+        if name not in HOST_FIELDS:
             a = mx.array(np.ascontiguousarray(v, dtype=np.float32) if v.dtype.kind == "f" else v)
             mx.eval(a)
             total[0] += a.nbytes
             return a
-        if dataclasses.is_dataclass(v):
-            return walk(v)
-        if isinstance(v, list):
-            return [conv(name, x) for x in v]
         return v
 
-    def walk(obj):
-        return dataclasses.replace(obj, **{f.name: conv(f.name, getattr(obj, f.name))
-                                           for f in dataclasses.fields(obj)})
-
-    weights = walk(bind(model_file))
+    weights = map_weights(bind(model_file), conv)
     return weights, total[0]
 
 
