@@ -1,16 +1,20 @@
 """The MTP flags every command that generates shares: `--mtp FILE` and `--mtp-draft N`.
 
 (A module of its own beside engine/options.py: the file is not an engine option of every
-command, only of those that decode.) `--mtp-draft` defaults to DEFAULT_DRAFT: on random weights
-the acceptance is about 0 and nothing pays; on the real model ds4 and vLLM report 80-90 % for
-the first draft, and with the verify costs `ds4-bench --mtp` measures, 2 drafts is where the
-expected speed-up stops growing at a = 0.8 (docs/performance.md).
+command, only of those that decode.) `--mtp-draft` defaults to DEFAULT_DRAFT, measured: with the
+true continuation as drafts (acceptance 100 %), `ds4-bench --mtp` on the cpu backend's real-width
+4-layer file gave the most tokens per second at 1 draft in three runs (1.26-1.33x plain decoding;
+2 drafts 0.95-1.23x, 3: 0.82-1.31x, 4: 0.68-1.14x), since a T-row verify step there costs about
+T x 0.3-0.55 of a step more (the rows' routed experts are each row's own). At the 80 %
+acceptance vLLM reports for real weights 1 draft is also the best expected speed-up at those costs
+(1.27x against 1.24x for 2 and 1.18x for 3, a full-model draft at ~9 % of a step); at 90 %, 2-3
+drafts gain ~3 % more (docs/performance.md, "the multi-token step after the multi-row kernels").
 """
 from __future__ import annotations
 
 import argparse
 
-DEFAULT_DRAFT = 2
+DEFAULT_DRAFT = 1
 MAX_DRAFT = 16      # (ds4's cap; engine/runtime/speculative.py takes it from here: this module loads no compute code)
 
 
