@@ -61,7 +61,7 @@ if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
     step "conformance suite, cupy tests and the CUDA kernels' tests on the device"
     check "tests on the device" timeout 240 python -m pytest -q -p no:cacheprovider -k cupy \
         tests/test_backend_conformance.py tests/test_cupy_backend.py tests/test_cupy_ds4.py \
-        tests/test_cupy_graphs.py tests/test_cuda_kernels.py tests/test_cuda_mma.py
+        tests/test_cupy_graphs.py tests/test_cuda_kernels.py tests/test_cuda_mma.py tests/test_cuda_compress.py
 fi
 
 step "synthesize: $LAYERS real-width layers ($RECIPE), and the 43-layer layout (sparse, no data)"
