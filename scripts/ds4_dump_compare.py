@@ -42,6 +42,17 @@ def read_dump(path: Path) -> dict:
     return out
 
 
+def wrap(obj, name, after) -> None:
+    """obj.name (an instance attribute from now on) calls after(result, *args) once it returns."""
+    orig = getattr(obj, name)
+
+    def f(*a, **k):
+        r = orig(*a, **k)
+        after(r, *a, **k)
+        return r
+    setattr(obj, name, f)
+
+
 def record(model, rec: dict, state: dict) -> None:
     """Wrap `model`'s methods and its ops' (instance attributes) so one decode step fills rec."""
     ops, c = model.ops, model.c
@@ -60,17 +71,6 @@ def record(model, rec: dict, state: dict) -> None:
         else:
             put(tag, rows, 0)
 
-    def wrap(obj, name, after):
-        orig = getattr(obj, name)
-
-        def f(*a, **k):
-            r = orig(*a, **k)
-            after(r, *a, **k)
-            return r
-        setattr(obj, name, f)
-
-    def attention(il, lw):
-        state.update(il=lw.il if hasattr(lw, "il") else il, hc=0, rope=0, kv=0)
     orig_att = model._attention
 
     def _attention(lw, il, X, segs, pos):
