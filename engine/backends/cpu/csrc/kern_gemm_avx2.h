@@ -185,18 +185,9 @@ KI __m256 g2_acc8(__m256 f, __m256i a, const float *sc, __m256 dx) {
     return _mm256_add_ps(f, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(sc), dx), _mm256_cvtepi32_ps(a)));
 }
 
-/* a Q2_K block's 8 lanes (kern_q2k_block, lane by lane) */
+/* a Q2_K block's 8 lanes (kern_q2k_block, lane by lane: q2k_terms8, kern_q8_body.h) */
 KI __m256 g2_q2k8(__m256i isum, __m256i summs, const float *d, const float *dmin, __m256 dx) {
-    const __m256 dall = _mm256_mul_ps(dx, _mm256_load_ps(d));
-    const __m256 mins = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(summs), dx), _mm256_load_ps(dmin));
-    __m128 h[2];
-    for (int k = 0; k < 2; k++) {
-        const __m256d i = _mm256_cvtepi32_pd(k ? _mm256_extracti128_si256(isum, 1) : _mm256_castsi256_si128(isum));
-        const __m256d da = _mm256_cvtps_pd(k ? _mm256_extractf128_ps(dall, 1) : _mm256_castps256_ps128(dall));
-        const __m256d mi = _mm256_cvtps_pd(k ? _mm256_extractf128_ps(mins, 1) : _mm256_castps256_ps128(mins));
-        h[k] = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_mul_pd(i, da), mi));
-    }
-    return _mm256_set_m128(h[1], h[0]);
+    return q2k_terms8(isum, summs, _mm256_load_ps(d), _mm256_load_ps(dmin), dx);
 }
 
 /* the 8 results of a half panel for one token: rows past `rows` are not stored */

@@ -206,7 +206,9 @@ KI __m512 g_acc16(__m512 f, __m512i a, const float *sc, __m512 dx) {
 }
 
 /* a Q2_K block's 16 lanes (kern_q2k_block, lane by lane): (float)((double)isum * (double)(dx * d)
- * - (double)(((float)summs * dx) * dmin)) */
+ * - (double)(((float)summs * dx) * dmin)).  q2k_terms8 (kern_q8_body.h, the AVX2 GEMM form's and
+ * one-token rows') is the same per lane, but two of them here made the Q2_K GEMM form 1.06-1.08x
+ * slower at 12-32 tokens (Zen 4): the 512-bit form stays */
 KI __m512 g_q2k16(__m512i isum, __m512i summs, const float *d, const float *dmin, __m512 dx) {
     const __m512 dall = _mm512_mul_ps(dx, _mm512_load_ps(d));
     const __m512 mins = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(summs), dx), _mm512_load_ps(dmin));

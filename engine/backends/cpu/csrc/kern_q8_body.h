@@ -436,6 +436,22 @@ KI void KSUF(q8_iq2_xxs_row)(const uint8_t *row, int64_t nb, int64_t n, const in
 
 #endif
 
+/* 8 lanes of kern_q2k_block at once (isum, summs: exact int32 sums; d, dmin, dx float32 per lane):
+ * (float)((double)isum * (double)(dx * d) - (double)(((float)summs * dx) * dmin)), the same
+ * operations lane by lane (the AVX2 one-token rows and both builds' GEMM forms) */
+KI __m256 q2k_terms8(__m256i isum, __m256i summs, __m256 d, __m256 dmin, __m256 dx) {
+    const __m256 dall = _mm256_mul_ps(dx, d);
+    const __m256 mins = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(summs), dx), dmin);
+    __m128 h[2];
+    for (int k = 0; k < 2; k++) {
+        const __m256d i = _mm256_cvtepi32_pd(k ? _mm256_extracti128_si256(isum, 1) : _mm256_castsi256_si128(isum));
+        const __m256d da = _mm256_cvtps_pd(k ? _mm256_extractf128_ps(dall, 1) : _mm256_castps256_ps128(dall));
+        const __m256d mi = _mm256_cvtps_pd(k ? _mm256_extractf128_ps(mins, 1) : _mm256_castps256_ps128(mins));
+        h[k] = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_mul_pd(i, da), mi));
+    }
+    return _mm256_set_m128(h[1], h[0]);
+}
+
 /* ---- Q2_K weights x Q8_K activations:
  * y = sum_b dx_b [ d_b sum_s (sc_s & 15) (q_s . qx_s) - dmin_b sum_s (sc_s >> 4) bsum_s ] ---- */
 #ifdef Q8_HAVE_512
@@ -489,48 +505,100 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
 #else
 /* AVX2 form: the sub-block scales of a shift j go to their int16 lanes with one shuffle of the 16
  * scale bytes (0x80 control bytes zero-extend them), and the minimums stay in vector lanes to the
- * end of the row, as the AVX-512 form: faster than a scalar scale set-up and a horizontal sum
- * per block, from DRAM and from L2 alike */
+ * end of the block, as the AVX-512 form: faster than a scalar scale set-up and a horizontal sum
+ * per block, from DRAM and from L2 alike.  A block's int32 lanes for nt tokens: is[t] (codes times
+ * scales against the codes) and ms[t] (the minimums' scales against the sums of 16 codes) */
+KI void KSUF(q2k_block)(const uint8_t *blk, const int8_t *xb, const int16_t *xsb, int64_t n, const int nt, __m256i *is,
+                        __m256i *ms) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i sc = _mm_loadu_si128((const __m128i *)blk);
+    const __m256i lo2 = _mm256_broadcastsi128_si256(_mm_and_si128(sc, _mm_set1_epi8(15)));
+    const __m256i hi16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
+    const __m256i q0 = _mm256_loadu_si256((const __m256i *)(blk + 16));
+    const __m256i q1 = _mm256_loadu_si256((const __m256i *)(blk + 48));
+    for (int t = 0; t < nt; t++) is[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        /* shift j of q0 holds sub-blocks 2j (low 128 bits: values 32j..) and 2j + 1 (high), of
+         * q1 sub-blocks 8 + 2j and 9 + 2j (values 128 + 32j..): maddubs pairs lanes in order
+         * within each 128-bit half, so a half's 8 int16 lanes take one scale */
+        const __m256i c0 = _mm256_setr_epi8(2 * j, -128, 2 * j, -128, 2 * j, -128, 2 * j, -128, 2 * j, -128, 2 * j,
+                                            -128, 2 * j, -128, 2 * j, -128, 2 * j + 1, -128, 2 * j + 1, -128,
+                                            2 * j + 1, -128, 2 * j + 1, -128, 2 * j + 1, -128, 2 * j + 1, -128,
+                                            2 * j + 1, -128, 2 * j + 1, -128);
+        const __m256i s0 = _mm256_shuffle_epi8(lo2, c0);
+        const __m256i s1 = _mm256_shuffle_epi8(lo2, _mm256_add_epi16(c0, _mm256_set1_epi16(8)));
+        const __m256i v0 = _mm256_and_si256(_mm256_srli_epi16(q0, 2 * j), m3);
+        const __m256i v1 = _mm256_and_si256(_mm256_srli_epi16(q1, 2 * j), m3);
+        for (int t = 0; t < nt; t++) {
+            const int8_t *x = xb + t * n;
+            is[t] = q8_dot_scaled(is[t], v0, _mm256_loadu_si256((const __m256i *)(x + 32 * j)), s0);
+            is[t] = q8_dot_scaled(is[t], v1, _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * j)), s1);
+        }
+    }
+    for (int t = 0; t < nt; t++) ms[t] = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xsb + t * (n / 16))));
+}
+
+/* blocks [b, nb) of a row one at a time into acc[0..nt) (kern_q2k_block: ds4's float32 steps) */
+KI void KSUF(q2k_blocks)(const uint8_t *row, int64_t b, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
+                         const int16_t *xs, float *acc, const int nt) {
+    for (; b < nb; b++) {
+        const uint8_t *blk = row + 84 * b;
+        PF2(blk);
+        const float d = KERN_F16(kern_rd16(blk + 80)), dmin = KERN_F16(kern_rd16(blk + 82));
+        __m256i is[Q8_NT], ms[Q8_NT];
+        KSUF(q2k_block)(blk, xq + 256 * b, xs + 16 * b, n, nt, is, ms);
+        for (int t = 0; t < nt; t++) acc[t] += kern_q2k_block(q8_hsum(is[t]), q8_hsum(ms[t]), xd[t * (n / 256) + b], d, dmin);
+    }
+}
+
+/* One token (decode), two rows side by side, 8 blocks a step, as iq2_rows_t1: the blocks' isum and
+ * summs lanes summed across registers (q8_sum8_add / q8_sum8_end) and the 8 blocks'
+ * kern_q2k_block terms computed in vector lanes at once (q2k_terms8, the same operations lane by
+ * lane), then added in block order on each row's float32 chain; a row's horizontal sums and float64
+ * step per block had been a ~40-cycle chain at every block's end */
+KI void KSUF(q2k_rows2_t1)(const uint8_t *w, ptrdiff_t stride, int64_t nb, int64_t n, const int8_t *xq,
+                           const float *xd, const int16_t *xs, float *out) {
+    float a[2] = {0.0f, 0.0f};
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256i hi[2][4], hm[2][4], pi[2], pm[2];
+        for (int k = 0; k < 8; k++)
+#pragma GCC unroll 2
+            for (int r = 0; r < 2; r++) {
+                const uint8_t *blk = w + r * stride + 84 * (b + k);
+                PF2(blk);
+                __m256i is, ms;
+                KSUF(q2k_block)(blk, xq + 256 * (b + k), xs + 16 * (b + k), n, 1, &is, &ms);
+                q8_sum8_add(hi[r], &pi[r], k, is);
+                q8_sum8_add(hm[r], &pm[r], k, ms);
+            }
+        const __m256 dx = _mm256_loadu_ps(xd + b);
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+            const uint8_t *w8 = w + r * stride + 84 * b;
+            const __m256 d = _mm256_cvtph_ps(_mm_setr_epi16(
+                kern_rd16(w8 + 80), kern_rd16(w8 + 164), kern_rd16(w8 + 248), kern_rd16(w8 + 332), kern_rd16(w8 + 416),
+                kern_rd16(w8 + 500), kern_rd16(w8 + 584), kern_rd16(w8 + 668)));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_setr_epi16(
+                kern_rd16(w8 + 82), kern_rd16(w8 + 166), kern_rd16(w8 + 250), kern_rd16(w8 + 334), kern_rd16(w8 + 418),
+                kern_rd16(w8 + 502), kern_rd16(w8 + 586), kern_rd16(w8 + 670)));
+            float tv[8];
+            _mm256_storeu_ps(tv, q2k_terms8(q8_sum8_end(hi[r]), q8_sum8_end(hm[r]), d, dmin, dx));
+            for (int k = 0; k < 8; k++) a[r] += tv[k];
+        }
+    }
+    for (int r = 0; r < 2; r++) {
+        KSUF(q2k_blocks)(w + r * stride, b, nb, n, xq, xd, xs, &a[r], 1);
+        out[r] = a[r];
+    }
+}
+
 KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
                           const int16_t *xs, float *out, const int nt) {
     float acc[Q8_NT];
     for (int t = 0; t < nt; t++) acc[t] = 0.0f;
-    const __m256i m3 = _mm256_set1_epi8(3);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + 84 * b;
-        PF2(blk);
-        const float d = KERN_F16(kern_rd16(blk + 80)), dmin = KERN_F16(kern_rd16(blk + 82));
-        const __m128i sc = _mm_loadu_si128((const __m128i *)blk);
-        const __m256i lo2 = _mm256_broadcastsi128_si256(_mm_and_si128(sc, _mm_set1_epi8(15)));
-        const __m256i hi16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
-        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        const __m256i q1 = _mm256_loadu_si256((const __m256i *)(blk + 48));
-        __m256i is[Q8_NT];
-        for (int t = 0; t < nt; t++) is[t] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) {
-            /* shift j of q0 holds sub-blocks 2j (low 128 bits: values 32j..) and 2j + 1 (high), of
-             * q1 sub-blocks 8 + 2j and 9 + 2j (values 128 + 32j..): maddubs pairs lanes in order
-             * within each 128-bit half, so a half's 8 int16 lanes take one scale */
-            const __m256i c0 = _mm256_setr_epi8(2 * j, -128, 2 * j, -128, 2 * j, -128, 2 * j, -128, 2 * j, -128, 2 * j,
-                                                -128, 2 * j, -128, 2 * j, -128, 2 * j + 1, -128, 2 * j + 1, -128,
-                                                2 * j + 1, -128, 2 * j + 1, -128, 2 * j + 1, -128, 2 * j + 1, -128,
-                                                2 * j + 1, -128, 2 * j + 1, -128);
-            const __m256i s0 = _mm256_shuffle_epi8(lo2, c0);
-            const __m256i s1 = _mm256_shuffle_epi8(lo2, _mm256_add_epi16(c0, _mm256_set1_epi16(8)));
-            const __m256i v0 = _mm256_and_si256(_mm256_srli_epi16(q0, 2 * j), m3);
-            const __m256i v1 = _mm256_and_si256(_mm256_srli_epi16(q1, 2 * j), m3);
-            for (int t = 0; t < nt; t++) {
-                const int8_t *xb = xq + t * n + 256 * b;
-                is[t] = q8_dot_scaled(is[t], v0, _mm256_loadu_si256((const __m256i *)(xb + 32 * j)), s0);
-                is[t] = q8_dot_scaled(is[t], v1, _mm256_loadu_si256((const __m256i *)(xb + 128 + 32 * j)), s1);
-            }
-        }
-        for (int t = 0; t < nt; t++) {
-            const __m256i ms = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xs + t * (n / 16) + 16 * b)));
-            acc[t] += kern_q2k_block(q8_hsum(is[t]), q8_hsum(ms), xd[t * (n / 256) + b], d, dmin);
-        }
-    }
+    KSUF(q2k_blocks)(row, 0, nb, n, xq, xd, xs, acc, nt);
     for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 
@@ -596,6 +664,15 @@ static void KSUF(q8k_iq2_t1)(const uint8_t *W, ptrdiff_t stride, int64_t n, int6
 #endif
 #define Q8_CALL_Q2K(k) KSUF(q8_q2_k_row)(row, nb, n, xqt, xdt, xst, out, k)
 Q8_KERNEL(q2_k, Q8_CALL_Q2K)
+#ifndef Q8_HAVE_512
+/* AVX2, one token: rows in pairs (q2k_rows2_t1), an odd last row on its own */
+static void KSUF(q8k_q2k_t1)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
+                             const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy) {
+    if (T == 1)
+        for (; r0 + 2 <= r1; r0 += 2) KSUF(q2k_rows2_t1)(W + r0 * stride, stride, n / 256, n, xq, xd, xs, y + r0);
+    if (r0 < r1) KSUF(q8k_q2_k)(W, stride, n, r0, r1, xq, xd, xs, T, y, ldy);
+}
+#endif
 #ifdef Q8_HAVE_512
 /* the AVX-512 Q2_K row kernel's code order (kern_isa.q8_arrange): block b's vector j = values
  * 32j..32j+31 then 128 + 32j.. (the halves that shift j of the weight codes pairs) */
@@ -663,7 +740,11 @@ static void KSUF(fill_q8)(kern_isa *k) {
 #else
     k->q8[KT_IQ2_XXS] = KSUF(q8k_iq2_t1);
 #endif
+#ifdef Q8_HAVE_512
     k->q8[KT_Q2_K] = KSUF(q8k_q2_k);
+#else
+    k->q8[KT_Q2_K] = KSUF(q8k_q2k_t1);
+#endif
 #ifdef Q8_HAVE_512
     k->q8_arrange[KT_Q2_K] = KSUF(q2k_pair_x);
 #endif
