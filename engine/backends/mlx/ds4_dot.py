@@ -43,8 +43,16 @@ def _ordered_sum(terms: mx.array) -> mx.array:
     return mx.cumsum(terms, axis=0)[-1]
 
 
+_ELEM_ROWS = 2                    # up to this many activation rows: per-block dots as products and sums
+
+
 def _dots(q: mx.array, w: mx.array) -> mx.array:
-    """q [T, nb, k], w [R, nb, k] integer-valued float32 -> [nb, T, R] per-block dots (exact)."""
+    """q [T, nb, k], w [R, nb, k] integer-valued float32 -> [nb, T, R] per-block dots (exact).
+    A decode step's one row: products and a sum over k, as a [T, nb, k] @ [nb, k, R] matmul is nb
+    tiny matrix-vector calls and a transposed copy of the whole weight (2-5x slower at T = 1; any
+    order of the integer sums gives the same bits)."""
+    if q.shape[0] <= _ELEM_ROWS:
+        return mx.transpose((q[:, None] * w[None]).sum(axis=-1), (2, 0, 1))
     return mx.swapaxes(q, 0, 1) @ mx.transpose(w, (1, 2, 0))
 
 
@@ -57,6 +65,10 @@ def q8_0_matmul(wq: mx.array, dw: mx.array, x) -> mx.array:
     """ds4's Q8_0 matmul: an affine8 weight's packed codes wq uint32 [R, n_in / 4] (code + 128 a
     byte) and its scales dw [R, nb]; x float32 [T, n_in] (quantized here, N.q8_0_quantize)
     -> float32 [T, R]. The weight's codes are unpacked a slab of rows at a time."""
+    return _q8_0_matmul_c(wq, dw, MN._f32(x))
+
+
+def _q8_0_matmul(wq: mx.array, dw: mx.array, x: mx.array) -> mx.array:
     q, dx = MN.q8_0_codes(x)
     T, nb = q.shape[0], q.shape[1]
     step = _row_step(nb, T)
@@ -65,6 +77,12 @@ def q8_0_matmul(wq: mx.array, dw: mx.array, x) -> mx.array:
         codes = (wq[r0:r0 + step].view(mx.uint8).astype(mx.float32) - 128.0).reshape(-1, nb, 32)
         parts.append(_ordered_sum(_scaled(dw[r0:r0 + step].astype(mx.float32), dx, _dots(q, codes))))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
+# compiled (a graph traced once per shape): a decode step's ~25 small steps a call cost more in
+# dispatch than in arithmetic (the same bits: no step here is a float multiply-add that could fuse)
+_q8_0_matmul_c = mx.compile(_q8_0_matmul)
+q8_k_codes = mx.compile(MN.q8_k_codes)
 
 
 # -- the Q8_K formats: integer parts of a block ------------------------------------------------
@@ -97,7 +115,7 @@ def _dots_w(q: mx.array, w: mx.array) -> mx.array:
     (w [P, R, nb, k], q [P, nb, k]) -> [nb, T or P, R]."""
     if w.ndim == 3:
         return _dots(q, w)
-    return (mx.swapaxes(q, 0, 1)[:, :, None, :] @ mx.transpose(w, (2, 0, 3, 1)))[:, :, 0, :]
+    return mx.transpose((q[:, None] * w).sum(axis=-1), (2, 0, 1))    # as _dots' one-row form
 
 
 def _per_block(a: mx.array, lead: tuple) -> mx.array:

@@ -32,14 +32,27 @@ def fma(a, b, c) -> mx.array:
     return (_f32(a).astype(_F64) * _f32(b).astype(_F64) + _f32(c).astype(_F64)).astype(_F32)
 
 
-expf = MN.expf
+# compiled (traced once per shape): exp's ~30 float64 steps in one pass, not ~30 dispatches
+# (the same bits: its Horner steps are a product rounded, then a sum: g++ fuses no multiply-add
+# without -mfma, and MLX builds its CPU kernels without it)
+_expf = mx.compile(MN.expf)
+
+
+def expf(x) -> mx.array:
+    return _expf(_f32(x))
+
+
+def _sigmoid(x: mx.array) -> mx.array:
+    e = MN.expf(-mx.abs(x))
+    den = _c(1.0) + e
+    return mx.where(x >= 0, _c(1.0) / den, e / den)
+
+
+_sigmoid_c = mx.compile(_sigmoid)
 
 
 def sigmoid_stable(x) -> mx.array:
-    x = _f32(x)
-    e = expf(-mx.abs(x))
-    den = _c(1.0) + e
-    return mx.where(x >= 0, _c(1.0) / den, e / den)
+    return _sigmoid_c(_f32(x))
 
 
 def silu(x) -> mx.array:

@@ -38,7 +38,7 @@ _K_DOT = frozenset({Q.IQ2_XXS, Q.Q2_K})
 
 def _exact_act(w, x):
     """The reference's exact activation of a weight with no ds4 dot (N.q8_0_exact / q8_k_exact)."""
-    q, d = (MN.q8_0_codes(x) if w.type_id in (Q.MXFP4, Q.Q8_0) else MN.q8_k_codes(x))
+    q, d = (MN.q8_0_codes(x) if w.type_id in (Q.MXFP4, Q.Q8_0) else DD.q8_k_codes(MN._f32(x)))
     v = (q.astype(_F64) * d.astype(_F64)[..., None]).reshape(x.shape[0], -1)
     return v[:, :x.shape[1]]
 
@@ -143,7 +143,7 @@ class Ds4RefOps:
         if w.type_id in _DENSE:
             return ("f32", x)
         if w.type_id in _K_DOT or w.type_id == Q.Q4_K:
-            return ("k",) + MN.q8_k_codes(x)
+            return ("k",) + DD.q8_k_codes(MN._f32(x))
         if w.type_id == Q.Q8_0:
             return ("q8", x)
         return ("f64", _exact_act(w, x))
@@ -167,12 +167,12 @@ class Ds4RefOps:
         if slots is not None:
             experts = slots(experts)
         toks = mx.repeat(mx.arange(T, dtype=mx.int32), k)
-        q, d = MN.q8_k_codes(u)
+        q, d = DD.q8_k_codes(MN._f32(u))
         qp, dp = q[toks], d[toks]
         g = DD.q8_k_matmul(gate.type_id, gate.w[experts], qp, dp, True)
         v = DD.q8_k_matmul(up.type_id, up.w[experts], qp, dp, True)
         mid = DF.routed_mid(g, v, wsel.reshape(-1, 1), limit)
-        q2, d2 = MN.q8_k_codes(mid)
+        q2, d2 = DD.q8_k_codes(mid)
         return DD.q8_k_matmul(down.type_id, down.w[experts], q2, d2, True).reshape(T, k, -1)
 
     def _routed_loop(self, gate, up, down, u, sel, wsel, limit):
