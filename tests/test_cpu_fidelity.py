@@ -179,11 +179,6 @@ def test_cpu_q8_matmuls_leave_a_reference_pass_bit_identical(runs):
     assert r == 1.0 and p == 1.0 and same == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "since e41bbf3..4f37e74 (issue 33) the reference follows ds4's compiled float32 loops outside the "
-    "Q8 matmuls; the cpu backend mirrors part of them (not its SwiGLU forms and routed sum order): on "
-    "2026-12-07 its indexer decisions agreed at 94.6-95.5 % (bar 99.5 %), logits p90 0.048-0.059. "
-    "Its Q8 matmuls alone leave a reference pass bit-identical (the test above)."))
 def test_cpu_pass_takes_the_references_decisions_and_logits(runs):
     worst = []
     for seed, (ref, path) in runs.items():
