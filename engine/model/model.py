@@ -186,13 +186,9 @@ class Model:
         c, ops = self.c, self.ops
         xp = self.xp
         N = X.shape[0]
-        x, post, C = self._hc_pre(lw.hc_attn, X)
-        h = ops.rmsnorm(x, lw.attn_norm, c.rms_eps)
-        qa, kv = ops.linears([lw.q_a, lw.kv], h)                                   # both read h
-        qr = ops.rmsnorm(qa, lw.q_a_norm, c.rms_eps)
-        q = ops.linear(lw.q_b, qr).reshape(N, c.n_head, c.head_dim)
-        q = ops.rmsnorm(q, None, c.rms_eps)                                        # per head, no weight
-        kv = ops.rmsnorm(kv, lw.kv_norm, c.rms_eps)
+        # the position-independent front and back run through a backend's graph of them where
+        # it has one (ops.decode_block, as the FFN sublayer: _ffn_block)
+        h, qr, q, kv, post, C = self._block(lw.hc_attn, lambda X_: self._attn_front(lw, X_), (X,))
         th = self._thetas(lw.ratio, pos, c.n_rot)                                  # [N, n_rot/2]
         th_h = self._thetas(lw.ratio, pos, c.n_rot, heads=True)                   # [N, 1, n_rot/2]
         q = ops.rope(q, self._thetas(lw.ratio, pos, c.n_rot, heads=True, query=True), inplace=True)
@@ -214,8 +210,31 @@ class Model:
                                   None if iproj is None else iproj[j], g.pos0))
         o = o[0] if len(o) == 1 else xp.concatenate(o, axis=0)
         o = ops.rope(o, th_h, inverse=True, inplace=True).reshape(N, c.n_head * c.head_dim)
-        z = ops.grouped_linear(lw.out_a, o, c.o_groups)
-        y = ops.linear(lw.out_b, z)
+        return self._block(lw.out_b, lambda o_, X_, p_, C_: self._attn_back(lw, o_, X_, p_, C_), (o, X, post, C))
+
+    def _block(self, owner, fn, inputs: tuple):
+        """fn(*inputs) (device arrays -> an array or a tuple of them), from the backend's graph
+        of it keyed by owner where it has one (ops.decode_block), else as it is."""
+        block = getattr(self.ops, "decode_block", None)
+        return fn(*inputs) if block is None else block(owner, fn, inputs)
+
+    def _attn_front(self, lw: LayerWeights, X):
+        """HC, norms and projections of the attention sublayer (no position yet)."""
+        c, ops = self.c, self.ops
+        N = X.shape[0]
+        x, post, C = self._hc_pre(lw.hc_attn, X)
+        h = ops.rmsnorm(x, lw.attn_norm, c.rms_eps)
+        qa, kv = ops.linears([lw.q_a, lw.kv], h)                                   # both read h
+        qr = ops.rmsnorm(qa, lw.q_a_norm, c.rms_eps)
+        q = ops.linear(lw.q_b, qr).reshape(N, c.n_head, c.head_dim)
+        q = ops.rmsnorm(q, None, c.rms_eps)                                        # per head, no weight
+        kv = ops.rmsnorm(kv, lw.kv_norm, c.rms_eps)
+        return h, qr, q, kv, post, C
+
+    def _attn_back(self, lw: LayerWeights, o, X, post, C):
+        """The output projections and HC of the attention sublayer (o after the inverse RoPE)."""
+        z = self.ops.grouped_linear(lw.out_a, o, self.c.o_groups)
+        y = self.ops.linear(lw.out_b, z)
         return self._hc_post(y, X, post, C)
 
     def _attend(self, lw: LayerWeights, ls: LayerState, q, kv, comp, icomp, iproj, pos0: int):
