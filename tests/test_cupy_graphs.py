@@ -117,7 +117,7 @@ def _decode(path, toks, dec, moe_only=False):
     numerics): the logits, the engine, and per step what the stand-in counted (xp.OPS)."""
     from engine import Engine, Session
     with Engine.open(path, backend="cupy", numerics="ds4") as e:
-        if moe_only:                    # Model._ffn_block finds no block graph: the MoE graphs alone
+        if moe_only:                    # the model finds no block graphs: the MoE graphs alone
             e.model.ops.decode_block = None
         hashed = [lw.tid2eid is not None for lw in e.model.w.layers]
         s = Session(e, 64)
@@ -144,14 +144,16 @@ def hash_and_topk(tmp_path_factory):
 
 @need_emulation
 def test_decode_logits_with_graphs_are_the_eager_ones(emulate, monkeypatch, hash_and_topk):
-    """Each layer's FFN sublayer (HC, norm, router, experts, HC) is one CUDA graph of a decode
-    step (ops.decode_block, the MoE graph inside it); logits bit for bit the eager ones, and the
-    ops issued per step from Python counted on the stand-in (printed: docs/cuda.md's figures)."""
+    """Each layer's FFN sublayer (HC, norm, router, experts, HC; the MoE graph inside it) and its
+    attention's front (HC, norms, projections) and back (output projections, HC) are CUDA graphs
+    of a decode step (ops.decode_block); logits bit for bit the eager ones, and the ops issued
+    per step from Python counted on the stand-in (printed: docs/cuda.md's figures)."""
     toks, dec = list(range(3, 7)), [7, 11, 2]          # warm-up, capture, replay
     got, e, ops, hashed = _decode(hash_and_topk, toks, dec)
     assert hashed == [True, False]
     g = e.model.ops.graphs
-    assert g is not None and g.captures == 2 and g.replays == 2 * (len(dec) - 1)     # 2 layers
+    # 2 layers, 3 graphs each: the attention's front and back, the FFN sublayer
+    assert g is not None and g.captures == 6 and g.replays == 6 * (len(dec) - 1)
     moe, e1, ops_moe, _ = _decode(hash_and_topk, toks, dec, moe_only=True)
     monkeypatch.setenv(graphs.ENV, "0")
     want, e0, ops_eager, _ = _decode(hash_and_topk, toks, dec)
@@ -159,7 +161,7 @@ def test_decode_logits_with_graphs_are_the_eager_ones(emulate, monkeypatch, hash
     assert got.tobytes() == want.tobytes() == moe.tobytes()
     # step 3 (a replay in both graph forms; no compressor window closes at position 6)
     print("ops issued a decode step (2 layers): eager", ops_eager[2], "MoE graphs", ops_moe[2],
-          "FFN graphs", ops[2])
-    assert ops[2]["graphs"] == 2 and ops_moe[2]["graphs"] == 2 and "graphs" not in ops_eager[2]
+          "block graphs", ops[2])
+    assert ops[2]["graphs"] == 6 and ops_moe[2]["graphs"] == 2 and "graphs" not in ops_eager[2]
     assert ops[2]["issued"] < ops_moe[2]["issued"] < ops_eager[2]["issued"]
     assert ops[2]["in_graphs"] > ops_moe[2]["in_graphs"]

@@ -48,7 +48,7 @@ class DecodeGraphs:
         self.captures = self.replays = 0
 
     def run(self, owner, fn, inputs: tuple):
-        """fn(*inputs) (device arrays -> one device array), from a graph keyed by owner (kept,
+        """fn(*inputs) (device arrays -> a device array or a tuple of them), from a graph keyed by owner (kept,
         and checked by identity) and the inputs' shapes and dtypes."""
         if self._inside:            # a block inside one being warmed up or captured: part of it
             return fn(*inputs)
@@ -75,7 +75,8 @@ class DecodeGraphs:
             s[...] = a                              # device -> device, in stream order
         hit.graph.launch()
         self.replays += 1
-        return hit.out.copy()
+        # (the next replay overwrites the static outputs)
+        return tuple(o.copy() for o in hit.out) if isinstance(hit.out, tuple) else hit.out.copy()
 
     def _capture(self, owner, fn, inputs, pool) -> _Captured:
         xp = self.xp

@@ -387,10 +387,11 @@ class CupyOps:
         return (wsel / tot * _F32(scale)).astype(xp.float32)
 
     def decode_block(self, owner, fn, inputs: tuple):
-        """fn(*inputs) -> one device array, for a position-independent block of a one-token step
-        (Model._run: a layer's FFN sublayer): from a CUDA graph keyed by owner and the inputs'
-        shapes (graphs.py; the MoE graph inside it becomes part of it). Eager where graphs are off,
-        the kernels are missing or the rows are several (their MoE may plan on the host)."""
+        """fn(*inputs) -> a device array or a tuple of them, for a position-independent block of
+        a one-token step (Model: a layer's FFN sublayer, its attention's front and back): from a
+        CUDA graph keyed by owner and the inputs' shapes (graphs.py; the MoE graph inside the FFN
+        becomes part of it). Eager where graphs are off, the kernels are missing or the rows are
+        several (their MoE may plan on the host)."""
         inputs = tuple(self._a(a) for a in inputs)
         if self.graphs is None or inputs[0].shape[0] != 1:
             return fn(*inputs)
