@@ -498,12 +498,14 @@ def expert_bytes(model_file) -> int:
     return sum(ti.nbytes for name, ti in model_file.layout.present.items() if name.endswith("_exps.weight"))
 
 
-def auto_size(model_file, budget: int | None) -> int:
+def auto_size(model_file, budget: int | None, bound: bool = False) -> int:
     """`auto`: the memory left after the resident (non-routed) weights and MARGIN; with no
-    reading of the memory, room for every expert (nothing is evicted)."""
+    reading of the memory, room for every expert (nothing is evicted). `bound`: the other
+    weights are in memory already (mlx copied them at bind), so `budget` has them counted."""
     if budget is None:
         return expert_bytes(model_file) * 2
-    return max(0, budget - (model_file.gguf.size - expert_bytes(model_file)) - MARGIN)
+    dense = 0 if bound else model_file.gguf.size - expert_bytes(model_file)
+    return max(0, budget - dense - MARGIN)
 
 
 def attach(model, model_file, size, **kw) -> ExpertCache:
@@ -517,7 +519,7 @@ def attach(model, model_file, size, **kw) -> ExpertCache:
         raise ValueError("--expert-cache works with the cpu, numpy and mlx backends (their kernels "
                          "read the slots); this backend keeps its own copy of the experts")
     if size == "auto":
-        size = auto_size(model_file, memory_budget())
+        size = auto_size(model_file, memory_budget(), bound=slots is not None)
     layers = model.w.layers
     tensors = [[getattr(lw, k) for k in MATRICES] for lw in layers]
     infos = [[model_file.layout.present[t.name] for t in ts] for ts in tensors]
