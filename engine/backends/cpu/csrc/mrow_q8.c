@@ -26,17 +26,6 @@
 
 static kern_q8_fn mq_one[ISA_N]; /* each build's own kernel: one token */
 
-/* the 8 blocks' sums of a group, from p_k = the int32 lanes of blocks 2k (lanes 0-7) and 2k + 1
- * (8-15), in block order (exact integer sums) */
-MQ_I __m256i mq_sum8(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
-    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
-    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p2, p3), _mm512_unpackhi_epi32(p2, p3));
-    const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
-    const __m512i o = _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0));
-    const __m256i r = _mm256_add_epi32(_mm512_castsi512_si256(o), _mm512_extracti64x4_epi64(o, 1));
-    return _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* 0 2 4 6 1 3 5 7 -> 0..7 */
-}
-
 /* 8 ymm rows -> 8 ymm columns: c[j] lane k = r[k] lane j */
 MQ_I void mq_transpose8(__m256 r[8]) {
     const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -57,38 +46,83 @@ MQ_I void mq_transpose8(__m256 r[8]) {
     r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
+/* A pass's activations arranged once for all its rows (the row loop then does per token only the
+ * loads, the VNNI products and the reduction): the weights go in as w + 128 (w ^ 0x80, unsigned)
+ * against the signed codes, so each block's dot carries + 128 * sum(x) of the block, taken off as
+ * an exact integer (corr); and a group's 8 scales and corrections are kept in mq_sum8's raw lane
+ * order (blocks 0 2 4 6 1 3 5 7), so no per-token permute: the block terms are added by block. */
+#define MQ_MAXB 512 /* blocks a row (16384 values): wider rows take the build's kernel */
+typedef struct {
+    float xd[MQ_NT * MQ_MAXB];   /* [t][8 g + i]: token t's scale of block 8 g + raw[i] */
+    int32_t corr[MQ_NT * MQ_MAXB]; /* 128 * the sum of those codes */
+} mq_prep;
+
+static const int mq_raw[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+MQ_T static void mq_arrange(const int8_t *xq, const float *xd, int64_t n, int64_t nb, int nt, mq_prep *p) {
+    const int64_t ng = nb / 8;
+    for (int t = 0; t < nt; t++)
+        for (int64_t g = 0; g < ng; g++)
+            for (int i = 0; i < 8; i++) {
+                const int64_t blk = 8 * g + mq_raw[i];
+                const int8_t *c = xq + t * n + 32 * blk;
+                int32_t sum = 0;
+                for (int e = 0; e < 32; e++) sum += c[e];
+                p->xd[t * nb + 8 * g + i] = xd[t * nb + blk];
+                p->corr[t * nb + 8 * g + i] = 128 * sum;
+            }
+}
+
+/* the 8 blocks' sums of a group in raw order (0 2 4 6 1 3 5 7), from p_k = the int32 lanes of
+ * blocks 2k (lanes 0-7) and 2k + 1 (8-15) */
+MQ_I __m256i mq_sum8_raw(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
+    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p2, p3), _mm512_unpackhi_epi32(p2, p3));
+    const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+    const __m512i o = _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0));
+    return _mm256_add_epi32(_mm512_castsi512_si256(o), _mm512_extracti64x4_epi64(o, 1));
+}
+
 /* one row, nt (2..8) tokens: out[t] */
-MQ_I void mq_row(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd, float *out, const int nt) {
-    const __m512i zero = _mm512_setzero_si512();
+MQ_I void mq_row(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd, const mq_prep *pp,
+                 float *out, const int nt) {
     const __m256i soff = _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238);
+    const __m256i raw = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m256 acc = _mm256_setzero_ps(); /* lane t: token t's sum */
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
         const uint8_t *q = row + 34 * b;
         __m512i u[4];
-        __mmask64 neg[4];
         for (int k = 0; k < 4; k++) {
             _mm_prefetch((const char *)(q + 68 * k + 3072), _MM_HINT_T0);
             const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 68 * k + 2))),
                                                  _mm256_loadu_si256((const __m256i *)(q + 68 * k + 36)), 1);
-            u[k] = _mm512_abs_epi8(w); /* -128 -> 0x80: 128 as the unsigned operand */
-            neg[k] = _mm512_movepi8_mask(w);
+            u[k] = _mm512_xor_si512(w, flip); /* w + 128 as an unsigned byte */
         }
         const __m256 dw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_i32gather_epi32((const int *)q, soff, 1)));
+        const __m256 dwr = _mm256_permutevar8x32_ps(dw, raw); /* in the raw lane order */
         __m256 pv[8];
         for (int t = 0; t < nt; t++) {
             const int8_t *xb = xq + t * n + 32 * b;
             __m512i p[4];
-            for (int k = 0; k < 4; k++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(xb + 64 * k));
-                p[k] = _mm512_dpbusd_epi32(zero, u[k], _mm512_mask_sub_epi8(xv, neg[k], zero, xv));
-            }
-            const __m256 sc = _mm256_mul_ps(dw, _mm256_loadu_ps(xd + t * (n / 32) + b));
-            pv[t] = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(mq_sum8(p[0], p[1], p[2], p[3])));
+            for (int k = 0; k < 4; k++)
+                p[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[k], _mm512_loadu_si512((const void *)(xb + 64 * k)));
+            const __m256i s8 = _mm256_sub_epi32(mq_sum8_raw(p[0], p[1], p[2], p[3]),
+                                                _mm256_loadu_si256((const __m256i *)(pp->corr + t * nb + b)));
+            const __m256 sc = _mm256_mul_ps(dwr, _mm256_loadu_ps(pp->xd + t * nb + b));
+            pv[t] = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(s8));
         }
         for (int t = nt; t < 8; t++) pv[t] = _mm256_setzero_ps();
-        mq_transpose8(pv); /* pv[k] lane t: token t's term of block b + k */
-        for (int k = 0; k < 8; k++) acc = _mm256_add_ps(acc, pv[k]);
+        mq_transpose8(pv); /* pv[i] lane t: token t's term of block b + raw[i] */
+        acc = _mm256_add_ps(acc, pv[0]); /* blocks 0, 1, ..., 7 */
+        acc = _mm256_add_ps(acc, pv[4]);
+        acc = _mm256_add_ps(acc, pv[1]);
+        acc = _mm256_add_ps(acc, pv[5]);
+        acc = _mm256_add_ps(acc, pv[2]);
+        acc = _mm256_add_ps(acc, pv[6]);
+        acc = _mm256_add_ps(acc, pv[3]);
+        acc = _mm256_add_ps(acc, pv[7]);
     }
     float a[8];
     _mm256_storeu_ps(a, acc);
@@ -111,27 +145,29 @@ MQ_I void mq_row(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, co
 
 MQ_I void mq_q8_0(kern_q8_fn one, const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1,
                   const int8_t *xq, const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy) {
-    if (T == 1) {
+    const int64_t nb = n / 32;
+    if (T == 1 || nb > MQ_MAXB) {
         one(W, stride, n, r0, r1, xq, xd, xs, T, y, ldy);
         return;
     }
-    const int64_t nb = n / 32;
+    mq_prep prep;
     float out[MQ_NT];
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = W + r * stride;
-        for (int64_t t0 = 0; t0 < T; t0 += MQ_NT) {
-            const int nt = T - t0 < MQ_NT ? (int)(T - t0) : MQ_NT;
-            const int8_t *xqt = xq + t0 * n;
-            const float *xdt = xd + t0 * nb;
+    for (int64_t t0 = 0; t0 < T; t0 += MQ_NT) {
+        const int nt = T - t0 < MQ_NT ? (int)(T - t0) : MQ_NT;
+        const int8_t *xqt = xq + t0 * n;
+        const float *xdt = xd + t0 * nb;
+        mq_arrange(xqt, xdt, n, nb, nt, &prep);
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = W + r * stride;
             switch (nt) { /* constant token counts: the loops unroll, pv stays in registers */
-            case 1: mq_row(row, nb, n, xqt, xdt, out, 1); break;
-            case 2: mq_row(row, nb, n, xqt, xdt, out, 2); break;
-            case 3: mq_row(row, nb, n, xqt, xdt, out, 3); break;
-            case 4: mq_row(row, nb, n, xqt, xdt, out, 4); break;
-            case 5: mq_row(row, nb, n, xqt, xdt, out, 5); break;
-            case 6: mq_row(row, nb, n, xqt, xdt, out, 6); break;
-            case 7: mq_row(row, nb, n, xqt, xdt, out, 7); break;
-            default: mq_row(row, nb, n, xqt, xdt, out, 8); break;
+            case 1: mq_row(row, nb, n, xqt, xdt, &prep, out, 1); break;
+            case 2: mq_row(row, nb, n, xqt, xdt, &prep, out, 2); break;
+            case 3: mq_row(row, nb, n, xqt, xdt, &prep, out, 3); break;
+            case 4: mq_row(row, nb, n, xqt, xdt, &prep, out, 4); break;
+            case 5: mq_row(row, nb, n, xqt, xdt, &prep, out, 5); break;
+            case 6: mq_row(row, nb, n, xqt, xdt, &prep, out, 6); break;
+            case 7: mq_row(row, nb, n, xqt, xdt, &prep, out, 7); break;
+            default: mq_row(row, nb, n, xqt, xdt, &prep, out, 8); break;
             }
             for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = out[t];
         }
