@@ -6,7 +6,8 @@
          with plain send/recv in the caller's thread, and the bytes each way; then N messages
          posted one way and one round (a pipelined prefill's pattern): time a message, MB/s.
   model: one model, prefill P tokens then decode G, with --layers L (under mlx.launch) or
-         without (one process); prints the rates and, split, the ring's messages and bytes.
+         without (one process); prints the rates and, split, the ring's messages and bytes
+         (--no-pipeline: each prefill chunk awaits its answer, as before the pipeline).
 
   mlx.launch --backend ring -n 2 --hosts 127.0.0.1 -- python scripts/split_bench.py hop
   python scripts/split_bench.py model M.gguf --backend cpu
@@ -70,6 +71,10 @@ def model(a) -> int:
     rng = np.random.default_rng(0)
     V = eng.config.n_vocab
     prompt = rng.integers(0, min(V, 1000), a.prompt).tolist()
+    split = getattr(eng.model, "split", None)
+    if split is not None and a.no_pipeline:
+        # each chunk a full round, its answer awaited (the prefill before the pipeline)
+        split.post = lambda tokens, pos0, state: split.forward(tokens, pos0, state)
     sess = Session(eng, a.prompt + a.gen + 16, chunk=a.chunk)
     t0 = time.perf_counter()
     sess.sync(prompt)
@@ -78,8 +83,8 @@ def model(a) -> int:
     for _ in range(a.gen):
         sess.eval(int(np.argmax(sess.logits)))
     tg = time.perf_counter() - t0
-    split = getattr(eng.model, "split", None)
     where = f"{len(split.ranges)} ranks {split.ranges}" if split is not None else "one process"
+    where += ", prefill not pipelined" if split is not None and a.no_pipeline else ""
     line = (f"model: {where}, backend {eng.backend}: prefill {a.prompt} tokens {a.prompt / tp:.2f} t/s, "
             f"decode {a.gen} tokens {a.gen / tg:.2f} t/s; load {os.getloadavg()[0]:.1f}")
     if split is not None:
@@ -107,6 +112,7 @@ def main(argv=None) -> int:
     m.add_argument("--prompt", type=int, default=64)
     m.add_argument("--gen", type=int, default=16)
     m.add_argument("--chunk", type=int, default=32)
+    m.add_argument("--no-pipeline", action="store_true", help="split: await each prefill chunk's answer")
     a = p.parse_args(argv)
     return hop(a) if a.mode == "hop" else model(a)
 
