@@ -82,6 +82,47 @@ def test_partial_states_load_and_pack_the_single_process_payload(small_engine):
     assert [ls for ls in parts[0].layers] == [parts[0].layers[0], parts[0].layers[1]]
 
 
+# -- a posted pass that fails ------------------------------------------------------------------------
+def test_a_failed_posted_chunk_is_told_at_the_next_round_only():
+    """A worker whose posted prefill chunk fails sends nothing then (rank 0 may be sending: no
+    message may travel towards it outside a round), drops the posted chunks behind it, and
+    answers the next round with its one line; after that it serves again."""
+    from engine.runtime import distributed as D
+    from engine.runtime.split_worker import Worker, unpack_json
+
+    class FakeLink:
+        rank, size = 1, 2
+
+        def __init__(self, inbox):
+            self.inbox, self.sent = list(inbox), []
+
+        def recv(self):
+            if not self.inbox:
+                raise ConnectionError("closed")
+            op, sid = self.inbox.pop(0)
+            h = np.zeros(D.HEADER, np.int64)
+            h[0], h[1] = op, sid
+            return h, [np.arange(2, dtype=np.int64), np.zeros(8, np.float32)]
+
+        def send(self, op, sid=0, args=(), parts=()):
+            self.sent.append((op, [np.array(p, copy=True) for p in parts]))
+
+    class Done(BaseException):
+        pass
+
+    class W(Worker):
+        def _exit(self, rc):
+            raise Done
+
+    # no engine is bound here, so the first posted pass fails
+    link = FakeLink([(D.POST, 7), (D.POST, 7), (D.FWD, 7), (D.CLOSE, 0)])
+    with pytest.raises(Done):
+        W(link, "m.gguf", None, None).run()
+    ops = [op for op, _ in link.sent]
+    assert ops == [D.ERR, D.CLOSE], ops
+    assert unpack_json(link.sent[0][1][0]).startswith("rank 1: ")
+
+
 # -- real ranks ------------------------------------------------------------------------------------
 # Each rank count is one launch running every check in turn (process start and imports cost more
 # than a small run): greedy 64 after a prefill of three chunks (stopped once after two) on two
