@@ -187,6 +187,24 @@ def test_auto_leaves_the_resident_weights_and_a_margin(small_model):
         Engine.open(small_model, EngineOptions(expert_cache=0, paging="prefault"))
 
 
+def test_a_split_ranks_layers_only(small_model):
+    """--layers (a split rank holds some layers; the others are None): attach leaves the None
+    layers alone, keys the cache by layer index, and a held expert's slot bytes are the file's;
+    auto_size subtracts the rank's own dense bytes where given."""
+    with Engine.open(small_model, EngineOptions(backend="numpy", paging="none")) as e:
+        whole = [lw.gate_exps.expert_data(3).copy() for lw in e.model.w.layers]
+        e.model.w.layers[0] = None
+        c = X.attach(e.model, e.file, 64 << 20, dense=0)
+        assert sorted(c.layers) == list(range(1, e.config.n_layer))
+        c.hold(2, [3])
+        assert np.array_equal(e.model.w.layers[2].gate_exps.expert_data(3), whole[2])
+        c.release()
+        c.begin_step(e.model.w.layers, np.array([5]))          # (hash layers of the rank only)
+        c.close()
+    ex = X.expert_bytes(e.file)
+    assert X.auto_size(e.file, ex + X.MARGIN + 1000, dense=0) == ex + 1000
+
+
 def test_resident_groups_leave_the_skipped_tensors_out(small_model):
     from engine.gguf import paging as PG
     from engine.gguf.gguf_file import GGUFFile

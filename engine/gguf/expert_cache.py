@@ -181,12 +181,15 @@ class ExpertCache:
     layer's results final before its slots may be read into again (`settle`)."""
 
     def __init__(self, path: str, layers: list, infos: list, n_slots: int, n_used: int, *,
-                 policy: str = POLICY, direct: bool = True, depth: int = DEPTH, pread=None, store=None):
+                 policy: str = POLICY, direct: bool = True, depth: int = DEPTH, pread=None, store=None,
+                 ils=None):
         region = [max(region_bytes(ti[m].nbytes // lw_t[m].dims[2]) for lw_t, ti in zip(layers, infos))
                   for m in range(3)]
         self.store = store
         self.slot_bytes = sum(region) if store is None else store.slot_bytes
-        self.layers = [_Layer(t, ti, region) for t, ti in zip(layers, infos)]
+        # by layer index (`ils`: the layers' indices where they are not 0..n-1, a split rank's)
+        self.layers = dict(zip(range(len(layers)) if ils is None else ils,
+                               (_Layer(t, ti, region) for t, ti in zip(layers, infos))))
         self.n_used = n_used
         self.n_slots = max(int(n_slots), n_used)
         self._mem = self.buf = None
@@ -375,7 +378,7 @@ class ExpertCache:
     def begin_step(self, layers, tokens) -> None:
         """A step starts: every hash layer's experts are known from the token ids; read them now."""
         for lw in layers:
-            if lw.tid2eid is not None:
+            if lw is not None and lw.tid2eid is not None:
                 self.prefetch(lw.il, np.unique(lw.tid2eid[tokens]))
 
     def moe(self, ops, lw, u, sel, wsel, limit):
@@ -498,36 +501,41 @@ def expert_bytes(model_file) -> int:
     return sum(ti.nbytes for name, ti in model_file.layout.present.items() if name.endswith("_exps.weight"))
 
 
-def auto_size(model_file, budget: int | None, bound: bool = False) -> int:
+def auto_size(model_file, budget: int | None, bound: bool = False, dense: int | None = None) -> int:
     """`auto`: the memory left after the resident (non-routed) weights and MARGIN; with no
     reading of the memory, room for every expert (nothing is evicted). `bound`: the other
-    weights are in memory already (mlx copied them at bind), so `budget` has them counted."""
+    weights are in memory already (mlx copied them at bind), so `budget` has them counted.
+    `dense`: the other weights' bytes this process will hold (a split rank's share), where not
+    the whole file's."""
     if budget is None:
         return expert_bytes(model_file) * 2
-    dense = 0 if bound else model_file.gguf.size - expert_bytes(model_file)
-    return max(0, budget - dense - MARGIN)
+    if dense is None:
+        dense = model_file.gguf.size - expert_bytes(model_file)
+    return max(0, budget - (0 if bound else dense) - MARGIN)
 
 
-def attach(model, model_file, size, **kw) -> ExpertCache:
+def attach(model, model_file, size, dense: int | None = None, **kw) -> ExpertCache:
     """Give `model` an ExpertCache of `size` bytes ("auto": auto_size) reading model_file's
     routed experts; its weights' expert tensors become SlotExperts (the cpu and numpy backends'
     kernels read host slots), or the backend's own slot weights where its ops offer
-    `expert_slots` (mlx: its arrays are the slots; the experts were left unbound).
+    `expert_slots` (mlx: its arrays are the slots; the experts were left unbound). Layers that
+    are None (a split rank's others, --layers) are left alone; `dense`: auto_size's.
     kw: ExpertCache's (policy, direct, depth, pread)."""
     slots = getattr(model.ops, "expert_slots", None)
     if model.xp is not np and slots is None:
         raise ValueError("--expert-cache works with the cpu, numpy and mlx backends (their kernels "
                          "read the slots); this backend keeps its own copy of the experts")
     if size == "auto":
-        size = auto_size(model_file, memory_budget(), bound=slots is not None)
-    layers = model.w.layers
+        size = auto_size(model_file, memory_budget(), bound=slots is not None, dense=dense)
+    layers = [lw for lw in model.w.layers if lw is not None]
     tensors = [[getattr(lw, k) for k in MATRICES] for lw in layers]
     infos = [[model_file.layout.present[t.name] for t in ts] for ts in tensors]
     store = slots(tensors) if slots is not None else None       # (one clear line where it cannot)
     region = [max(region_bytes(ti[m].nbytes // ts[m].dims[2]) for ts, ti in zip(tensors, infos)) for m in range(3)]
     probe = sum(region) if store is None else store.slot_bytes
     n_slots = min(int(size) // probe, sum(ts[0].dims[2] for ts in tensors))
-    cache = ExpertCache(model_file.path, tensors, infos, n_slots, model.c.n_expert_used, store=store, **kw)
+    cache = ExpertCache(model_file.path, tensors, infos, n_slots, model.c.n_expert_used, store=store,
+                        ils=[lw.il for lw in layers], **kw)
     for lw, ts in zip(layers, tensors):
         if lw.tid2eid is not None:
             # the hash table as a copy (3 MB a layer): a view of the map would fault (SIGBUS) if
