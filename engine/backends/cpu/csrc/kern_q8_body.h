@@ -32,6 +32,22 @@ KI __m256i q8_dot_scaled(__m256i acc, __m256i u, __m256i s, __m256i sc16) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc16));
 }
 
+/* 8 blocks' int32 lanes -> one vector of the 8 block sums, in block order (exact integer sums:
+ * unpacks pair the blocks' lanes, as q8_0_sum8 does in 512 bits).  Fed one block k of 8 at a time
+ * (q8_sum8_add): block pairs are combined as they come, so only 4 partial vectors stay live;
+ * q8_sum8_end gives the sums */
+KI void q8_sum8_add(__m256i *h, __m256i *prev, int k, __m256i p) {
+    if (k & 1) /* per 128-bit half: [b2k b2k+1 b2k b2k+1] partial sums */
+        h[k >> 1] = _mm256_add_epi32(_mm256_unpacklo_epi32(*prev, p), _mm256_unpackhi_epi32(*prev, p));
+    else
+        *prev = p;
+}
+KI __m256i q8_sum8_end(const __m256i *h) {
+    /* per half: [b0 b1 b2 b3] and [b4 b5 b6 b7] partial sums */
+    const __m256i b0 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[0], h[1]), _mm256_unpackhi_epi64(h[0], h[1]));
+    const __m256i b1 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[2], h[3]), _mm256_unpackhi_epi64(h[2], h[3]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
 /* ---- Q8_0 weights x Q8_0 activations: y = sum_b (dw_b * dx_b) * (qw_b . qx_b), in block order ---- */
 /* blocks [b, nb) of a row one at a time into acc: the tail that both forms below leave */
 KI void q8_0_blocks(const uint8_t *row, int64_t b, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
@@ -118,22 +134,6 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
     for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 #else
-/* 8 blocks' int32 lanes -> one vector of the 8 block sums, in block order (exact integer sums:
- * unpacks pair the blocks' lanes, as q8_0_sum8 does in 512 bits).  Fed one block k of 8 at a time
- * (q8_sum8_add): block pairs are combined as they come, so only 4 partial vectors stay live;
- * q8_sum8_end gives the sums */
-KI void q8_sum8_add(__m256i *h, __m256i *prev, int k, __m256i p) {
-    if (k & 1) /* per 128-bit half: [b2k b2k+1 b2k b2k+1] partial sums */
-        h[k >> 1] = _mm256_add_epi32(_mm256_unpacklo_epi32(*prev, p), _mm256_unpackhi_epi32(*prev, p));
-    else
-        *prev = p;
-}
-KI __m256i q8_sum8_end(const __m256i *h) {
-    /* per half: [b0 b1 b2 b3] and [b4 b5 b6 b7] partial sums */
-    const __m256i b0 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[0], h[1]), _mm256_unpackhi_epi64(h[0], h[1]));
-    const __m256i b1 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[2], h[3]), _mm256_unpackhi_epi64(h[2], h[3]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
-}
 KI __m256i q8_0_sum8_avx2(const __m256i *p) {
     __m256i h[4], prev = p[0];
     for (int k = 0; k < 8; k++) q8_sum8_add(h, &prev, k, p[k]);
@@ -461,10 +461,8 @@ KI __m256 q2k_terms8(__m256i isum, __m256i summs, __m256 d, __m256 dmin, __m256 
  * horizontal sum of the minimums per block is slower).  The codes come arranged by q2k_pair_x
  * (kern_isa.q8_arrange), so vector j of a block is one load instead of two half loads and an
  * insert */
-KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
-                          const int16_t *xs, float *out, const int nt) {
-    float acc[Q8_NT];
-    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
+KI void KSUF(q2k_block)(const uint8_t *blk, const int8_t *xb, const int16_t *xsb, int64_t n, const int nt, __m256i *is,
+                        __m256i *ms) {
     const __m512i m3 = _mm512_set1_epi8(3);
     /* int16 lane -> sub-block index: 128-bit quarter k of shift j holds sub-block
      * {2j, 2j+1, 8+2j, 9+2j}[k] */
@@ -473,34 +471,23 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
         {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
         {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
         {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
-    const __m512i pidx[4] = {_mm512_load_si512(pix[0]), _mm512_load_si512(pix[1]), _mm512_load_si512(pix[2]),
-                             _mm512_load_si512(pix[3])};
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + 84 * b;
-        PF2(blk);
-        const float d = KERN_F16(kern_rd16(blk + 80)), dmin = KERN_F16(kern_rd16(blk + 82));
-        const __m128i sc = _mm_loadu_si128((const __m128i *)blk);
-        const __m512i lo16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc, _mm_set1_epi8(15))));
-        const __m256i hi16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
-        const __m512i q = _mm512_loadu_si512((const void *)(blk + 16));
-        __m512i v[4], scv[4];
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm512_and_si512(_mm512_srli_epi16(q, 2 * j), m3);
-            scv[j] = _mm512_permutexvar_epi16(pidx[j], lo16);
-        }
-        for (int t = 0; t < nt; t++) {
-            const int8_t *xb = xq + t * n + 256 * b;
-            __m512i is = _mm512_setzero_si512();
-            for (int j = 0; j < 4; j++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(xb + 64 * j));
-                is = _mm512_dpwssd_epi32(is, _mm512_maddubs_epi16(v[j], xv), scv[j]);
-            }
-            const __m256i ms = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xs + t * (n / 16) + 16 * b)));
-            acc[t] += kern_q2k_block(q8_hsum(_mm256_add_epi32(_mm512_castsi512_si256(is), _mm512_extracti64x4_epi64(is, 1))),
-                                     q8_hsum(ms), xd[t * (n / 256) + b], d, dmin);
-        }
+    const __m128i sc = _mm_loadu_si128((const __m128i *)blk);
+    const __m512i lo16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc, _mm_set1_epi8(15))));
+    const __m256i hi16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
+    const __m512i q = _mm512_loadu_si512((const void *)(blk + 16));
+    __m512i v[4], scv[4];
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm512_and_si512(_mm512_srli_epi16(q, 2 * j), m3);
+        scv[j] = _mm512_permutexvar_epi16(_mm512_load_si512(pix[j]), lo16);
     }
-    for (int t = 0; t < nt; t++) out[t] = acc[t];
+    for (int t = 0; t < nt; t++) {
+        const int8_t *x = xb + t * n;
+        __m512i s = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++)
+            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(v[j], _mm512_loadu_si512((const void *)(x + 64 * j))), scv[j]);
+        is[t] = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        ms[t] = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xsb + t * (n / 16))));
+    }
 }
 #else
 /* AVX2 form: the sub-block scales of a shift j go to their int16 lanes with one shuffle of the 16
@@ -538,6 +525,8 @@ KI void KSUF(q2k_block)(const uint8_t *blk, const int8_t *xb, const int16_t *xsb
     }
     for (int t = 0; t < nt; t++) ms[t] = _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(xsb + t * (n / 16))));
 }
+
+#endif
 
 /* blocks [b, nb) of a row one at a time into acc[0..nt) (kern_q2k_block: ds4's float32 steps) */
 KI void KSUF(q2k_blocks)(const uint8_t *row, int64_t b, int64_t nb, int64_t n, const int8_t *xq, const float *xd,
@@ -602,7 +591,6 @@ KI void KSUF(q8_q2_k_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_
     for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 
-#endif
 
 /* rows [R0, R1) of a kern_q8_fn (W, stride, n, T, xd, xs, y, ldy in scope): tokens in passes of up
  * to Q8_NT, CALL(k) fills out[0..k) for `row` from the pass's codes xqt (taken from XQ), scales xdt
@@ -664,15 +652,13 @@ static void KSUF(q8k_iq2_t1)(const uint8_t *W, ptrdiff_t stride, int64_t n, int6
 #endif
 #define Q8_CALL_Q2K(k) KSUF(q8_q2_k_row)(row, nb, n, xqt, xdt, xst, out, k)
 Q8_KERNEL(q2_k, Q8_CALL_Q2K)
-#ifndef Q8_HAVE_512
-/* AVX2, one token: rows in pairs (q2k_rows2_t1), an odd last row on its own */
+/* one token: rows in pairs (q2k_rows2_t1), an odd last row on its own */
 static void KSUF(q8k_q2k_t1)(const uint8_t *W, ptrdiff_t stride, int64_t n, int64_t r0, int64_t r1, const int8_t *xq,
                              const float *xd, const int16_t *xs, int64_t T, float *y, int64_t ldy) {
     if (T == 1)
         for (; r0 + 2 <= r1; r0 += 2) KSUF(q2k_rows2_t1)(W + r0 * stride, stride, n / 256, n, xq, xd, xs, y + r0);
     if (r0 < r1) KSUF(q8k_q2_k)(W, stride, n, r0, r1, xq, xd, xs, T, y, ldy);
 }
-#endif
 #ifdef Q8_HAVE_512
 /* the AVX-512 Q2_K row kernel's code order (kern_isa.q8_arrange): block b's vector j = values
  * 32j..32j+31 then 128 + 32j.. (the halves that shift j of the weight codes pairs) */
@@ -740,11 +726,7 @@ static void KSUF(fill_q8)(kern_isa *k) {
 #else
     k->q8[KT_IQ2_XXS] = KSUF(q8k_iq2_t1);
 #endif
-#ifdef Q8_HAVE_512
-    k->q8[KT_Q2_K] = KSUF(q8k_q2_k);
-#else
     k->q8[KT_Q2_K] = KSUF(q8k_q2k_t1);
-#endif
 #ifdef Q8_HAVE_512
     k->q8_arrange[KT_Q2_K] = KSUF(q2k_pair_x);
 #endif
