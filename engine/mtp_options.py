@@ -1,14 +1,15 @@
 """The MTP flags every command that generates shares: `--mtp FILE` and `--mtp-draft N`.
 
 (A module of its own beside engine/options.py: the file is not an engine option of every
-command, only of those that decode.) `--mtp-draft` defaults to DEFAULT_DRAFT, measured: with the
-true continuation as drafts (acceptance 100 %), `ds4-bench --mtp` on the cpu backend's real-width
-4-layer file gave the most tokens per second at 1 draft in three runs (1.26-1.33x plain decoding;
-2 drafts 0.95-1.23x, 3: 0.82-1.31x, 4: 0.68-1.14x), since a T-row verify step there costs about
-T x 0.3-0.55 of a step more (the rows' routed experts are each row's own). At the 80 %
-acceptance vLLM reports for real weights 1 draft is also the best expected speed-up at those costs
-(1.27x against 1.24x for 2 and 1.18x for 3, a full-model draft at ~9 % of a step); at 90 %, 2-3
-drafts gain ~3 % more (docs/performance.md, "the multi-token step after the multi-row kernels").
+command, only of those that decode.) `--mtp-draft` defaults to DEFAULT_DRAFT, from what
+`ds4-bench --mtp` measures on the cpu backend's real-width 4-layer file: with the verify costs
+there (2 / 3 / 4 / 5 rows at 1.18 / 1.62 / 1.93 / 2.33x a row's CPU time: the rows' routed experts
+are each row's own) and a draft at ~9 % of a 43-layer step, 1 draft has the best expected
+speed-up at the 80 % acceptance vLLM measured for R1's MTP (1.42x against 1.36 / 1.34 / 1.25x for
+2-4 drafts) and ties at 85 %; only from ~90 % do 2-3 drafts gain a few per cent, and the MTP block
+predicts one token ahead, so chained drafts are accepted less than the first. With the true
+continuation as drafts (acceptance 100 %) more drafts pay (docs/performance.md, "the multi-token
+step after the multi-row kernels").
 """
 from __future__ import annotations
 
