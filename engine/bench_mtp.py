@@ -53,11 +53,13 @@ class RouteProbe:
         inner = self.ops.moe
 
         def moe(lw, u, sel, wsel, limit):
+            host = _host(sel)
             if self.share:
                 xp = self.ops.xp
-                sel = xp.asarray(np.repeat(np.asarray(sel)[:1], np.asarray(sel).shape[0], axis=0))
-                wsel = xp.asarray(np.repeat(np.asarray(wsel)[:1], np.asarray(wsel).shape[0], axis=0))
-            self.unions.append(len(np.unique(np.asarray(sel))))
+                host = np.repeat(host[:1], host.shape[0], axis=0)
+                sel = xp.asarray(host)
+                wsel = xp.asarray(np.repeat(_host(wsel)[:1], host.shape[0], axis=0))
+            self.unions.append(len(np.unique(host)))
             return inner(lw, u, sel, wsel, limit)
         self.ops.moe = moe
         return self
@@ -67,6 +69,12 @@ class RouteProbe:
             self.ops.moe = self._own
         else:
             del self.ops.moe        # the class's method again
+
+
+def _host(a) -> np.ndarray:
+    """A backend's small array on the host, mid-pass (cupy: .get(); mlx and NumPy: as an array;
+    ops.logits_to_host would end the pass's graph or rotations)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
 def expert_bytes(model_file) -> tuple[int, list]:
