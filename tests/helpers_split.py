@@ -102,8 +102,8 @@ def _suite(spec_path) -> int:
     from engine.runtime import distributed as D
     spec = _json.loads(Path(spec_path).read_text())
     link = D.shared_link(D.group())
-    opts = [EngineOptions(backend=r["backend"], layers=r.get("layers", "auto"), paging="none", threads=1)
-            for r in spec["runs"]]
+    opts = [EngineOptions(backend=r["backend"], layers=r.get("layers", "auto"), paging="none", threads=1,
+                          expert_cache=r.get("expert_cache")) for r in spec["runs"]]
     if link.rank > 0:
         from engine.runtime.split_worker import Worker, _quiet
 
@@ -133,6 +133,8 @@ def _suite(spec_path) -> int:
             sess.sync(ids)
             print(f"{tag} prefill posted {st['posted'] - before['posted']} rounds {st['rounds'] - before['rounds']}")
             sess.reset()
+            if r.get("expert_cache") is not None:     # (rank 0's own layers run from the cache)
+                print(f"{tag} cache {eng.model.experts.stats()['misses'] > 0}")
             print("\n".join(f"{tag} {ln}" for ln in stop_then_greedy(sess, ids, r["n"])), flush=True)
         elif r["kind"] == "save":
             sess = Session(eng, 256, chunk=r["chunk"])

@@ -170,10 +170,13 @@ def _shared(tmp_path_factory, name, make):
     return json.loads(path.read_text())
 
 
-def _run_suite(tmp, n_ranks, models, backends, *, sessions=True, **env):
+def _run_suite(tmp, n_ranks, models, backends, *, sessions=True, cache=False, **env):
     """One launch of n_ranks: rank 0's stdout lines by tag, and the workers' logs."""
     runs = [dict(tag=f"{b}-{name}", kind="tokens", model=str(m), backend=b, chunk=4, n=N_GEN)
             for b in backends for name, m in models.items()]
+    if cache:           # --expert-cache 0 on every rank: each holds only the working set of experts
+        runs.append(dict(tag="numpy-tiny-cache", kind="tokens", model=str(models["tiny"]), backend="numpy",
+                         chunk=4, n=N_GEN, expert_cache=0))
     if sessions:
         small = str(models["small"])
         cut = ",".join(f"{a}:{b}" for a, b in auto_plan(6, n_ranks, free=[1] * (n_ranks - 1) + [2]))
@@ -200,7 +203,8 @@ def test_split_runs_match_one_process(n_ranks, tiny_q2, small_model, tmp_path, t
     """One launch of 2 or 3 ranks (process start and imports cost more than a small run), each
     check against one process:
     - numpy and cpu, two 6-layer synthetic models: greedy 64 after a prefill of three chunks,
-      and the logits of a prefill stopped after its second chunk;
+      and the logits of a prefill stopped after its second chunk; on 2 ranks also with
+      --expert-cache at its smallest (each rank caches only its layers' experts);
     - the prefill is pipelined: its first two chunks go on without an answer (rank 0 starts the
       next chunk at once), only the last comes back; every worker ran them in order;
     - a split run's session payload is the single process's, byte for byte (a split other than
@@ -211,12 +215,16 @@ def test_split_runs_match_one_process(n_ranks, tiny_q2, small_model, tmp_path, t
     one = _shared(tmp_path_factory, "session.json", lambda: _single_session(small_model))
     single, want, rewound = bytes.fromhex(one["kv"]), one["want"], one["rewound"]
     (tmp_path / "single.kv").write_bytes(single)
-    by, logs = _run_suite(tmp_path, n_ranks, models, _backends())
+    by, logs = _run_suite(tmp_path, n_ranks, models, _backends(), cache=n_ranks == 2)
     for b in _backends():
         for name, m in models.items():
             ref = _shared(tmp_path_factory, f"{b}-{name}.json", lambda: _single_lines(m, b))
             assert by[f"{b}-{name}"][1:] == ref, (b, name)
             assert by[f"{b}-{name}"][0] == "prefill posted 2 rounds 1"
+    if n_ranks == 2:            # --layers with --expert-cache (its smallest size): the same tokens
+        assert by["numpy-tiny-cache"][1] == "cache True"
+        assert by["numpy-tiny-cache"][2:] == _shared(tmp_path_factory, "numpy-tiny.json",
+                                                     lambda: _single_lines(tiny_q2, "numpy"))
     for r, lines in logs.items():
         ops = [int(ln.split()[1]) for ln in lines]
         # a tokens run: NEW, the prefill (POST, POST, FWD), RESET, the stopped one (POST, POST, TAIL), the rest

@@ -162,6 +162,8 @@ class LayerRunner:
         T = len(tokens)
         segs = [Segment(0, T, int(pos0), state)]
         pos = np.arange(pos0, pos0 + T)
+        if m.experts is not None:           # (--expert-cache: this rank's hash layers read ahead)
+            m.experts.begin_step(m.w.layers, tokens)
         for il in range(*self.keep.layers):
             lw = m.w.layers[il]
             X = m._attention(lw, il, X, segs, pos)

@@ -21,7 +21,7 @@ from ..errors import ModelFileError
 from ..model import snapshot as snap
 from ..model.layer_split import Keep, LayerRunner, PartialKVState, SplitError, parse_ranges, plan
 from . import distributed as D
-from .split_worker import PROTOCOL, file_identity, free_memory, pack_json, unpack_json
+from .split_worker import PROTOCOL, bind_engine, file_identity, free_memory, pack_json, unpack_json
 
 
 # session ids are unique in the process: a second engine opened after a first (ds4-bench) never
@@ -300,8 +300,6 @@ def open_split(cls, path, o):
             raise SplitError(f"--layers names {len(ranges)} ranges but this process runs alone: start every "
                              f"rank with mlx.launch (docs/distributed.md)")
         return cls.open(path, dataclasses.replace(o, layers=None))
-    if getattr(o, "expert_cache", None) is not None:
-        raise SplitError("--expert-cache and --layers do not combine yet: split the model, or cache its experts")
     link = D.shared_link(g)
     if link.rank > 0:
         from .split_worker import worker_main
@@ -318,8 +316,7 @@ def open_split(cls, path, o):
         ranges = plan(o.layers, m.config.n_layer, n, [i["free"] for i in infos], per, edge)
         coord.round(D.PLAN, 0, (), [pack_json({"ranges": ranges, "status": []})], timeout=D.OPEN_TIMEOUT_S)
         keep = Keep(ranges[0], embed=True, head=False)
-        m.keep = keep
-        eng = cls(m, entry.name, o.numerics, o.threads, ops)
+        eng = bind_engine(cls, m, keep, entry.name, o, ops)
         # each rank reads only its own layers' pages: no whole-file copy or prefault
         eng.paging = _advise(m, "lowmem" if o.paging == "lowmem" else "none")
         eng.model = SplitModel(eng.model, keep, coord, ranges)

@@ -50,6 +50,37 @@ def free_memory() -> int:
     return int(avail)
 
 
+def bind_engine(engine_cls, m, keep: Keep, backend: str, o, ops):
+    """This rank's Engine over its layers (`keep`), with the routed experts in a bounded cache
+    when asked (--expert-cache: the same steps as Engine.open, sized by this rank's share)."""
+    cache = getattr(o, "expert_cache", None)
+    if cache is not None:
+        from ..gguf.expert_cache import expert_names
+        if hasattr(ops, "unbound"):          # (mlx: its slots are the experts' arrays; not bound)
+            ops.unbound = expert_names(m)
+    m.keep = keep
+    eng = engine_cls(m, backend, o.numerics, o.threads, ops)
+    if cache is not None:
+        from ..gguf.expert_cache import attach
+        attach(eng.model, m, cache, dense=kept_dense_bytes(m, keep))
+    return eng
+
+
+def kept_dense_bytes(m, keep: Keep) -> int:
+    """The bytes of the weights this rank binds other than the routed experts."""
+    n = 0
+    for name, ti in m.layout.present.items():
+        if name.endswith("_exps.weight"):
+            continue
+        if name.startswith("blk."):
+            n += ti.nbytes if keep.has(int(name.split(".")[1])) else 0
+        elif name.startswith("token_embd"):
+            n += ti.nbytes if keep.embed else 0
+        else:
+            n += ti.nbytes if keep.head else 0
+    return n
+
+
 def pack_json(x) -> np.ndarray:
     return np.frombuffer(json.dumps(x).encode(), np.uint8)
 
@@ -151,8 +182,7 @@ class Worker:
         entry = registry.pick(o.backend)
         ops = registry.make_ops(entry, o.numerics)
         entry.setup(o.threads)
-        self.m.keep = self.keep
-        self.eng = self.engine_cls(self.m, entry.name, o.numerics, o.threads, ops)
+        self.eng = bind_engine(self.engine_cls, self.m, self.keep, entry.name, o, ops)
         self.runner = LayerRunner(self.eng.model, self.keep)
         info["status"].append({"rank": r, "backend": entry.name})
         return op, sid, a, [pack_json(info)]
