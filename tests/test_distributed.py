@@ -292,10 +292,14 @@ def test_mlx_launch_runs_ds4_with_layers_like_one_process(tiny_q2, tmp_path):
     env.pop("MLX_HOSTFILE", None)
     env.pop("MLX_RANK", None)
     one = subprocess.run([ds4, *args], capture_output=True, text=True, env=env, timeout=120)
-    two = subprocess.run([launch, "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "--starting-port",
+    # (--verbose: the launcher says "completed" for each rank that exits 0; its own status is 0
+    # whatever the ranks return, mlx 0.32)
+    two = subprocess.run([launch, "--verbose", "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "--starting-port",
                           str(spawn_port()), "--", ds4, *args, "--layers", "auto"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    said = two.stdout + two.stderr
+    assert all(f"Node with rank {r} completed" in said for r in (0, 1)), said[-2000:]
     assert gen_lines(two.stdout) == gen_lines(one.stdout) and len(gen_lines(one.stdout)) == 16
 
 
