@@ -37,9 +37,9 @@ TIMEOUT = 60.0
 
 
 @pytest.fixture(scope="module")
-def srv(agent_model):
-    engine = Engine.open(agent_model)
-    shim = Shim(engine, ServeConfig(ctx=4096, keepalive_s=KEEPALIVE_S,
+def srv(agent_engine):
+    # conftest's engine, in exact numerics: these tests judge scheduling, not the arithmetic
+    shim = Shim(agent_engine, ServeConfig(ctx=4096, keepalive_s=KEEPALIVE_S,
                                     forced_tool_calls={TOOL: FORCED_ARGS}))
     with ServerThread(shim) as url:
         yield url, shim
@@ -491,10 +491,10 @@ def test_keepalive_during_long_prefill(srv, monkeypatch):
     monkeypatch.setattr(sess, "chunk", 64)
     real_forward = sess._forward
 
-    def slow_forward(part, all_logits):
+    def slow_forward(part, all_logits, **kw):      # (kw: split runs' `post`, cb82b99)
         if len(part) > 1:
             time.sleep(0.1)
-        return real_forward(part, all_logits)
+        return real_forward(part, all_logits, **kw)
 
     monkeypatch.setattr(sess, "_forward", slow_forward)
     words = " ".join(f"w{i}" for i in range(450))       # ~900 tokens: ~14 chunks of 64
