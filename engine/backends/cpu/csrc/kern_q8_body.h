@@ -65,6 +65,41 @@ KI void q8_0_blocks(const uint8_t *row, int64_t b, int64_t nb, int64_t n, const 
     }
 }
 
+KI __m256i q8_0_sum8_avx2(const __m256i *p) {
+    __m256i h[4], prev = p[0];
+    for (int k = 0; k < 8; k++) q8_sum8_add(h, &prev, k, p[k]);
+    return q8_sum8_end(h);
+}
+
+/* One token (decode), 8 blocks a step, 256-bit (both builds): a block's dot is |w| (unsigned)
+ * against x with w's sign; the 8 blocks' int32 lanes are summed across registers (q8_0_sum8_avx2:
+ * about 2.6 instructions a block, against 8 for a horizontal sum of each) and converted at once,
+ * then each block's (d_w * d_x) * (float)dot is added to *acc in block order (ds4's order,
+ * kern_q8.c).  Returns the blocks done (the caller adds the rest one by one) */
+KI int64_t KSUF(q8_0_t1)(const uint8_t *row, int64_t nb, const int8_t *xq, const float *xd, float *acc) {
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const uint8_t *q = row + 34 * b;
+        const int8_t *xb = xq + 32 * b;
+        __m256i p[8];
+        for (int k = 0; k < 8; k++) {
+            if (!(k & 1)) { /* one L1 and one L2 prefetch per block pair (see the AVX2 row below) */
+                PFL(q + 34 * k, 3072, _MM_HINT_T0);
+                PFL(q + 34 * k, 16384, _MM_HINT_T1);
+            }
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 34 * k + 2));
+            p[k] = Q8_DOT_U8S8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w),
+                               _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 32 * k)), w));
+        }
+        float sv[8];
+        _mm256_storeu_ps(sv, _mm256_cvtepi32_ps(q8_0_sum8_avx2(p)));
+        float a = *acc;
+        for (int k = 0; k < 8; k++) a += (KERN_F16(kern_rd16(q + 34 * k)) * xd[b + k]) * sv[k];
+        *acc = a;
+    }
+    return b;
+}
+
 #ifdef Q8_HAVE_512
 /* AVX-512 form, 8 blocks a step: the weight codes of a block pair are one zmm (|w| and the mask of
  * its negative bytes, decoded once for all tokens), and a token's codes for the pair one load, so a
@@ -88,6 +123,8 @@ KI __m256i q8_0_sum8(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
     return _mm256_add_epi32(_mm512_castsi512_si256(o), _mm512_extracti64x4_epi64(o, 1));
 }
 
+/* one token: q8_0_t1's 256-bit form (VNNI on ymm), 1.16-1.18x this loop's at one token on Zen 4
+ * (the same sums and float32 steps: bit for bit) */
 KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd, float *out,
                        const int nt) {
     float acc[Q8_NT];
@@ -98,6 +135,7 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
     const __m256i soff = _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238);
     const __m256i nat = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int64_t b = 0;
+    if (nt == 1) b = KSUF(q8_0_t1)(row, nb, xq, xd, acc);
     for (; b + 8 <= nb; b += 8) {
         const uint8_t *q = row + 34 * b;
         __m512i u[4];
@@ -134,17 +172,9 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
     for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 #else
-KI __m256i q8_0_sum8_avx2(const __m256i *p) {
-    __m256i h[4], prev = p[0];
-    for (int k = 0; k < 8; k++) q8_sum8_add(h, &prev, k, p[k]);
-    return q8_sum8_end(h);
-}
 
-/* AVX2 form.  One token (decode), 8 blocks a step: a block's dot is |w| (unsigned) against x with
- * w's sign; the 8 blocks' int32 lanes are summed across registers (q8_0_sum8_avx2: about 2.6
- * instructions a block, against 8 for a horizontal sum of each) and converted at once, then each
- * block's (d_w * d_x) * (float)dot is added in block order (ds4's order, kern_q8.c).  Zen 3 decodes
- * a token mostly in this kernel (the output head and the attention projections).  More tokens: a
+/* AVX2 form.  One token (decode): q8_0_t1.  Zen 3 decodes a token mostly in this kernel (the output
+ * head and the attention projections).  More tokens: a
  * block pair a step, each block's lanes summed on their own (8 blocks' lanes of several tokens do
  * not fit 16 ymm registers); the same float32 steps, so a token's bits do not depend on T. */
 KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, const float *xd, float *out,
@@ -152,27 +182,7 @@ KI void KSUF(q8_0_row)(const uint8_t *row, int64_t nb, int64_t n, const int8_t *
     float acc[Q8_NT];
     for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     int64_t b = 0;
-    if (nt == 1) {
-        for (; b + 8 <= nb; b += 8) {
-            const uint8_t *q = row + 34 * b;
-            const int8_t *xb = xq + 32 * b;
-            __m256i p[8];
-            for (int k = 0; k < 8; k++) {
-                if (!(k & 1)) { /* one L1 and one L2 prefetch per block pair (see below) */
-                    PFL(q + 34 * k, 3072, _MM_HINT_T0);
-                    PFL(q + 34 * k, 16384, _MM_HINT_T1);
-                }
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 34 * k + 2));
-                p[k] = Q8_DOT_U8S8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w),
-                                   _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 32 * k)), w));
-            }
-            float sv[8];
-            _mm256_storeu_ps(sv, _mm256_cvtepi32_ps(q8_0_sum8_avx2(p)));
-            float a = acc[0];
-            for (int k = 0; k < 8; k++) a += (KERN_F16(kern_rd16(q + 34 * k)) * xd[b + k]) * sv[k];
-            acc[0] = a;
-        }
-    }
+    if (nt == 1) b = KSUF(q8_0_t1)(row, nb, xq, xd, acc);
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *q = row + 34 * b;
         /* one L1 and one L2 prefetch per block pair (68 bytes, about a line): PF2's two of each
