@@ -274,8 +274,8 @@ def _compare(backend, o: Oracle, run: Run, below: int, label: str, test: str, ta
     """One decode of ours (the Run's) against both of ds4's token-by-token row sets: the sync-first
     rows as an info row, then the judged rows through check()."""
     pos, ref, path = judged_rows(o, below)
-    ours = run.decoded(int(pos.max()) + 1)
     sync = np.flatnonzero(o.decode_positions < below)
+    ours = run.decoded(int(max(pos.max(), o.decode_positions[sync].max())) + 1)
     if path == "dec":
         info(figures(ours[o.decode_positions[sync]], o.decode_logits[sync], o.decode_positions[sync]),
              backend, o, f"sync{label}", table)
