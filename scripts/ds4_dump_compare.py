@@ -3,7 +3,7 @@
     .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src dump NAME OUT
     .venv/bin/python scripts/ds4_dump_compare.py NAME OUT [--backend numpy] [--positions 2]
     .venv/bin/python scripts/build_ds4_oracle.py --ds4-src /tmp/ds4-src dump NAME OUT --prefill --tokens 8 --positions 8
-    .venv/bin/python scripts/ds4_dump_compare.py NAME OUT --prefill --positions 8
+    .venv/bin/python scripts/ds4_dump_compare.py NAME OUT --prefill --positions 8 [--forced]
 
 The first writes OUT/NAME.dump (build edit 7: records tag, position, layer, float32 values) from
 a debug build of ds4; this one feeds the same ids one at a time to our engine (ds4 numerics),
@@ -13,7 +13,10 @@ position, layer and tensor the largest difference, in absolute terms and in floa
 largest value, with how many values differ. The first tensor that differs beyond rounding is the
 op to read in ds4.c. With --prefill both sides take their batched prefill path instead: ds4 one
 ds4_session_sync of the ids (OUT/NAME-prefill.dump, a record per row), ours one multi-row
-Session.sync; row t is position t.
+Session.sync; row t is position t. --forced runs each op of ours on ds4's own inputs from the
+dump instead of one pass, and says per op at how many (position, layer) its output differs from
+ds4's: which ds4 function rounds otherwise, whatever came before it (docs/numerics.md, "ds4's
+prefill path").
 """
 from __future__ import annotations
 
