@@ -238,11 +238,12 @@ def test_split_runs_match_one_process(n_ranks, tiny_q2, small_model, tmp_path, t
 
 
 @pytest.mark.slow
-def test_mlx_backend_split_gives_one_process_tokens(tiny_q2, tmp_path):
+@pytest.mark.parametrize("n_ranks", [2, 3])
+def test_mlx_backend_split_gives_one_process_tokens(tiny_q2, tmp_path, n_ranks):
     from engine.backends import registry
     if "mlx" not in registry.available_names():
         pytest.skip("backend mlx is not built here")
-    by, _ = _run_suite(tmp_path, 2, {"tiny": tiny_q2}, ["mlx"], sessions=False)
+    by, _ = _run_suite(tmp_path, n_ranks, {"tiny": tiny_q2}, ["mlx"], sessions=False)
     assert by["mlx-tiny"] == ["prefill posted 2 rounds 1"] + _single_lines(tiny_q2, "mlx")
 
 
