@@ -60,6 +60,18 @@ def cpu_eng(batch_model):
         yield e
 
 
+@pytest.fixture(scope="module")
+def alone10(cpu_eng):
+    """Each prompt greedy for 10 steps alone, batch-invariant kernels on: the reference of the four
+    batched-threads tests, computed once (read-only)."""
+    from engine.backends.cpu import kernels as K
+    prev = K.set_batch_invariant(True)
+    try:
+        return [_greedy(Session(cpu_eng, 128, chunk=8), p, 10) for p in PROMPTS]
+    finally:
+        K.set_batch_invariant(prev)
+
+
 PROMPTS = [[7, 3, 9], list(range(40, 52)), list(range(100, 130)), [5] * 21]   # 3, 12, 30, 21 tokens
 LONG = np.random.default_rng(11).integers(0, 465, 120).tolist()   # its steps close a ratio-128 window
 
@@ -187,11 +199,11 @@ def test_sessions_on_threads_equal_alone_without_batching(cpu_eng):
 
 
 @pytest.mark.parametrize("window_ms,max_batch,jitter", [(0.0, None, 0), (2.0, None, 1), (50.0, 2, 2), (1000.0, None, 0)])
-def test_batched_sessions_on_threads_equal_alone(cpu_eng, invariant, window_ms, max_batch, jitter):
+def test_batched_sessions_on_threads_equal_alone(cpu_eng, invariant, alone10, window_ms, max_batch, jitter):
     """Batching on, four threads, greedy: each thread's tokens and logits are those of its
     session alone, whatever batches form (no window, short, long; at most 2 a batch; threads
     that pause at random between steps)."""
-    alone = [_greedy(Session(cpu_eng, 128, chunk=8), p, 10) for p in PROMPTS]
+    alone = alone10
     b = cpu_eng.start_batching(window_ms=window_ms, prefill_chunk=8, max_batch=max_batch)
     rng = np.random.default_rng(jitter)
     pauses = rng.uniform(0, 0.004, (len(PROMPTS), 10)) if jitter else np.zeros((len(PROMPTS), 10))

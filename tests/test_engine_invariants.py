@@ -20,8 +20,22 @@ def toks():
     return np.random.default_rng(0).integers(0, 512, 300).tolist()
 
 
-def test_later_tokens_never_change_earlier_logits(eng, toks):
-    a = Session(eng, 512).sync(toks, keep_logits=True)
+@pytest.fixture(scope="module")
+def full(eng, toks):
+    """The logits of one full prefill of `toks` (read-only: three tests compare with it)."""
+    return Session(eng, 512).sync(toks, keep_logits=True)
+
+
+@pytest.fixture(scope="module")
+def blob250(eng, toks):
+    """A session prefilled with toks[:250] and its snapshot, made once for the snapshot tests."""
+    s = Session(eng, 512)
+    s.sync(toks[:250])
+    return s, s.snapshot()
+
+
+def test_later_tokens_never_change_earlier_logits(eng, toks, full):
+    a = full
     other = toks[:200] + list(np.random.default_rng(1).integers(0, 512, 100))
     b = Session(eng, 512).sync(other, keep_logits=True)
     assert np.abs(a[:200] - b[:200]).max() < 1e-4
@@ -29,19 +43,16 @@ def test_later_tokens_never_change_earlier_logits(eng, toks):
 
 
 @pytest.mark.parametrize("chunk", [7, 64])
-def test_chunked_prefill_equals_full_prefill_in_ds4_mode(eng, toks, chunk):
+def test_chunked_prefill_equals_full_prefill_in_ds4_mode(eng, toks, full, chunk):
     """float64 accumulation makes a token's math independent of its batch, so even with ds4's
     activation rounding (where one ulp can flip a Q8 step) chunking changes nothing but noise."""
-    full = Session(eng, 512).sync(toks, keep_logits=True)
     got = Session(eng, 512, chunk=chunk).sync(toks, keep_logits=True)
     d = np.abs(full - got).max(axis=1)
     assert np.median(d) < 1e-4 and (full.argmax(1) == got.argmax(1)).all()
 
 
-def test_snapshot_restore_continue_is_bit_exact(eng, toks):
-    s = Session(eng, 512)
-    s.sync(toks[:250])
-    blob = s.snapshot()
+def test_snapshot_restore_continue_is_bit_exact(eng, toks, blob250):
+    s, blob = blob250                     # the last user of the session: it goes on from 250
     tail = toks[250:266]   # crosses a ratio-4 boundary and the 256 ratio-128 boundary
     straight = np.array([s.eval(t).copy() for t in tail])
     r = Session(eng, 512)
@@ -51,11 +62,9 @@ def test_snapshot_restore_continue_is_bit_exact(eng, toks):
     assert np.array_equal(straight, resumed)
 
 
-def test_snapshot_is_canonical_and_sized_as_ds4(eng, toks):
+def test_snapshot_is_canonical_and_sized_as_ds4(eng, toks, blob250):
     c = eng.config
-    s = Session(eng, 512)
-    s.sync(toks[:250])
-    blob = s.snapshot()
+    blob = blob250[1]
     r = Session(eng, 512)
     r.restore(blob)
     assert r.snapshot() == blob
