@@ -91,10 +91,15 @@ KI int64_t KSUF(q8_0_t1)(const uint8_t *row, int64_t nb, const int8_t *xq, const
             p[k] = Q8_DOT_U8S8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w),
                                _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 32 * k)), w));
         }
-        float sv[8];
-        _mm256_storeu_ps(sv, _mm256_cvtepi32_ps(q8_0_sum8_avx2(p)));
+        /* the 8 blocks' (d_w * d_x) * (float)dot in vector lanes (the same float32 products), then
+         * added in block order */
+        const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(kern_rd16(q), kern_rd16(q + 34), kern_rd16(q + 68), kern_rd16(q + 102),
+                                                         kern_rd16(q + 136), kern_rd16(q + 170), kern_rd16(q + 204),
+                                                         kern_rd16(q + 238)));
+        float pv[8];
+        _mm256_storeu_ps(pv, _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(xd + b)), _mm256_cvtepi32_ps(q8_0_sum8_avx2(p))));
         float a = *acc;
-        for (int k = 0; k < 8; k++) a += (KERN_F16(kern_rd16(q + 34 * k)) * xd[b + k]) * sv[k];
+        for (int k = 0; k < 8; k++) a += pv[k];
         *acc = a;
     }
     return b;
