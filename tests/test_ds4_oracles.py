@@ -380,3 +380,20 @@ def test_a_known_miss_that_gets_worse_or_passes_fails(monkeypatch):
         check(dict(base, median=0.1, p90=0.3, top1=0.9, kl=0.001), key[1], o, "x", [], test=key[0])
     with pytest.raises(pytest.xfail.Exception):
         check(base, key[1], o, "x", [], test=key[0])
+
+
+DS4_TREE = Path(__import__("os").environ.get("DS4_SRC", "/tmp/ds4-src"))
+
+
+@pytest.mark.skipif(not (DS4_TREE / "ds4.c").exists(), reason="no ds4 source tree (set DS4_SRC to a checkout "
+                    "of antirez/ds4): the build script's edits are checked against ds4's own source")
+def test_every_oracle_build_sends_the_first_token_down_the_decode_path(tiny_q2):
+    """Build edit 8 is part of every oracle build, not only the debug dump's (the all-decode rows
+    come from it); edit 7's dump calls come only with dump=True, in the decode and prefill paths."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import build_ds4_oracle as b
+    src, cfg = (DS4_TREE / "ds4.c").read_text(), b.model_config(tiny_q2)
+    plain, dump = b.edit_source(src, cfg), b.edit_source(src, cfg, dump=True)
+    assert "void ds4_session_oracle_decode_first(ds4_session *s)" in plain
+    assert "ds4_oracle_dump" not in plain
+    assert dump.count("ds4_oracle_dump_rows(") == 1 + 14 and dump.count("ds4_session_oracle_decode_first") == 1
