@@ -408,7 +408,8 @@ KI void KSUF(iq2_rows_t1)(const uint8_t *w, ptrdiff_t stride, int64_t nb, int64_
     float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
-        __m256i h[4][4], prev[4];
+        const __m256i z = _mm256_setzero_si256();
+        __m256i h[4][4], prev[4] = {z, z, z, z};
         for (int k = 0; k < 8; k++) {
             __m256i sg[4], scb[4];
 #pragma GCC unroll 4
@@ -566,7 +567,8 @@ KI void KSUF(q2k_rows2_t1)(const uint8_t *w, ptrdiff_t stride, int64_t nb, int64
     float a[2] = {0.0f, 0.0f};
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
-        __m256i hi[2][4], hm[2][4], pi[2], pm[2];
+        const __m256i z = _mm256_setzero_si256();
+        __m256i hi[2][4], hm[2][4], pi[2] = {z, z}, pm[2] = {z, z};
         for (int k = 0; k < 8; k++)
 #pragma GCC unroll 2
             for (int r = 0; r < 2; r++) {
