@@ -40,7 +40,9 @@ def synth(tmp_path_factory, name, recipe="q2", seed=21, **shape):
 
 @pytest.fixture(scope="module")
 def eng(small_model):
-    e = Engine.open(small_model)
+    # exact numerics: these tests check the file, not the arithmetic, and their ~1,500 tokens of
+    # prefill (the saved session, the crash tests' two versions) cost about half of ds4's
+    e = Engine.open(small_model, numerics="exact")
     yield e
     e.close()
 
