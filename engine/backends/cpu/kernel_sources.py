@@ -24,6 +24,7 @@ SOURCES = [
 ]
 DEPENDS = [
     "engine/backends/cpu/csrc/module.h",
+    "engine/backends/cpu/csrc/mrow_transpose.h",
     "engine/backends/cpu/csrc/kern.h",
     "engine/backends/cpu/csrc/kern_dequant_body.h",
     "engine/backends/cpu/csrc/kern_simd_body.h",

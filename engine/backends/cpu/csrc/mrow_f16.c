@@ -19,28 +19,10 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
+#include "mrow_transpose.h"
+
 #define MR_T __attribute__((target("avx2,f16c")))
 #define MR_NT 4 /* tokens a pass: 4 accumulators + 8 weight columns + temporaries fit 16 ymm */
-
-/* 8 ymm rows -> 8 ymm columns: c[j] lane k = r[k] lane j */
-MR_T static inline void mr_transpose8(__m256 r[8]) {
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
-    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
-    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
-    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
-    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
-}
 
 /* rows r..r+nr-1 (nr <= 8) for tokens t0..t0+nt-1 (nt <= MR_NT): y[t * ldy + row] */
 MR_T static inline __attribute__((always_inline)) void mr_f16_group(const uint16_t *W, ptrdiff_t stride, int64_t n, int64_t r, int nr, const float *x,
@@ -53,7 +35,7 @@ MR_T static inline __attribute__((always_inline)) void mr_f16_group(const uint16
     for (; i + 8 <= n; i += 8) {
         __m256 c[8];
         for (int k = 0; k < 8; k++) c[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row[k] + i)));
-        mr_transpose8(c);
+        mrow_transpose8(c);
         for (int j = 0; j < 8; j++)
             for (int t = 0; t < nt; t++)
                 acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(c[j], _mm256_set1_ps(x[(t0 + t) * n + i + j])));

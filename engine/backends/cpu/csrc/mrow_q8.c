@@ -20,31 +20,13 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
+#include "mrow_transpose.h"
+
 #define MQ_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")))
 #define MQ_I MQ_T static inline __attribute__((always_inline))
 #define MQ_NT 8 /* tokens a pass */
 
 static kern_q8_fn mq_one[ISA_N]; /* each build's own kernel: one token */
-
-/* 8 ymm rows -> 8 ymm columns: c[j] lane k = r[k] lane j */
-MQ_I void mq_transpose8(__m256 r[8]) {
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
-    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
-    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
-    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
-    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
-}
 
 /* A pass's activations arranged once for all its rows (the row loop then does per token only the
  * loads, the VNNI products and the reduction): the weights go in as w + 128 (w ^ 0x80, unsigned)
@@ -122,7 +104,7 @@ MQ_I void mq_row(const uint8_t *row, int64_t nb, int64_t n, const int8_t *xq, co
             continue;
         }
         for (int t = nt; t < 8; t++) pv[t] = _mm256_setzero_ps();
-        mq_transpose8(pv); /* pv[i] lane t: token t's term of block b + raw[i] */
+        mrow_transpose8(pv); /* pv[i] lane t: token t's term of block b + raw[i] */
         acc = _mm256_add_ps(acc, pv[0]); /* blocks 0, 1, ..., 7 */
         acc = _mm256_add_ps(acc, pv[4]);
         acc = _mm256_add_ps(acc, pv[1]);
