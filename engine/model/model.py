@@ -396,13 +396,12 @@ class Model:
         the cupy backend's CUDA graphs; the sublayer depends on no position, and a hash layer's
         routing by token id comes in as device data). The paging hints and the expert cache act
         on the host mid-sublayer: then it runs as it is."""
-        block = getattr(self.ops, "decode_block", None)
-        if block is None or self.pager or self.experts is not None:
+        if getattr(self.ops, "decode_block", None) is None or self.pager or self.experts is not None:
             return self._ffn(lw, X, tokens)
         if lw.tid2eid is None:
-            return block(lw.hc_ffn, lambda X_: self._ffn(lw, X_, tokens), (X,))
+            return self._block(lw.hc_ffn, lambda X_: self._ffn(lw, X_, tokens), (X,))
         hsel = self.xp.asarray(lw.tid2eid[tokens].astype(np.int64))
-        return block(lw.hc_ffn, lambda X_, h_: self._ffn(lw, X_, tokens, h_), (X, hsel))
+        return self._block(lw.hc_ffn, lambda X_, h_: self._ffn(lw, X_, tokens, h_), (X, hsel))
 
     def _ffn(self, lw: LayerWeights, X, tokens, hsel=None):
         c, ops = self.c, self.ops
