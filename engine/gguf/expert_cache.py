@@ -173,36 +173,65 @@ class _Layer:
         return [Span(off + e * per, per, slot_off + dst) for off, per, dst in self.spans]
 
 
+def _regions(tensors: list, infos: list) -> list:
+    """Bytes each of a slot's three matrices takes (the largest layer's, aligned for O_DIRECT)."""
+    return [max(region_bytes(ti[m].nbytes // ts[m].dims[2]) for ts, ti in zip(tensors, infos)) for m in range(3)]
+
+
+class HostSlots:
+    """The slots in host memory, read by the cpu and numpy kernels (ExpertCache's `store`; the mlx
+    backend's is engine/backends/mlx/expert_slots.py): one anonymous map, the three matrices of a
+    slot at their regions' offsets, in the file's own bytes."""
+    direct = True
+    host = True                               # (its kernels run at once: see ExpertCache.moe)
+
+    def __init__(self, tensors: list, infos: list):
+        self.slot_bytes = sum(_regions(tensors, infos))
+        self._mem = self.buf = None
+
+    def allocate(self, n_slots: int) -> memoryview:
+        # slots are memory once read into: a cache sized beyond the memory (more than the file's
+        # experts asked for) reserves nothing up front (the overcommit check would refuse it)
+        self._mem = mmap.mmap(-1, n_slots * self.slot_bytes,
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        self.buf = np.frombuffer(self._mem, dtype=np.uint8)
+        return memoryview(self._mem)
+
+    def reads(self, layer: _Layer, e: int, s: int) -> list:
+        return layer.reads(e, s * self.slot_bytes)
+
+    @staticmethod
+    def weight(cache, il: int, m: int, t) -> "SlotExperts":
+        return SlotExperts(t, cache, il, m)
+
+    @staticmethod
+    def settle(y) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class ExpertCache:
     """n_slots slots of routed experts read from `path` (see the module doc). `trace`: a list to
-    record [(layer, experts)] into (replay's input). `store`: slots a backend's kernels read in
-    its own memory (the mlx backend's arrays: engine/backends/mlx/expert_slots.py) in place of
-    the host slots; it lays out the reads (`reads`), owns the buffers (`allocate`) and makes a
-    layer's results final before its slots may be read into again (`settle`)."""
+    record [(layer, experts)] into (replay's input). `store`: where the slots are (HostSlots, or a
+    backend's own memory: the mlx backend's arrays, engine/backends/mlx/expert_slots.py); it lays
+    out the reads (`reads`), owns the buffers (`allocate`), makes the weights the kernels read
+    (`weight`) and a layer's results final before its slots may be read into again (`settle`)."""
 
     def __init__(self, path: str, layers: list, infos: list, n_slots: int, n_used: int, *,
                  policy: str = POLICY, direct: bool = True, depth: int = DEPTH, pread=None, store=None,
                  ils=None):
-        region = [max(region_bytes(ti[m].nbytes // lw_t[m].dims[2]) for lw_t, ti in zip(layers, infos))
-                  for m in range(3)]
-        self.store = store
-        self.slot_bytes = sum(region) if store is None else store.slot_bytes
+        region = _regions(layers, infos)
+        self.store = store = HostSlots(layers, infos) if store is None else store
+        self.slot_bytes = store.slot_bytes
         # by layer index (`ils`: the layers' indices where they are not 0..n-1, a split rank's)
         self.layers = dict(zip(range(len(layers)) if ils is None else ils,
                                (_Layer(t, ti, region) for t, ti in zip(layers, infos))))
         self.n_used = n_used
         self.n_slots = max(int(n_slots), n_used)
-        self._mem = self.buf = None
-        if store is None:
-            # slots are memory once read into: a cache sized beyond the memory (more than the
-            # file's experts asked for) reserves nothing up front (the overcommit check would refuse it)
-            self._mem = mmap.mmap(-1, self.n_slots * self.slot_bytes,
-                                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
-            self.buf = np.frombuffer(self._mem, dtype=np.uint8)
-            bufs = memoryview(self._mem)
-        else:
-            bufs, direct = store.allocate(self.n_slots), direct and store.direct
-        self.reader = ExpertReader(path, bufs, direct=direct, depth=depth, pread=pread)
+        self.reader = ExpertReader(path, store.allocate(self.n_slots), direct=direct and store.direct,
+                                   depth=depth, pread=pread)
         self.policy = POLICIES[policy](self.n_slots)
         self.where: dict = {}                 # (layer, expert) -> slot
         self.pending: dict = {}               # (layer, expert) -> Future of its reads
@@ -257,8 +286,7 @@ class ExpertCache:
         self.policy.insert(key)
         self.fresh.add(key)
         lay = self.layers[key[0]]
-        spans = lay.reads(key[1], s * self.slot_bytes) if self.store is None else self.store.reads(lay, key[1], s)
-        self.pending[key] = self.reader.submit(spans)
+        self.pending[key] = self.reader.submit(self.store.reads(lay, key[1], s))
         return True
 
     def _wait(self, f, key) -> None:
@@ -372,7 +400,7 @@ class ExpertCache:
         lay = self.layers[il]
         off, per, dst = lay.spans[m]
         at = self.where[key] * self.slot_bytes + dst + (off + e * per) % ALIGN
-        return self.buf[at:at + per].reshape(lay.shapes[m])
+        return self.store.buf[at:at + per].reshape(lay.shapes[m])
 
     # -- the forward pass's two calls ---------------------------------------------------------------
     def begin_step(self, layers, tokens) -> None:
@@ -396,7 +424,7 @@ class ExpertCache:
             keys = self.claim(lw.il, np.unique(s))
             try:
                 sh = None
-                if rows is None and self.store is None and any(k in self.pending for k in keys) \
+                if rows is None and getattr(self.store, "host", False) and any(k in self.pending for k in keys) \
                         and hasattr(ops, "routed") and hasattr(ops, "shared_expert"):
                     # reads in flight: the shared expert computes meanwhile. The host backends'
                     # moe is routed + shared_expert, the same bits as apart (the cpu kernels
@@ -410,18 +438,16 @@ class ExpertCache:
                     out.append(ops.moe(lw, u, sel, wsel, limit))
                 else:
                     out.append(ops.moe(lw, u[rows], sel[rows], wsel[rows], limit))
-                if self.store is not None:
-                    # a lazy backend's result is computed now, while its experts are held: a
-                    # later read into those slots must not land under a graph not yet run
-                    self.store.settle(out[-1])
+                # a lazy backend's result is computed now, while its experts are held: a later
+                # read into those slots must not land under a graph not yet run
+                self.store.settle(out[-1])
             finally:
                 self.release()
         return out[0] if len(out) == 1 else getattr(ops, "xp", np).concatenate(out, axis=0)
 
     def close(self) -> None:
         self.reader.close()
-        if self.store is not None:
-            self.store.close()
+        self.store.close()
 
 
 def _row_groups(sel: np.ndarray, n_slots: int) -> list:
@@ -530,10 +556,9 @@ def attach(model, model_file, size, dense: int | None = None, **kw) -> ExpertCac
     layers = [lw for lw in model.w.layers if lw is not None]
     tensors = [[getattr(lw, k) for k in MATRICES] for lw in layers]
     infos = [[model_file.layout.present[t.name] for t in ts] for ts in tensors]
-    store = slots(tensors) if slots is not None else None       # (one clear line where it cannot)
-    region = [max(region_bytes(ti[m].nbytes // ts[m].dims[2]) for ts, ti in zip(tensors, infos)) for m in range(3)]
-    probe = sum(region) if store is None else store.slot_bytes
-    n_slots = min(int(size) // probe, sum(ts[0].dims[2] for ts in tensors))
+    # (a backend's slots: one clear line where it cannot)
+    store = slots(tensors) if slots is not None else HostSlots(tensors, infos)
+    n_slots = min(int(size) // store.slot_bytes, sum(ts[0].dims[2] for ts in tensors))
     cache = ExpertCache(model_file.path, tensors, infos, n_slots, model.c.n_expert_used, store=store,
                         ils=[lw.il for lw in layers], **kw)
     for lw, ts in zip(layers, tensors):
@@ -542,7 +567,7 @@ def attach(model, model_file, size, dense: int | None = None, **kw) -> ExpertCac
             # the file were cut short, where the experts' preads only return short
             lw.tid2eid = np.array(lw.tid2eid)
         for m, (k, t) in enumerate(zip(MATRICES, ts)):
-            setattr(lw, k, SlotExperts(t, cache, lw.il, m) if store is None else store.weight(cache, lw.il, m, t))
+            setattr(lw, k, store.weight(cache, lw.il, m, t))
     model.experts = cache
     return cache
 
