@@ -94,6 +94,21 @@ typedef struct {
     const int64_t *idx;
 } attn_seg;
 
+/* The keys query t sees, in segment order then key order (the order both attention forms sum
+ * in): pointers to their D-wide rows into ptrs (room for nmax + 1); returns how many. */
+static inline int64_t attn_keys_of(const attn_seg *segs, int64_t nseg, int64_t t, int64_t D, const float **ptrs) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        const int64_t Kn = segs[s].K;
+        const uint8_t *mrow = segs[s].mask + t * Kn;
+        const float *keys = segs[s].keys + (segs[s].per_query ? t * Kn * D : 0);
+        const int64_t *irow = segs[s].idx ? segs[s].idx + t * Kn : NULL;
+        for (int64_t k = 0; k < Kn; k++)
+            if (mrow[k]) ptrs[n++] = keys + (irow ? irow[k] : k) * D;
+    }
+    return n;
+}
+
 int ops_attention(const kern_isa *K, const float *q, const float *sinks, double scale, int64_t T, int64_t H,
                   int64_t D, const attn_seg *segs, int64_t nseg, int64_t nmax, float *out, int threads);
 uint64_t ops_read_sum(const uint64_t *p, int64_t n);

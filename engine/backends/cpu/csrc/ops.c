@@ -321,20 +321,7 @@ int ops_attention(const kern_isa *K, const float *q, const float *sinks, double 
         for (int64_t u = 0; u < units; u++) {
             if (!ptrs || !sbuf) continue;
             const int64_t t = u / nhb, hb = u % nhb;
-            int64_t n = 0;
-            for (int64_t s = 0; s < nseg; s++) {
-                const int64_t Kn = segs[s].K;
-                const uint8_t *mrow = segs[s].mask + t * Kn;
-                const float *keys = segs[s].keys + (segs[s].per_query ? t * Kn * D : 0);
-                if (segs[s].idx) {
-                    const int64_t *irow = segs[s].idx + t * Kn;
-                    for (int64_t k = 0; k < Kn; k++)
-                        if (mrow[k]) ptrs[n++] = keys + irow[k] * D;
-                    continue;
-                }
-                for (int64_t k = 0; k < Kn; k++)
-                    if (mrow[k]) ptrs[n++] = keys + k * D;
-            }
+            const int64_t n = attn_keys_of(segs, nseg, t, D, ptrs);
             const int64_t h0 = hu * hb, h1 = h0 + hu < H ? h0 + hu : H;
             K->attn(q + t * H * D, D, h0, h1, ptrs, n, sinks, scale, out + t * H * D, sbuf);
         }

@@ -206,15 +206,7 @@ int ds4_attention(const float *q, const float *sinks, float kq_scale, int64_t T,
         for (int64_t u = 0; u < T * H; u++) {
             if (!ptrs || !s) continue;
             const int64_t t = u / H, h = u % H;
-            int64_t n = 0;
-            for (int64_t g = 0; g < nseg; g++) {
-                const int64_t Kn = segs[g].K;
-                const uint8_t *mrow = segs[g].mask + t * Kn;
-                const float *keys = segs[g].keys + (segs[g].per_query ? t * Kn * 128 : 0);
-                const int64_t *irow = segs[g].idx ? segs[g].idx + t * Kn : NULL;
-                for (int64_t k = 0; k < Kn; k++)
-                    if (mrow[k]) ptrs[n++] = keys + (irow ? irow[k] : k) * 128;
-            }
+            const int64_t n = attn_keys_of(segs, nseg, t, 128, ptrs);
             attn_ds4_query(q + t * H * 128, h, h + 1, ptrs, n, sinks, kq_scale, out + t * H * 128, s);
         }
         free(ptrs);
