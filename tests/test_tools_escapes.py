@@ -212,8 +212,23 @@ def test_agent_exit_kills_processes_that_left_the_group(proj):
     tag = str(random.randrange(10**6, 10**7))
     code = f"""
         from tools import ToolContext, call
+        import os, time
         res = call("bash", {{"command": {escapees(tag)!r}, "timeout": 10}}, ToolContext(root={str(proj)!r}))
         print(res.text)
+        # exit only once all three have started (as the other tests wait): a sleep its shell
+        # forks after the exit's cleanup ran was never the agent's to see
+        def n():
+            k = 0
+            for d in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    c = open(f"/proc/{{d}}/cmdline", "rb").read()
+                    k += c.startswith(b"sleep") and b".{tag}" in c
+                except OSError:
+                    pass
+            return k
+        end = time.monotonic() + 10
+        while n() < 3 and time.monotonic() < end:
+            time.sleep(0.02)
     """
     r = run_isolated(code, timeout=60)         # exits without closing the session
     assert "started" in r.stdout, r.stdout + r.stderr
